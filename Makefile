@@ -1,0 +1,63 @@
+# Two commands on a fresh Linux machine: `make demo` and `make test`. Both run `make setup`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMPS := .stamps
+JOBS ?= $(shell nproc)
+CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp python/src/*.cpp python/src/*.hpp) CMakeLists.txt pyproject.toml
+
+.PHONY: setup test cpp-test py-test demo bench clean format
+
+setup: $(STAMPS)/system $(STAMPS)/package
+
+# System packages the build and the C++ tests need, installed only when missing.
+$(STAMPS)/system:
+	@mkdir -p $(STAMPS)
+	@if ! [ -f /usr/include/gtest/gtest.h ]; then \
+	  echo "setup: installing GoogleTest (libgtest-dev) from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgtest-dev >/dev/null; \
+	fi
+	@touch $@
+
+$(VENV)/bin/python:
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+$(STAMPS)/build-deps: $(VENV)/bin/python
+	@mkdir -p $(STAMPS)
+	$(VPY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja
+	@touch $@
+
+# Editable install: Python sources are used in place; the extension is rebuilt when C++ changes.
+$(STAMPS)/package: $(STAMPS)/build-deps $(CXX_SOURCES)
+	$(VPY) -m pip install -q --no-build-isolation -e '.[test,bench]'
+	@touch $@
+
+cpp-test: $(STAMPS)/system $(STAMPS)/build-deps
+	@for variant in plain asan; do \
+	  dir=build/cpp-$$variant; san=OFF; [ $$variant = asan ] && san=ON; \
+	  PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S . -B $$dir -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+	    -DDDIP_BUILD_TESTS=ON -DDDIP_BUILD_PYTHON=OFF -DDDIP_SANITIZE=$$san >/dev/null || exit 1; \
+	  PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build $$dir -j $(JOBS) || exit 1; \
+	  echo "== C++ tests ($$variant)"; \
+	  (cd $$dir && PATH=$(CURDIR)/$(VENV)/bin:$$PATH ctest --output-on-failure -j $(JOBS)) || exit 1; \
+	done
+
+py-test: setup
+	$(VPY) -m pytest -q --timeout=300 tests
+
+test: setup cpp-test py-test
+
+demo: setup
+	$(VPY) examples/run_demo.py
+
+bench: setup
+	$(VPY) bench/run.py
+
+format:
+	clang-format -i cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tests/*.cpp python/src/*.cpp python/src/*.hpp
+
+clean:
+	rm -rf build $(STAMPS) $(VENV)

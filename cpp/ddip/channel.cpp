@@ -1,0 +1,258 @@
+#include "ddip/channel.hpp"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+namespace ddip {
+namespace detail {
+
+struct WireHeader {
+  uint64_t length;
+  uint64_t seq;
+  uint16_t kind;
+  uint16_t nfds;
+  int32_t rank;
+};
+static_assert(sizeof(WireHeader) == 24);
+
+sockaddr_un unix_address(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path))
+    throw std::invalid_argument("socket path too long for AF_UNIX (" + std::to_string(path.size()) +
+                                " bytes): " + path + "; set TMPDIR to a shorter directory");
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  return addr;
+}
+
+}  // namespace detail
+
+Frame Frame::make(uint16_t kind, int32_t rank, uint64_t seq, std::string payload) {
+  Frame f;
+  f.kind = kind;
+  f.rank = rank;
+  f.seq = seq;
+  f.payload = std::make_shared<const std::string>(std::move(payload));
+  return f;
+}
+
+const std::string& Frame::data() const {
+  static const std::string empty;
+  return payload ? *payload : empty;
+}
+
+Channel::Channel(Fd sock) : sock_(std::move(sock)) {}
+
+void Channel::queue(Frame f) {
+  size_t nfds = f.fds ? f.fds->size() : 0;
+  if (nfds > kMaxFdsPerFrame) throw std::invalid_argument("too many fds in one frame");
+  Outgoing o;
+  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind, static_cast<uint16_t>(nfds),
+                       f.rank};
+  std::memcpy(o.header, &h, sizeof h);
+  o.frame = std::move(f);
+  out_.push_back(std::move(o));
+}
+
+bool Channel::flush() {
+  while (!out_.empty()) {
+    Outgoing& o = out_.front();
+    const std::string& payload = o.frame.data();
+    size_t total = sizeof o.header + payload.size();
+    iovec iov[2];
+    int niov = 0;
+    if (o.offset < sizeof o.header) {
+      iov[niov++] = {o.header + o.offset, sizeof o.header - o.offset};
+      if (!payload.empty()) iov[niov++] = {const_cast<char*>(payload.data()), payload.size()};
+    } else {
+      size_t off = o.offset - sizeof o.header;
+      iov[niov++] = {const_cast<char*>(payload.data()) + off, payload.size() - off};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = niov;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerFrame)];
+    size_t nfds = o.frame.fds ? o.frame.fds->size() : 0;
+    if (o.offset == 0 && nfds > 0) {
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+      int* out = reinterpret_cast<int*>(CMSG_DATA(c));
+      for (size_t i = 0; i < nfds; ++i) out[i] = (*o.frame.fds)[i].get();
+    }
+    ssize_t n = ::sendmsg(sock_.get(), &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      throw_errno("sendmsg", "writing a frame");
+    }
+    o.offset += static_cast<size_t>(n);
+    if (o.offset == total) out_.pop_front();
+  }
+  return true;
+}
+
+Channel::ReadResult Channel::read_some() {
+  char* dst;
+  size_t want;
+  if (reading_payload_) {
+    dst = reading_payload_->data() + payload_filled_;
+    want = reading_payload_->size() - payload_filled_;
+  } else {
+    dst = header_ + header_filled_;
+    want = sizeof header_ - header_filled_;
+  }
+  iovec iov{dst, want};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerFrame)];
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock_.get(), &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return ReadResult::kWouldBlock;
+    if (errno == ECONNRESET) return ReadResult::kEof;
+    throw_errno("recvmsg", "reading a frame");
+  }
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const int* in = reinterpret_cast<const int*>(CMSG_DATA(c));
+    for (size_t i = 0; i < count; ++i) received_fds_.emplace_back(in[i]);
+  }
+  if (n == 0) return ReadResult::kEof;
+  if (reading_payload_) {
+    payload_filled_ += static_cast<size_t>(n);
+  } else {
+    header_filled_ += static_cast<size_t>(n);
+    if (header_filled_ == sizeof header_) {
+      detail::WireHeader h;
+      std::memcpy(&h, header_, sizeof h);
+      if (h.nfds > kMaxFdsPerFrame) throw std::runtime_error("corrupt frame header (fd count)");
+      reading_.emplace();
+      reading_->kind = h.kind;
+      reading_->rank = h.rank;
+      reading_->seq = h.seq;
+      reading_nfds_ = h.nfds;
+      reading_payload_ = std::make_shared<std::string>(h.length, '\0');
+      payload_filled_ = 0;
+      header_filled_ = 0;
+    }
+  }
+  if (reading_payload_ && payload_filled_ == reading_payload_->size()) finish_frame();
+  return ReadResult::kProgress;
+}
+
+void Channel::finish_frame() {
+  Frame f = std::move(*reading_);
+  f.payload = std::move(reading_payload_);
+  if (reading_nfds_ > 0) {
+    if (received_fds_.size() < reading_nfds_)
+      throw std::runtime_error("frame announced fds that did not arrive");
+    f.fds = std::make_shared<std::vector<Fd>>();
+    for (uint16_t i = 0; i < reading_nfds_; ++i) {
+      f.fds->push_back(std::move(received_fds_.front()));
+      received_fds_.pop_front();
+    }
+  }
+  reading_.reset();
+  reading_payload_.reset();
+  complete_.push_back(std::move(f));
+}
+
+std::optional<Frame> Channel::next() {
+  if (complete_.empty()) return std::nullopt;
+  Frame f = std::move(complete_.front());
+  complete_.pop_front();
+  return f;
+}
+
+std::optional<Frame> Channel::recv() {
+  while (complete_.empty()) {
+    ReadResult r = read_some();
+    if (r == ReadResult::kEof) return std::nullopt;
+    if (r == ReadResult::kWouldBlock) throw std::logic_error("Channel::recv on a non-blocking socket");
+  }
+  return next();
+}
+
+pid_t Channel::peer_pid() const {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  check(::getsockopt(sock_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len), "getsockopt(SO_PEERCRED)",
+        "asking who is on the other end of a socket");
+  return cred.pid;
+}
+
+std::pair<Channel, Channel> channel_pair() {
+  int sv[2];
+  check(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), "socketpair",
+        "creating a connected socket pair");
+  return {Channel(Fd(sv[0])), Channel(Fd(sv[1]))};
+}
+
+RuntimeDir::RuntimeDir() {
+  std::string base;
+  for (const char* var : {"XDG_RUNTIME_DIR", "TMPDIR"}) {
+    const char* v = std::getenv(var);
+    if (v && *v && ::access(v, W_OK | X_OK) == 0) {
+      base = v;
+      break;
+    }
+  }
+  if (base.empty()) base = "/tmp";
+  std::string tmpl = base + "/ddip-XXXXXX";
+  if (!::mkdtemp(tmpl.data())) throw_errno("mkdtemp", "creating the private runtime directory");
+  path_ = tmpl;  // mkdtemp creates it with mode 0700
+}
+
+RuntimeDir::~RuntimeDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+Listener::Listener(const std::string& path) {
+  sockaddr_un addr = detail::unix_address(path);
+  sock_ = Fd(check(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), "socket",
+                   "creating the listening socket"));
+  check(::bind(sock_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), "bind",
+        "binding the listening socket " + path);
+  check(::listen(sock_.get(), 128), "listen", "listening on " + path);
+}
+
+Fd Listener::accept() {
+  int fd = ::accept4(sock_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return Fd();
+    throw_errno("accept4", "accepting a worker connection");
+  }
+  return Fd(fd);
+}
+
+Fd connect_unix(const std::string& path) {
+  sockaddr_un addr = detail::unix_address(path);
+  Fd s(check(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket", "creating a socket"));
+  int rc;
+  do {
+    rc = ::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  } while (rc < 0 && errno == EINTR);
+  check(rc, "connect", "connecting to " + path);
+  return s;
+}
+
+}  // namespace ddip

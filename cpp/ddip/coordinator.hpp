@@ -1,0 +1,119 @@
+// The kernel side of a group: one IO thread owns every fd (listening socket, worker connections,
+// output pipes, pidfds) through epoll. Other threads talk to it through a command queue and
+// receive what happened as Events; waiting for an event blocks only the caller.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ddip/channel.hpp"
+#include "ddip/output.hpp"
+#include "ddip/supervisor.hpp"
+
+namespace ddip {
+
+struct Event {
+  enum Kind : int {
+    kOutput = 0,        // `text` written to fd `stream` (1 or 2) by worker `slot`
+    kFrame = 1,         // `frame` arrived from worker `slot`
+    kExited = 2,        // worker `slot` exited: `status`, `text` = last lines of its stderr
+    kDisconnected = 3,  // worker `slot` closed its connection
+    kFailed = 4,        // the IO thread hit an error it cannot recover from (`text`)
+  };
+  Kind kind = kOutput;
+  int slot = 0;
+  int stream = 0;
+  std::string text;
+  Frame frame;
+  ExitStatus status;
+};
+
+struct CoordinatorOptions {
+  // One spec per worker; each gets DDIP_SOCKET=<socket path> added to its environment.
+  std::vector<SpawnSpec> workers;
+  std::chrono::milliseconds heartbeat_interval{1000};
+  // How long a partial line (no '\n' or '\r' yet) waits before it is delivered anyway.
+  std::chrono::milliseconds partial_line_delay{50};
+};
+
+class Coordinator {
+ public:
+  // Spawns every worker (from the IO thread, so PR_SET_PDEATHSIG ties them to a thread that
+  // lives as long as this object). Throws if a worker can't be started; nothing is left running.
+  explicit Coordinator(CoordinatorOptions options);
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+  ~Coordinator();
+
+  size_t size() const { return pids_.size(); }
+  const std::vector<pid_t>& pids() const { return pids_; }
+  const std::string& socket_path() const { return socket_path_; }
+
+  // Queue a frame to one worker; frames to a worker that has not connected yet wait for it.
+  void send(int slot, Frame frame);
+  // Signal one worker (its process group when whole_group), or every worker when slot < 0.
+  void signal(int slot, int sig, bool whole_group = false);
+  // Next event, waiting up to `timeout`; nullopt on timeout or once closed and drained.
+  std::optional<Event> next_event(std::chrono::milliseconds timeout);
+  // Milliseconds since the worker last answered a heartbeat (-1: never connected).
+  long long heartbeat_age_ms(int slot) const;
+  bool connected(int slot) const;
+  bool running() const;
+
+  // Asks workers to shut down, waits up to `grace` for them to exit, then SIGTERM, `grace`
+  // again, SIGKILL. Returns when every worker is reaped. Idempotent.
+  void close(std::chrono::milliseconds grace = std::chrono::milliseconds(2000));
+
+ private:
+  struct Slot;
+  CoordinatorOptions options_;
+  std::unique_ptr<RuntimeDir> dir_;
+  std::string socket_path_;
+  std::vector<pid_t> pids_;
+
+  // Shared between the IO thread and callers.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Event> events_;
+  std::deque<std::function<void()>> commands_;
+  std::vector<std::chrono::steady_clock::time_point> last_ack_;
+  std::vector<bool> connected_;
+  bool thread_done_ = false;
+  Fd wake_;  // eventfd: commands queued
+
+  // Owned by the IO thread.
+  Supervisor supervisor_;
+  std::vector<Slot> slots_;
+  Fd epoll_;
+  std::unique_ptr<Listener> listener_;
+  bool shutting_down_ = false;
+  std::chrono::steady_clock::time_point shutdown_deadline_;
+  std::thread thread_;
+
+  void start_workers();
+  void loop();
+  void emit(Event e);
+  void post(std::function<void()> fn);
+  void on_accept();
+  void on_connection(size_t slot, uint32_t events);
+  void on_pipe(size_t slot, int stream, bool final);
+  void on_exit(size_t slot);
+  void drain_output(size_t slot, bool final);
+  void flush_partial(size_t slot);
+  void send_now(size_t slot, Frame f);
+  void drop_connection(size_t slot);
+  void watch(int fd, uint64_t tag, uint32_t events);
+  void unwatch(int fd);
+};
+
+}  // namespace ddip

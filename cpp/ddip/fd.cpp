@@ -1,0 +1,37 @@
+#include "ddip/fd.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <system_error>
+
+namespace ddip {
+
+void throw_errno(std::string_view call, std::string_view doing) {
+  int err = errno;
+  std::string what(call);
+  what += " failed while ";
+  what += doing;
+  throw std::system_error(err, std::generic_category(), what);
+}
+
+void Fd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+Pipe make_pipe(bool nonblocking_read) {
+  int fds[2];
+  check(::pipe2(fds, O_CLOEXEC), "pipe2", "creating a pipe");
+  Pipe p{Fd(fds[0]), Fd(fds[1])};
+  if (nonblocking_read) set_nonblocking(p.read.get());
+  return p;
+}
+
+void set_nonblocking(int fd) {
+  int flags = check(::fcntl(fd, F_GETFL), "fcntl(F_GETFL)", "making an fd non-blocking");
+  check(::fcntl(fd, F_SETFL, flags | O_NONBLOCK), "fcntl(F_SETFL)", "making an fd non-blocking");
+}
+
+}  // namespace ddip

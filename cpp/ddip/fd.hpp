@@ -1,0 +1,51 @@
+// Move-only owner of a file descriptor, and the one helper every failing system call goes through.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace ddip {
+
+// Throws std::system_error naming the call, what we were doing, and errno's text.
+[[noreturn]] void throw_errno(std::string_view call, std::string_view doing);
+
+// Returns `rc` when it is not -1; otherwise throws with errno.
+template <typename T>
+T check(T rc, std::string_view call, std::string_view doing) {
+  if (rc == static_cast<T>(-1)) throw_errno(call, doing);
+  return rc;
+}
+
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  ~Fd() { reset(); }
+
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+struct Pipe {
+  Fd read;
+  Fd write;
+};
+
+// A close-on-exec pipe; `nonblocking_read` makes the read end O_NONBLOCK.
+Pipe make_pipe(bool nonblocking_read = false);
+void set_nonblocking(int fd);
+
+}  // namespace ddip

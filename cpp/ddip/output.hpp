@@ -1,0 +1,42 @@
+// Per-rank output assembly. Text is released at line ends: '\n', and also '\r', so a progress
+// bar's in-place updates reach the notebook as they happen instead of one line at the end.
+#pragma once
+
+#include <deque>
+#include <string>
+#include <string_view>
+
+namespace ddip {
+
+class LineAssembler {
+ public:
+  // Appends `data`; returns everything up to and including the last '\n' or '\r'.
+  std::string feed(std::string_view data);
+  // Returns (and forgets) the partial line held back.
+  std::string flush();
+  bool has_pending() const { return !pending_.empty(); }
+
+ private:
+  std::string pending_;
+};
+
+// stdout and stderr of one rank, plus the last lines of stderr for failure reports.
+class RankOutput {
+ public:
+  static constexpr size_t kTailLines = 20;
+  enum Stream { kStdout = 1, kStderr = 2 };
+
+  std::string feed(Stream s, std::string_view data);
+  std::string flush(Stream s);
+  bool has_pending() const { return out_.has_pending() || err_.has_pending(); }
+  // The last kTailLines complete lines written to stderr, joined with '\n'.
+  std::string stderr_tail() const;
+
+ private:
+  LineAssembler out_, err_;
+  std::deque<std::string> tail_;
+  std::string tail_partial_;
+  void remember(std::string_view text);
+};
+
+}  // namespace ddip

@@ -1,0 +1,214 @@
+#include "ddip/supervisor.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <system_error>
+
+namespace ddip {
+namespace detail {
+
+int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+
+int pidfd_send_signal(int pidfd, int sig) {
+  return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
+}
+
+std::vector<char*> c_strings(const std::vector<std::string>& v) {
+  std::vector<char*> out;
+  out.reserve(v.size() + 1);
+  for (const auto& s : v) out.push_back(const_cast<char*>(s.c_str()));
+  out.push_back(nullptr);
+  return out;
+}
+
+// Runs in the vfork child: only async-signal-safe calls, no allocation, no writes but `err`.
+[[noreturn]] void exec_child(pid_t parent, const char* file, char* const* argv, char* const* envp,
+                             const char* cwd, int out_fd, int err_fd, int report_fd) {
+  int err = 0;
+  const char* step = nullptr;
+  if (::setpgid(0, 0) < 0) {
+    err = errno, step = "setpgid";
+  } else if (::prctl(PR_SET_PDEATHSIG, SIGKILL) < 0) {
+    err = errno, step = "prctl";
+  } else if (::getppid() != parent) {
+    ::_exit(1);  // the parent already died: don't start an orphan
+  } else if (out_fd >= 0 && ::dup2(out_fd, 1) < 0) {
+    err = errno, step = "dup2";
+  } else if (err_fd >= 0 && ::dup2(err_fd, 2) < 0) {
+    err = errno, step = "dup2";
+  } else if (cwd && ::chdir(cwd) < 0) {
+    err = errno, step = "chdir";
+  }
+  if (!step) {
+    // Signal dispositions and mask are inherited from whichever kernel thread spawned us.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    for (int s : {SIGINT, SIGTERM, SIGPIPE, SIGCHLD, SIGHUP, SIGQUIT}) ::signal(s, SIG_DFL);
+    ::execvpe(file, argv, envp);
+    err = errno, step = "exec";
+  }
+  // Report "step\0errno" to the parent over the close-on-exec pipe.
+  char buf[32];
+  size_t n = std::strlen(step);
+  std::memcpy(buf, step, n + 1);
+  std::memcpy(buf + n + 1, &err, sizeof err);
+  ssize_t ignored = ::write(report_fd, buf, n + 1 + sizeof err);
+  (void)ignored;
+  ::_exit(err == ENOENT ? 127 : 126);
+}
+
+ExitStatus decode(const siginfo_t& info) {
+  ExitStatus s;
+  if (info.si_code == CLD_EXITED)
+    s.code = info.si_status;
+  else
+    s.signal = info.si_status;
+  return s;
+}
+
+}  // namespace detail
+
+std::string signal_name(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+std::string ExitStatus::describe() const {
+  if (signal) return "killed by " + signal_name(signal);
+  return "exit code " + std::to_string(code);
+}
+
+Supervisor::~Supervisor() {
+  for (size_t i = 0; i < children_.size(); ++i) {
+    if (!running(i)) continue;
+    signal(i, SIGKILL);
+    wait(i, std::chrono::milliseconds(-1));
+  }
+}
+
+size_t Supervisor::spawn(const SpawnSpec& spec) {
+  if (spec.argv.empty()) throw std::invalid_argument("SpawnSpec.argv is empty");
+  // Everything the child needs is prepared before vfork: it may not allocate.
+  auto argv = detail::c_strings(spec.argv);
+  auto envp = detail::c_strings(spec.env);
+  Pipe report = make_pipe();
+  Pipe out, err;
+  if (spec.capture_output) {
+    out = make_pipe(true);
+    err = make_pipe(true);
+  }
+  pid_t parent = ::getpid();
+  const char* cwd = spec.cwd.empty() ? nullptr : spec.cwd.c_str();
+  // vfork: no page-table copy of a multi-GiB notebook process; the child only execs.
+  pid_t pid = ::vfork();
+  if (pid < 0) throw_errno("vfork", "starting a worker process");
+  if (pid == 0)
+    detail::exec_child(parent, argv[0], argv.data(), envp.data(), cwd, out.write.get(),
+                       err.write.get(), report.write.get());
+  ::setpgid(pid, pid);  // also from the parent, so signalling the group never races the child
+  Child c;
+  c.pid_ = pid;
+  c.pidfd_ = Fd(detail::pidfd_open(pid));
+  if (!c.pidfd_) throw_errno("pidfd_open", "watching a worker process");
+  report.write.reset();
+  char buf[32] = {};
+  ssize_t n;
+  do {
+    n = ::read(report.read.get(), buf, sizeof buf);
+  } while (n < 0 && errno == EINTR);
+  if (n > 0) {
+    size_t len = ::strnlen(buf, sizeof buf);
+    int child_errno = 0;
+    std::memcpy(&child_errno, buf + len + 1, sizeof child_errno);
+    siginfo_t info{};
+    ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &info, WEXITED);
+    throw std::system_error(child_errno, std::generic_category(),
+                            std::string(buf) + " failed while starting '" + spec.argv[0] + "'");
+  }
+  if (spec.capture_output) {
+    c.out_ = std::move(out.read);
+    c.err_ = std::move(err.read);
+  }
+  children_.push_back(std::move(c));
+  return children_.size() - 1;
+}
+
+std::optional<ExitStatus> Supervisor::poll(size_t i) {
+  Child& c = children_.at(i);
+  if (c.status_) return c.status_;
+  siginfo_t info{};
+  // WNOWAIT first: while the leader is an unreaped zombie its pid can't be reused, so killing its
+  // group reaches only what it left behind (DataLoader workers, say), never a stranger.
+  int rc = ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &info, WEXITED | WNOHANG | WNOWAIT);
+  if (rc < 0) {
+    if (errno == EINTR) return std::nullopt;
+    throw_errno("waitid", "checking on a worker process");
+  }
+  if (info.si_pid == 0) return std::nullopt;
+  ::kill(-c.pid_, SIGKILL);
+  siginfo_t reaped{};
+  check(::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &reaped, WEXITED), "waitid",
+        "reaping a worker process");
+  c.status_ = detail::decode(info);
+  return c.status_;
+}
+
+std::optional<ExitStatus> Supervisor::wait(size_t i, std::chrono::milliseconds timeout) {
+  Child& c = children_.at(i);
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!c.status_) {
+    if (poll(i)) break;
+    int ms = -1;
+    if (timeout.count() >= 0) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      ms = static_cast<int>(left.count());
+    }
+    pollfd p{c.pidfd_.get(), POLLIN, 0};
+    int rc = ::poll(&p, 1, ms);
+    if (rc < 0 && errno != EINTR) throw_errno("poll", "waiting for a worker process to exit");
+  }
+  return c.status_;
+}
+
+bool Supervisor::running(size_t i) { return !poll(i).has_value(); }
+
+void Supervisor::signal(size_t i, int sig, bool whole_group) {
+  Child& c = children_.at(i);
+  if (!running(i)) return;
+  // Not yet reaped, so the pid (and its group id) can't have been reused.
+  if (whole_group && ::kill(-c.pid_, sig) == 0) return;
+  if (detail::pidfd_send_signal(c.pidfd_.get(), sig) < 0 && errno != ESRCH)
+    throw_errno("pidfd_send_signal", "signalling a worker process");
+}
+
+void Supervisor::signal_all(int sig, bool whole_group) {
+  for (size_t i = 0; i < children_.size(); ++i) signal(i, sig, whole_group);
+}
+
+void Supervisor::stop_all(std::chrono::milliseconds grace) {
+  signal_all(SIGTERM);
+  auto deadline = std::chrono::steady_clock::now() + grace;
+  for (size_t i = 0; i < children_.size(); ++i) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    wait(i, std::max(left, std::chrono::milliseconds(0)));
+  }
+  for (size_t i = 0; i < children_.size(); ++i) {
+    if (!running(i)) continue;
+    signal(i, SIGKILL);
+    wait(i, std::chrono::milliseconds(-1));
+  }
+}
+
+}  // namespace ddip

@@ -1,0 +1,85 @@
+// Spawning and supervising ranked worker processes, the tini / dumb-init way: each child in its
+// own process group, PR_SET_PDEATHSIG set before exec, signals to the whole group, stop with
+// SIGTERM, a grace period, then SIGKILL.
+//
+// Children are watched through pidfds, never waitpid(-1): the kernel process has other children
+// (subprocess, ipykernel's) that are not ours to reap.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ddip/fd.hpp"
+
+namespace ddip {
+
+struct SpawnSpec {
+  std::vector<std::string> argv;  // argv[0] is looked up in PATH when it has no '/'
+  std::vector<std::string> env;   // complete environment, "KEY=value"
+  std::string cwd;                // empty: inherit
+  bool capture_output = true;     // fd 1 and 2 become pipes the caller reads
+};
+
+struct ExitStatus {
+  int code = 0;    // exit code, when the child exited
+  int signal = 0;  // the signal that killed it, or 0
+  // The shell's convention: 128 + signal for a signalled child.
+  int shell_code() const { return signal ? 128 + signal : code; }
+  std::string describe() const;  // "exit code 3", "killed by SIGKILL"
+};
+
+class Child {
+ public:
+  pid_t pid() const { return pid_; }
+  int pidfd() const { return pidfd_.get(); }  // readable once the child has exited
+  Fd& stdout_pipe() { return out_; }
+  Fd& stderr_pipe() { return err_; }
+  const std::optional<ExitStatus>& status() const { return status_; }
+
+ private:
+  friend class Supervisor;
+  pid_t pid_ = -1;
+  Fd pidfd_;
+  Fd out_, err_;
+  std::optional<ExitStatus> status_;
+};
+
+class Supervisor {
+ public:
+  Supervisor() = default;
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+  // Kills (SIGKILL) and reaps whatever is still running: a Supervisor never leaves orphans.
+  ~Supervisor();
+
+  // Starts a child; returns its index. Throws std::system_error when exec fails (the child's
+  // errno, e.g. "No such file or directory"), after reaping it.
+  size_t spawn(const SpawnSpec& spec);
+  size_t size() const { return children_.size(); }
+  Child& child(size_t i) { return children_.at(i); }
+
+  // Non-blocking: the exit status once the child has exited (reaps it), else nullopt.
+  std::optional<ExitStatus> poll(size_t i);
+  // Blocks up to `timeout` for the child to exit.
+  std::optional<ExitStatus> wait(size_t i, std::chrono::milliseconds timeout);
+  bool running(size_t i);
+
+  // Sends `sig` to the child's process group (so its own children get it too), or to the child
+  // alone. A child that has already exited is skipped.
+  void signal(size_t i, int sig, bool whole_group = true);
+  void signal_all(int sig, bool whole_group = true);
+
+  // SIGTERM to every running child's group, wait up to `grace`, then SIGKILL; all reaped.
+  void stop_all(std::chrono::milliseconds grace);
+
+ private:
+  std::vector<Child> children_;
+};
+
+std::string signal_name(int sig);
+
+}  // namespace ddip

@@ -1,0 +1,112 @@
+#include "ddip/channel.hpp"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+using namespace ddip;
+
+TEST(Channel, FramesKeepKindRankSeqAndPayload) {
+  auto [a, b] = channel_pair();
+  a.send(Frame::make(kRequest, 3, 42, "hello"));
+  a.send(Frame::make(kDone, -1, 7, ""));
+  auto f = b.recv();
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->kind, kRequest);
+  EXPECT_EQ(f->rank, 3);
+  EXPECT_EQ(f->seq, 42u);
+  EXPECT_EQ(f->data(), "hello");
+  auto g = b.recv();
+  ASSERT_TRUE(g);
+  EXPECT_EQ(g->kind, kDone);
+  EXPECT_EQ(g->rank, -1);
+  EXPECT_EQ(g->data(), "");
+}
+
+TEST(Channel, LargePayloadThroughANonBlockingWriter) {
+  auto [a, b] = channel_pair();
+  set_nonblocking(a.fd());
+  std::string big(8 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131);
+  a.queue(Frame::make(kRequest, 0, 1, big));
+  std::optional<Frame> got;
+  std::thread reader([&, &b = b] { got = b.recv(); });
+  while (!a.flush()) std::this_thread::yield();  // partial writes resume where they stopped
+  reader.join();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->data(), big);
+}
+
+TEST(Channel, PassesFileDescriptors) {
+  auto [a, b] = channel_pair();
+  Pipe p = make_pipe();
+  Frame f = Frame::make(kRequest, 0, 1, "with fd");
+  f.fds = std::make_shared<std::vector<Fd>>();
+  f.fds->push_back(std::move(p.write));
+  a.send(std::move(f));
+  auto got = b.recv();
+  ASSERT_TRUE(got && got->fds);
+  ASSERT_EQ(got->fds->size(), 1u);
+  int fd = (*got->fds)[0].get();
+  EXPECT_TRUE(::fcntl(fd, F_GETFD) & FD_CLOEXEC);
+  ASSERT_EQ(::write(fd, "x", 1), 1);  // the received fd is the pipe's write end
+  char c = 0;
+  ASSERT_EQ(::read(p.read.get(), &c, 1), 1);
+  EXPECT_EQ(c, 'x');
+}
+
+TEST(Channel, EofWhenThePeerCloses) {
+  auto pair = channel_pair();
+  { Channel gone = std::move(pair.first); }
+  EXPECT_FALSE(pair.second.recv());
+}
+
+TEST(Channel, FlushToAClosedPeerThrows) {
+  auto pair = channel_pair();
+  { Channel gone = std::move(pair.second); }
+  EXPECT_THROW(pair.first.send(Frame::make(kRequest, 0, 0, "x")), std::system_error);
+}
+
+TEST(RuntimeDir, PrivateAndRemoved) {
+  std::string path;
+  {
+    RuntimeDir d;
+    path = d.path();
+    struct stat st{};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0700);
+    Listener l(d.socket_path());
+    EXPECT_TRUE(std::filesystem::exists(d.socket_path()));
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST(Listener, AcceptsAndKnowsThePeer) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  EXPECT_FALSE(l.accept());  // nothing pending: non-blocking
+  Channel client(connect_unix(d.socket_path()));
+  Fd server_fd;
+  while (!(server_fd = l.accept())) std::this_thread::yield();
+  Channel server(std::move(server_fd));
+  EXPECT_EQ(server.peer_pid(), ::getpid());
+  client.send(Frame::make(kHello, 5, 0, "hi"));
+  set_nonblocking(client.fd());
+  std::optional<Frame> f;
+  while (!(f = server.next())) server.read_some();
+  EXPECT_EQ(f->rank, 5);
+}
+
+TEST(Listener, TooLongAPathIsAClearError) {
+  std::string path = "/tmp/" + std::string(200, 'x');
+  try {
+    Listener l(path);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("TMPDIR"), std::string::npos);
+  }
+}

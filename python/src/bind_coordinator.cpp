@@ -1,0 +1,104 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "ddip/coordinator.hpp"
+#include "slices.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using WorkerSpec = std::tuple<std::vector<std::string>, std::vector<std::string>, std::string>;
+
+nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
+
+std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
+
+// (kind, slot, a, b, data): Output (0, slot, stream, 0, text); Frame (1, slot, frame kind, seq,
+// payload); Exited (2, slot, exit code, signal, stderr tail); Disconnected (3, slot, 0, 0, b"");
+// Failed (4, -1, 0, 0, message).
+nb::object event_tuple(ddip::Event& e) {
+  switch (e.kind) {
+    case ddip::Event::kOutput:
+      return nb::make_tuple(0, e.slot, e.stream, 0, to_bytes(e.text));
+    case ddip::Event::kFrame:
+      return nb::make_tuple(1, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
+                            to_bytes(e.frame.data()));
+    case ddip::Event::kExited:
+      return nb::make_tuple(2, e.slot, e.status.code, e.status.signal, to_bytes(e.text));
+    case ddip::Event::kDisconnected:
+      return nb::make_tuple(3, e.slot, 0, 0, nb::bytes("", 0));
+    case ddip::Event::kFailed:
+      return nb::make_tuple(4, -1, 0, 0, to_bytes(e.text));
+  }
+  return nb::none();
+}
+
+}  // namespace
+
+void init_coordinator(nb::module_& m) {
+  nb::class_<ddip::Coordinator>(m, "Coordinator",
+                                "Kernel side of a group: spawns workers, owns every fd on one "
+                                "IO thread, reports output, frames and exits as events.")
+      .def(
+          "__init__",
+          [](ddip::Coordinator* self, const std::vector<WorkerSpec>& workers, int heartbeat_ms,
+             int partial_line_ms) {
+            ddip::CoordinatorOptions o;
+            for (const auto& [argv, env, cwd] : workers) {
+              ddip::SpawnSpec s;
+              s.argv = argv;
+              s.env = env;
+              s.cwd = cwd;
+              o.workers.push_back(std::move(s));
+            }
+            o.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+            o.partial_line_delay = std::chrono::milliseconds(partial_line_ms);
+            nb::gil_scoped_release release;
+            new (self) ddip::Coordinator(std::move(o));
+          },
+          "workers"_a, "heartbeat_ms"_a = 1000, "partial_line_ms"_a = 50)
+      .def_prop_ro("pids", [](const ddip::Coordinator& c) {
+        return std::vector<int>(c.pids().begin(), c.pids().end());
+      })
+      .def_prop_ro("socket_path", &ddip::Coordinator::socket_path)
+      .def_prop_ro("running", &ddip::Coordinator::running)
+      .def(
+          "send",
+          [](ddip::Coordinator& c, const std::vector<int>& slots, int kind, uint64_t seq,
+             const nb::bytes& payload) {
+            // One payload shared by every slot's frame.
+            auto shared = std::make_shared<const std::string>(from_bytes(payload));
+            for (int slot : slots) {
+              ddip::Frame f;
+              f.kind = static_cast<uint16_t>(kind);
+              f.rank = slot;
+              f.seq = seq;
+              f.payload = shared;
+              c.send(slot, std::move(f));
+            }
+          },
+          "slots"_a, "kind"_a, "seq"_a, "payload"_a)
+      .def("signal", &ddip::Coordinator::signal, "slot"_a, "sig"_a, "whole_group"_a = false)
+      .def(
+          "next_event",
+          [](ddip::Coordinator& c, double timeout_ms) -> nb::object {
+            auto e = ddip_python::wait_in_slices<ddip::Event>(
+                timeout_ms, [&](std::chrono::milliseconds slice) { return c.next_event(slice); });
+            if (!e) return nb::none();
+            return event_tuple(*e);
+          },
+          "timeout_ms"_a)
+      .def("heartbeat_age_ms", &ddip::Coordinator::heartbeat_age_ms, "slot"_a)
+      .def("connected", &ddip::Coordinator::connected, "slot"_a)
+      .def(
+          "close",
+          [](ddip::Coordinator& c, int grace_ms) {
+            nb::gil_scoped_release release;
+            c.close(std::chrono::milliseconds(grace_ms));
+          },
+          "grace_ms"_a = 2000);
+}

@@ -1,0 +1,46 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "ddip/endpoint.hpp"
+#include "slices.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+void init_endpoint(nb::module_& m) {
+  nb::exception<ddip::EndpointClosed>(m, "EndpointClosed", PyExc_ConnectionError);
+  nb::class_<ddip::Endpoint>(m, "Endpoint",
+                             "Worker side of a group: frames to and from the kernel, with a "
+                             "watchdog thread that answers heartbeats and exits with the kernel.")
+      .def(
+          "__init__",
+          [](ddip::Endpoint* self, const std::string& path, int rank, const nb::bytes& hello,
+             int exit_grace_ms) {
+            std::string h(hello.c_str(), hello.size());
+            nb::gil_scoped_release release;
+            new (self) ddip::Endpoint(path, rank, std::move(h),
+                                      std::chrono::milliseconds(exit_grace_ms));
+          },
+          "socket_path"_a, "rank"_a, "hello"_a, "exit_grace_ms"_a = 3000)
+      .def_prop_ro("rank", &ddip::Endpoint::rank)
+      .def_prop_ro("closed", &ddip::Endpoint::closed)
+      .def(
+          "send",
+          [](ddip::Endpoint& e, int kind, uint64_t seq, const nb::bytes& payload) {
+            ddip::Frame f = ddip::Frame::make(static_cast<uint16_t>(kind), e.rank(), seq,
+                                              std::string(payload.c_str(), payload.size()));
+            nb::gil_scoped_release release;
+            e.send(std::move(f));
+          },
+          "kind"_a, "seq"_a, "payload"_a)
+      .def(
+          "recv",
+          [](ddip::Endpoint& e, double timeout_ms) -> nb::object {
+            auto f = ddip_python::wait_in_slices<ddip::Frame>(
+                timeout_ms, [&](std::chrono::milliseconds slice) { return e.recv(slice); });
+            if (!f) return nb::none();
+            const std::string& d = f->data();
+            return nb::make_tuple(static_cast<int>(f->kind), f->seq, nb::bytes(d.data(), d.size()));
+          },
+          "timeout_ms"_a);
+}

@@ -1,0 +1,31 @@
+// The ddip._core extension: one init_<module> per runtime module, called in order.
+#include <nanobind/nanobind.h>
+
+#include <system_error>
+
+#include "ddip/channel.hpp"
+
+namespace nb = nanobind;
+
+void init_coordinator(nb::module_& m);
+void init_endpoint(nb::module_& m);
+
+NB_MODULE(_core, m) {
+  m.doc() = "ddip's C++ runtime: process supervision, framed messaging, output capture";
+  // Runtime errors carry errno: surface them as OSError with the call and what we were doing.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::system_error& e) {
+      PyErr_SetObject(PyExc_OSError,
+                      nb::make_tuple(e.code().value(), e.what()).ptr());
+    }
+  });
+  m.attr("HELLO") = static_cast<int>(ddip::kHello);
+  m.attr("REQUEST") = static_cast<int>(ddip::kRequest);
+  m.attr("DONE") = static_cast<int>(ddip::kDone);
+  m.attr("DISPLAY") = static_cast<int>(ddip::kDisplay);
+  m.attr("SHUTDOWN") = static_cast<int>(ddip::kShutdown);
+  init_coordinator(m);
+  init_endpoint(m);
+}
