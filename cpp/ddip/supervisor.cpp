@@ -1,6 +1,7 @@
 #include "ddip/supervisor.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -29,7 +30,7 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
   return out;
 }
 
-// Runs in the vfork child: only async-signal-safe calls, no allocation, no writes but `err`.
+// Runs in the clone(CLONE_VM | CLONE_VFORK) child: only async-signal-safe calls, no allocation, no writes but `err`.
 [[noreturn]] void exec_child(pid_t parent, const char* file, char* const* argv, char* const* envp,
                              const char* cwd, int out_fd, int err_fd, int report_fd) {
   int err = 0;
@@ -64,6 +65,20 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
   ssize_t ignored = ::write(report_fd, buf, n + 1 + sizeof err);
   (void)ignored;
   ::_exit(err == ENOENT ? 127 : 126);
+}
+
+struct ExecArgs {
+  pid_t parent;
+  const char* file;
+  char* const* argv;
+  char* const* envp;
+  const char* cwd;
+  int out_fd, err_fd, report_fd;
+};
+
+int clone_entry(void* p) {
+  auto* a = static_cast<ExecArgs*>(p);
+  exec_child(a->parent, a->file, a->argv, a->envp, a->cwd, a->out_fd, a->err_fd, a->report_fd);
 }
 
 ExitStatus decode(const siginfo_t& info) {
@@ -106,14 +121,15 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
     out = make_pipe(true);
     err = make_pipe(true);
   }
-  pid_t parent = ::getpid();
-  const char* cwd = spec.cwd.empty() ? nullptr : spec.cwd.c_str();
-  // vfork: no page-table copy of a multi-GiB notebook process; the child only execs.
-  pid_t pid = ::vfork();
-  if (pid < 0) throw_errno("vfork", "starting a worker process");
-  if (pid == 0)
-    detail::exec_child(parent, argv[0], argv.data(), envp.data(), cwd, out.write.get(),
-                       err.write.get(), report.write.get());
+  detail::ExecArgs args{::getpid(),       argv[0],        argv.data(),
+                        envp.data(),       spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
+                        out.write.get(),   err.write.get(), report.write.get()};
+  // CLONE_VM | CLONE_VFORK, as posix_spawn does: no page-table copy of a multi-GiB notebook
+  // process, and the parent resumes once the child has exec'd (or failed to).
+  std::vector<char> stack(256 * 1024);
+  pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(), CLONE_VM | CLONE_VFORK | SIGCHLD,
+                      &args);
+  if (pid < 0) throw_errno("clone", "starting a worker process");
   ::setpgid(pid, pid);  // also from the parent, so signalling the group never races the child
   Child c;
   c.pid_ = pid;

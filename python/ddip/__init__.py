@@ -1,0 +1,24 @@
+"""ddip: distributed data-parallel training from inside a Jupyter notebook, on a C++ runtime.
+
+    import ddip
+    with ddip.Group(n=2) as g:
+        g.run("import os; os.environ['RANK']")
+"""
+
+from .errors import RankFailure, RemoteError, StartError
+from .group import Group, RankResult
+
+__all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "StartError"]
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ip):
+    from .magics import load_ipython_extension as load
+
+    load(ip)
+
+
+def unload_ipython_extension(ip):
+    from .magics import unload_ipython_extension as unload
+
+    unload(ip)

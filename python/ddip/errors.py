@@ -1,0 +1,62 @@
+"""Errors that name the rank and the cause of every failure."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+@dataclass
+class RankFailure:
+    """Why one rank failed: an exception it raised, or its death (exit code / signal)."""
+
+    rank: int
+    ename: str  # exception type name, or "RankDied"
+    evalue: str  # exception message, or "killed by SIGKILL" / "exit code 3"
+    traceback: list[str] = field(default_factory=list)  # IPython's lines, with ANSI colours
+    stderr_tail: str = ""  # for a dead rank: the last lines it wrote to stderr
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    exception: BaseException | None = None  # the remote exception object, when it could be pickled
+
+    @property
+    def died(self) -> bool:
+        return self.ename == "RankDied"
+
+    def describe(self) -> str:
+        """Plain text: the headline and the remote traceback (or stderr tail)."""
+        head = f"rank {self.rank}: {self.ename}: {self.evalue}" if self.evalue else f"rank {self.rank}: {self.ename}"
+        body = strip_ansi("\n".join(self.traceback)).strip("\n")
+        if self.died and self.stderr_tail:
+            body = "last lines of its stderr:\n" + "\n".join("    " + l for l in self.stderr_tail.splitlines())
+        return head + ("\n" + body if body else "")
+
+
+class RemoteError(Exception):
+    """One or more ranks failed. `failures` lists them, root cause (earliest) first."""
+
+    def __init__(self, failures: list[RankFailure], results=None, what: str = "code"):
+        self.failures = list(failures)
+        self.results = results
+        ranks = ", ".join(str(f.rank) for f in self.failures)
+        first = self.failures[0]
+        lines = [f"{what} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}; "
+                 f"root cause on rank {first.rank}: {first.ename}: {first.evalue}"]
+        for f in self.failures:
+            lines.append("")
+            lines.append("--- " + f.describe())
+        super().__init__("\n".join(lines))
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+
+class StartError(RuntimeError):
+    """The group could not be started: a rank exited or did not become ready in time."""

@@ -1,0 +1,498 @@
+"""A persistent group of ranked worker processes, driven from the notebook."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from . import _core
+from .errors import RankFailure, RemoteError, StartError
+from .messages import dumps, loads
+
+# Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data)
+_OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED = range(5)
+_STREAMS = {1: "stdout", 2: "stderr"}
+# After Ctrl-C (or a timeout) interrupts the ranks, how long they get to report back.
+INTERRUPT_GRACE_S = 10.0
+
+_open_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()
+
+
+@dataclass
+class RankResult:
+    """What one rank did for one request."""
+
+    rank: int
+    value: object = None
+    stdout: str = ""
+    stderr: str = ""
+    error: RankFailure | None = None
+    format: tuple | None = None  # (MIME bundle, metadata) of the last expression, as IPython's Out
+    displays: list = field(default_factory=list)  # display() calls, when no on_display was given
+    execution_count: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine, counted without initializing CUDA in the notebook."""
+    try:
+        return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
+    except OSError:
+        return 0
+
+
+def parse_gpus(gpus) -> list[int]:
+    """'all', '0,3', 2, [3, 2] -> a list of GPU ids, checked against this machine."""
+    available = gpu_count()
+    if isinstance(gpus, str) and gpus.strip().lower() == "all":
+        if available == 0:
+            raise ValueError("gpus='all' but this machine has no NVIDIA GPU; "
+                             "use n=2 (for example) to run 2 CPU processes instead")
+        return list(range(available))
+    if isinstance(gpus, int) and not isinstance(gpus, bool):
+        ids = [gpus]
+    elif isinstance(gpus, str):
+        try:
+            ids = [int(x) for x in gpus.replace(" ", "").split(",") if x != ""]
+        except ValueError:
+            raise ValueError(f"gpus={gpus!r} is not a GPU list; give 'all' or ids like '0,3' or [3, 2]") from None
+    else:
+        try:
+            ids = [int(x) for x in gpus]
+        except (TypeError, ValueError):
+            raise ValueError(f"gpus={gpus!r} is not a GPU list; give 'all' or ids like '0,3' or [3, 2]") from None
+    if not ids:
+        raise ValueError("gpus is empty; give 'all' or ids like '0,3'")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"gpus={ids} lists a GPU twice; each rank needs its own GPU")
+    bad = [i for i in ids if i < 0 or i >= available]
+    if bad:
+        have = f"GPUs 0-{available - 1}" if available else "no NVIDIA GPU"
+        hint = "" if available else "; use n=2 (for example) for CPU processes"
+        raise ValueError(f"GPU {', '.join(map(str, bad))} does not exist: this machine has {have}{hint}")
+    return ids
+
+
+def _resolve_backend(backend, gpus) -> str | None:
+    if backend in (None, "none", "None", False):
+        return None
+    if backend == "auto":
+        if importlib.util.find_spec("torch") is None:
+            return None
+        return "nccl" if gpus else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not one of 'gloo', 'nccl', 'auto' or None")
+    if backend == "nccl" and not gpus:
+        raise ValueError("backend='nccl' needs GPUs: pass gpus=[...], or use backend='gloo' for CPU ranks")
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(f"backend={backend!r} needs PyTorch, which is not installed here")
+    return backend
+
+
+class Group:
+    """N ranked worker processes (one per GPU, or N CPU processes), each with its own namespace.
+
+    >>> with Group(n=2) as g:
+    ...     [r.value for r in g.run("import os; int(os.environ['RANK']) * 10")]
+    [0, 10]
+    """
+
+    def __init__(self, n: int | None = None, gpus=None, backend: str | None = "auto",
+                 timeout: float = 60.0, env: dict | None = None, *,
+                 world_size: int | None = None, rank_ids: Sequence[int] | None = None,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None):
+        # Everything is checked before anything starts: bad input changes nothing.
+        gpu_ids = parse_gpus(gpus) if gpus is not None else None
+        if n is None and gpu_ids is None:
+            raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n must be a positive number of processes, got {n!r}")
+            if gpu_ids is not None and n != len(gpu_ids):
+                raise ValueError(f"n={n} but {len(gpu_ids)} GPUs were listed; give one or the other")
+        size = len(gpu_ids) if gpu_ids is not None else n
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.backend = _resolve_backend(backend, gpu_ids)
+        self.gpus = gpu_ids
+        self.rank_ids = list(rank_ids) if rank_ids is not None else list(range(size))
+        if len(self.rank_ids) != size:
+            raise ValueError(f"rank_ids has {len(self.rank_ids)} entries for {size} processes")
+        self.world_size = world_size if world_size is not None else size
+        self.timeout = timeout
+        self._env = dict(env or {})
+        self._master_addr = master_addr
+        self._fixed_port = master_port
+        self._coord = None
+        self._seq = 0
+        self._state: list[str] = []
+        self._exits: dict[int, RankFailure] = {}
+        self._start()
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def _worker_env(self, slot: int, port: int) -> list[str]:
+        env = dict(os.environ)
+        env.update(self._env)
+        rank = self.rank_ids[slot]
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self._master_addr,
+            "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "DDIP_SLOT": str(slot),
+            "DDIP_SYS_PATH": os.pathsep.join(p for p in sys.path if p),
+        })
+        if self.gpus is not None:
+            # Every rank sees the group's GPUs in the order given; rank i uses device i.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ids mean what nvidia-smi shows
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: keep them off the GPUs
+        if self.backend:
+            env["DDIP_BACKEND"] = self.backend
+        else:
+            env.pop("DDIP_BACKEND", None)
+        env.pop("DDIP_SOCKET", None)
+        return [f"{k}={v}" for k, v in env.items()]
+
+    def _start(self):
+        self.master_port = self._fixed_port or free_port()
+        size = len(self.rank_ids)
+        specs = [([sys.executable, "-m", "ddip.worker"], self._worker_env(slot, self.master_port), os.getcwd())
+                 for slot in range(size)]
+        self._coord = _core.Coordinator(specs)
+        self._state = ["starting"] * size
+        self._exits = {}
+        self.info: list[dict] = [{} for _ in range(size)]
+        deadline = time.monotonic() + self.timeout
+        try:
+            waiting = set(range(size))
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    ranks = ", ".join(str(self.rank_ids[s]) for s in sorted(waiting))
+                    raise StartError(f"rank(s) {ranks} did not become ready within {self.timeout:g} s; "
+                                     f"pass timeout= to wait longer")
+                ev = self._coord.next_event(min(left, 0.25) * 1000)
+                if ev is None:
+                    continue
+                kind, slot, a, b, data = ev
+                if kind == _FRAME and a == _core.HELLO:
+                    self.info[slot] = loads(data)
+                    self._state[slot] = "idle"
+                    waiting.discard(slot)
+                elif kind == _EXITED:
+                    f = self._death(slot, a, b, data)
+                    raise StartError(f"rank {f.rank} exited while starting ({f.evalue})"
+                                     + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""))
+                elif kind == _FAILED:
+                    raise StartError(data.decode(errors="replace"))
+                else:
+                    self._background(ev)
+        except BaseException:
+            self._coord.close(0)
+            self._coord = None
+            raise
+        _open_groups.add(self)
+
+    def close(self, grace: float = 2.0):
+        """Stops every rank (shutdown, then SIGTERM, then SIGKILL after `grace` s). Idempotent."""
+        coord, self._coord = self._coord, None
+        if coord is not None:
+            coord.close(int(grace * 1000))
+            self._state = ["closed"] * len(self._state)
+        _open_groups.discard(self)
+
+    def restart(self):
+        """Kills every rank and starts fresh ones with the same settings (and a new MASTER_PORT)."""
+        self.close()
+        self._start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close(0.5)
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self._coord is None else f"pids={self.pids}"
+        where = f"gpus={self.gpus}" if self.gpus is not None else f"n={self.size}"
+        return f"<ddip.Group {where} backend={self.backend} {state}>"
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self.rank_ids)
+
+    @property
+    def closed(self) -> bool:
+        return self._coord is None
+
+    @property
+    def pids(self) -> list[int]:
+        self._check_open()
+        return list(self._coord.pids)
+
+    def device(self, rank: int) -> str:
+        slot = self._slot(rank)
+        return f"cuda:{slot} (GPU {self.gpus[slot]})" if self.gpus is not None else "cpu"
+
+    def status(self) -> list[dict]:
+        """Per rank: pid, device, state (idle / busy / dead), resident memory, heartbeat age."""
+        self._check_open()
+        self._pump()
+        rows = []
+        for slot, pid in enumerate(self._coord.pids):
+            rows.append({"rank": self.rank_ids[slot], "pid": pid, "device": self.device(self.rank_ids[slot]),
+                         "state": self._state[slot], "rss_mb": _rss_mb(pid),
+                         "heartbeat_ms": self._coord.heartbeat_age_ms(slot)})
+        return rows
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def run(self, code: str, ranks: Iterable[int] | None = None, *, on_output: Callable | None = None,
+            on_display: Callable | None = None, timeout: float | None = None) -> list[RankResult]:
+        """Runs `code` in each selected rank's __main__ through IPython; one RankResult per rank.
+
+        on_output(rank, stream, text) is called live; on_display(rank, msg) for display() calls.
+        Raises RemoteError (with every failing rank's traceback) if any rank raised."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a string, got {type(code).__name__}")
+        results = self._request({"op": "run", "code": code}, ranks, on_output, on_display, timeout)
+        self._raise_failures(results, "code")
+        return results
+
+    def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
+        """Calls fn(*args, **kwargs) on each rank; a list of return values in rank order.
+        (`ranks=` is taken by apply itself; the rest goes to fn.)"""
+        if not callable(fn):
+            raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
+        payload = {"op": "apply", "call": dumps((fn, args, kwargs))}
+        results = self._request(payload, ranks, None, None, None)
+        self._raise_failures(results, f"{getattr(fn, '__name__', 'function')}()")
+        return [r.value for r in results]
+
+    def push(self, mapping: dict | None = None, /, ranks: Iterable[int] | None = None, **values):
+        """Copies variables into each selected rank's namespace: push(x=1) or push({'x': 1})."""
+        ns = dict(mapping or {})
+        ns.update(values)
+        bad = [k for k in ns if not (isinstance(k, str) and k.isidentifier())]
+        if bad:
+            raise ValueError(f"push needs variable names, got {bad!r}")
+        results = self._request({"op": "push", "ns": dumps(ns)}, ranks, None, None, None)
+        self._raise_failures(results, "push")
+
+    def pull(self, names, rank: int = 0):
+        """A variable's value from one rank (rank 0 by default); a list of names gives a list."""
+        single = isinstance(names, str)
+        name_list = [names] if single else list(names)
+        results = self._request({"op": "pull", "names": name_list}, [rank], None, None, None)
+        self._raise_failures(results, "pull")
+        values = results[0].value
+        return values[0] if single else values
+
+    def interrupt(self, ranks: Iterable[int] | None = None):
+        """KeyboardInterrupt in the code running on those ranks (all by default)."""
+        self._check_open()
+        for slot in self._slots(ranks):
+            self._coord.signal(slot, signal.SIGINT)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._coord is None:
+            raise RuntimeError("this group is closed; create a new one (or call restart())")
+
+    def _slot(self, rank: int) -> int:
+        try:
+            return self.rank_ids.index(rank)
+        except ValueError:
+            raise ValueError(f"no rank {rank!r} in this group (ranks: {self.rank_ids})") from None
+
+    def _slots(self, ranks) -> list[int]:
+        if ranks is None:
+            return list(range(self.size))
+        if isinstance(ranks, int):
+            ranks = [ranks]
+        slots = [self._slot(r) for r in ranks]
+        if not slots:
+            raise ValueError("no ranks selected")
+        return slots
+
+    def _death(self, slot, code, sig, tail) -> RankFailure:
+        cause = f"killed by {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=cause,
+                        stderr_tail=tail.decode(errors="replace"), exit_code=None if sig else code,
+                        exit_signal=sig or None)
+        self._state[slot] = "dead"
+        self._exits[slot] = f
+        return f
+
+    def _background(self, ev):
+        """Events outside any request: output shows up in the notebook, labelled."""
+        kind, slot, a, b, data = ev
+        if kind == _OUTPUT:
+            stream = sys.stdout if a == 1 else sys.stderr
+            text = data.decode(errors="replace")
+            label = f"[rank {self.rank_ids[slot]}] "
+            stream.write("".join(label + line for line in text.splitlines(keepends=True)))
+        elif kind == _EXITED:
+            self._death(slot, a, b, data)
+        elif kind == _FRAME and a == _core.DONE:
+            self._state[slot] = "idle"  # a reply to a request we stopped waiting for
+
+    def _pump(self):
+        while self._coord is not None:
+            ev = self._coord.next_event(0)
+            if ev is None:
+                return
+            self._background(ev)
+
+    def _request(self, req, ranks, on_output, on_display, timeout) -> list[RankResult]:
+        self._check_open()
+        slots = self._slots(ranks)
+        self._pump()
+        dead = [self._exits[s] for s in slots if s in self._exits]
+        if dead:
+            d = dead[0]
+            raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
+        self._seq += 1
+        seq = self._seq
+        self._coord.send(slots, _core.REQUEST, seq, dumps(req))
+        for s in slots:
+            self._state[s] = "busy"
+        results = {s: RankResult(rank=self.rank_ids[s]) for s in slots}
+        pending = set(slots)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interrupted_at = None
+        timed_out = False
+        while pending:
+            wait = 250.0
+            if interrupted_at is not None:
+                left = interrupted_at + INTERRUPT_GRACE_S - time.monotonic()
+                if left <= 0:
+                    break
+                wait = min(wait, left * 1000)
+            elif deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    interrupted_at = time.monotonic()
+                    for s in pending:
+                        self._coord.signal(s, signal.SIGINT)
+                    continue
+                wait = min(wait, left * 1000)
+            try:
+                ev = self._coord.next_event(wait)
+            except KeyboardInterrupt:
+                if interrupted_at is not None:
+                    raise  # a second Ctrl-C: stop waiting; late replies are dropped by seq
+                interrupted_at = time.monotonic()
+                for s in pending:
+                    self._coord.signal(s, signal.SIGINT)
+                continue
+            if ev is None:
+                continue
+            kind, slot, a, b, data = ev
+            if kind == _OUTPUT and slot in pending:
+                text = data.decode(errors="replace")
+                r = results[slot]
+                if a == 1:
+                    r.stdout += text
+                else:
+                    r.stderr += text
+                if on_output is not None:
+                    on_output(r.rank, _STREAMS[a], text)
+            elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
+                pending.discard(slot)
+                self._state[slot] = "idle"
+                self._fill(results[slot], loads(data))
+            elif kind == _FRAME and a == _core.DISPLAY and slot in pending:
+                msg = loads(data)
+                if msg.get("seq") != seq:
+                    continue
+                if on_display is not None:
+                    on_display(self.rank_ids[slot], msg)
+                else:
+                    results[slot].displays.append(msg)
+            elif kind == _EXITED:
+                f = self._death(slot, a, b, data)
+                if slot in pending:
+                    pending.discard(slot)
+                    results[slot].error = f
+            elif kind == _FAILED:
+                self.close(0)
+                raise RuntimeError(data.decode(errors="replace"))
+            else:
+                self._background(ev)
+        if interrupted_at is not None:
+            if pending:
+                ranks_left = ", ".join(str(self.rank_ids[s]) for s in sorted(pending))
+                raise KeyboardInterrupt(f"rank(s) {ranks_left} did not stop within {INTERRUPT_GRACE_S:g} s "
+                                        f"of the interrupt; they are still busy (g.restart() ends them)")
+            if timed_out:
+                raise TimeoutError(f"the request did not finish within {timeout:g} s; "
+                                   f"rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)} were interrupted")
+            raise KeyboardInterrupt(f"interrupted rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)}")
+        return [results[s] for s in slots]
+
+    @staticmethod
+    def _fill(result: RankResult, reply: dict):
+        result.value = reply.get("value")
+        result.format = reply.get("format")
+        result.execution_count = reply.get("execution_count")
+        err = reply.get("error")
+        if err:
+            result.error = RankFailure(rank=result.rank, ename=err["ename"], evalue=err["evalue"],
+                                       traceback=err.get("traceback") or [], exception=err.get("exception"))
+
+    @staticmethod
+    def _raise_failures(results: list[RankResult], what: str):
+        failures = [r.error for r in results if r.error is not None]
+        if failures:
+            # A death is the root cause of whatever the other ranks then saw.
+            failures.sort(key=lambda f: (not f.died,))
+            raise RemoteError(failures, results, what)
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+@atexit.register
+def _close_all():
+    for g in list(_open_groups):
+        try:
+            g.close(0.5)
+        except Exception:
+            pass

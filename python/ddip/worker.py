@@ -1,0 +1,238 @@
+"""A ranked worker: `python -m ddip.worker`, started by a Group's Coordinator.
+
+Runs an IPython InteractiveShell in __main__ and serves requests from the kernel until told to
+shut down. stdout/stderr are pipes read by the kernel's runtime (fd level, so C libraries'
+output is captured too); rich output and results travel as frames.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import traceback
+
+
+def _extend_sys_path():
+    # The notebook's sys.path, so modules it imports by reference import here too.
+    extra = os.environ.get("DDIP_SYS_PATH")
+    if extra:
+        for p in extra.split(os.pathsep):
+            if p and p not in sys.path:
+                sys.path.append(p)
+
+
+_extend_sys_path()
+
+from IPython.core.displayhook import DisplayHook  # noqa: E402
+from IPython.core.displaypub import DisplayPublisher  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+
+from ddip import _core  # noqa: E402
+from ddip.messages import RemoteValue, dumps, loads  # noqa: E402
+
+_endpoint = None  # set in main(); the display publisher sends through it
+_current_seq = 0
+_busy = False
+
+
+class RankDisplayHook(DisplayHook):
+    """Keeps the last expression's MIME bundle for the 'done' reply instead of printing Out[n]."""
+
+    def start_displayhook(self):
+        self.shell.ddip_format = None
+
+    def write_output_prompt(self):
+        pass
+
+    def write_format_data(self, format_dict, md_dict=None):
+        self.shell.ddip_format = (format_dict, md_dict or {})
+
+    def finish_displayhook(self):
+        pass
+
+
+class RankDisplayPublisher(DisplayPublisher):
+    """display() in a rank becomes a display frame to the kernel."""
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+        _send_display({"data": data, "metadata": metadata or {}, "transient": transient or {},
+                       "update": update})
+
+    def clear_output(self, wait=False):
+        _send_display({"clear": True, "wait": wait})
+
+
+def _send_display(msg):
+    if _endpoint is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    msg["seq"] = _current_seq
+    _endpoint.send(_core.DISPLAY, _current_seq, dumps(msg))
+
+
+class RankShell(InteractiveShell):
+    displayhook_class = RankDisplayHook
+    display_pub_class = RankDisplayPublisher
+
+    def init_io(self):
+        super().init_io()
+
+    def _showtraceback(self, etype, evalue, stb):
+        # Kept for the 'done' reply; the kernel shows it, labelled with the rank.
+        self.ddip_error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue),
+                           "traceback": list(stb), "exception": evalue}
+
+    def enable_gui(self, gui=None):
+        pass
+
+
+def _format_exception(shell, exc):
+    stb = shell.InteractiveTB.structured_traceback(type(exc), exc, exc.__traceback__)
+    return {"ename": type(exc).__name__, "evalue": str(exc), "traceback": list(stb), "exception": exc}
+
+
+def _reply(seq, reply):
+    if "error" in reply and reply["error"] is not None:
+        err = reply["error"]
+        try:
+            dumps(err.get("exception"))
+        except Exception:
+            err["exception"] = None
+    try:
+        payload = dumps(reply)
+    except Exception as exc:
+        if reply.get("op") == "run":
+            value = reply.get("value")
+            reply["value"] = RemoteValue(type(value).__name__, repr(value))
+            payload = dumps(reply)
+        else:
+            payload = dumps({"op": reply.get("op"), "value": None, "error": {
+                "ename": "PicklingError",
+                "evalue": f"the result could not be sent back to the notebook: {type(exc).__name__}: {exc}",
+                "traceback": [], "exception": None}})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _endpoint.send(_core.DONE, seq, payload)
+
+
+def _serve(shell, req):
+    op = req["op"]
+    if op == "run":
+        shell.ddip_format = None
+        shell.ddip_error = None
+        result = shell.run_cell(req["code"], store_history=True, silent=req.get("silent", False))
+        failed = result.error_before_exec is not None or result.error_in_exec is not None
+        error = None
+        if failed:
+            error = shell.ddip_error or _format_exception(shell, result.error_before_exec or result.error_in_exec)
+        fmt = shell.ddip_format
+        return {"op": op, "value": None if failed else result.result,
+                "format": fmt, "error": error, "execution_count": shell.execution_count - 1}
+    try:
+        if op == "apply":
+            fn, args, kwargs = loads(req["call"])
+            return {"op": op, "value": fn(*args, **kwargs), "error": None}
+        if op == "push":
+            shell.user_ns.update(loads(req["ns"]))
+            return {"op": op, "value": None, "error": None}
+        if op == "pull":
+            rank = os.environ.get("RANK", "?")
+            values = []
+            for name in req["names"]:
+                if name not in shell.user_ns:
+                    raise NameError(f"name '{name}' is not defined on rank {rank}")
+                values.append(shell.user_ns[name])
+            return {"op": op, "value": values, "error": None}
+        raise ValueError(f"unknown request {op!r}")
+    except KeyboardInterrupt as exc:
+        return {"op": op, "value": None, "error": _format_exception(shell, exc)}
+    except Exception as exc:
+        return {"op": op, "value": None, "error": _format_exception(shell, exc)}
+
+
+def _on_sigint(signum, frame):
+    # Ctrl-C in the notebook is forwarded here: it interrupts running code, never an idle rank.
+    if _busy:
+        raise KeyboardInterrupt
+
+
+def _init_torch(backend: str):
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def _shutdown_torch():
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def main():
+    global _endpoint, _current_seq, _busy
+    signal.signal(signal.SIGINT, _on_sigint)
+    from traitlets.config import Config
+
+    config = Config()
+    # No sqlite history file: it costs milliseconds per cell and ranks must not share one.
+    config.HistoryManager.enabled = False
+    shell = RankShell.instance(config=config)
+    shell.ddip_format = None
+    shell.ddip_error = None
+    # Rank code runs as the notebook's would: in __main__, with IPython's features.
+    sys.modules["__main__"] = shell.user_module
+    backend = os.environ.get("DDIP_BACKEND")
+    if backend:
+        _init_torch(backend)
+    hello = {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
+             "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
+    try:
+        while True:
+            try:
+                frame = _endpoint.recv(-1)
+            except _core.EndpointClosed:
+                break
+            kind, seq, payload = frame
+            if kind == _core.SHUTDOWN:
+                break
+            if kind != _core.REQUEST:
+                continue
+            _current_seq = seq
+            try:
+                req = loads(payload)
+                _busy = True
+                reply = _serve(shell, req)
+            except KeyboardInterrupt as exc:
+                reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
+            except Exception as exc:
+                reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
+            finally:
+                _busy = False
+            _reply(seq, reply)
+    finally:
+        try:
+            _shutdown_torch()
+        except Exception:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
