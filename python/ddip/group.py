@@ -290,10 +290,15 @@ class Group:
         (`ranks=` is taken by apply itself; the rest goes to fn.)"""
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
-        payload = {"op": "apply", "call": dumps((fn, args, kwargs))}
-        results = self._request(payload, ranks, None, None, None)
-        self._raise_failures(results, f"{getattr(fn, '__name__', 'function')}()")
-        return [r.value for r in results]
+        return self.apply_async(fn, *args, ranks=ranks, **kwargs).result()
+
+    def apply_async(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> "Pending":
+        """Starts fn(*args, **kwargs) on each rank and returns at once; Pending.result() waits.
+        Until then the group is busy: one request at a time."""
+        if not callable(fn):
+            raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
+        seq, slots = self._send({"op": "apply", "call": dumps((fn, args, kwargs))}, ranks)
+        return Pending(self, seq, slots, f"{getattr(fn, '__name__', 'function')}()")
 
     def push(self, mapping: dict | None = None, /, ranks: Iterable[int] | None = None, **values):
         """Copies variables into each selected rank's namespace: push(x=1) or push({'x': 1})."""
@@ -372,6 +377,10 @@ class Group:
             self._background(ev)
 
     def _request(self, req, ranks, on_output, on_display, timeout) -> list[RankResult]:
+        seq, slots = self._send(req, ranks)
+        return self._collect(seq, slots, on_output, on_display, timeout)
+
+    def _send(self, req, ranks) -> tuple[int, list[int]]:
         self._check_open()
         slots = self._slots(ranks)
         self._pump()
@@ -384,6 +393,10 @@ class Group:
         self._coord.send(slots, _core.REQUEST, seq, dumps(req))
         for s in slots:
             self._state[s] = "busy"
+        return seq, slots
+
+    def _collect(self, seq, slots, on_output, on_display, timeout) -> list[RankResult]:
+        self._check_open()
         results = {s: RankResult(rank=self.rank_ids[s]) for s in slots}
         pending = set(slots)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -476,6 +489,27 @@ class Group:
             # A death is the root cause of whatever the other ranks then saw.
             failures.sort(key=lambda f: (not f.died,))
             raise RemoteError(failures, results, what)
+
+
+class Pending:
+    """A request sent with apply_async; result() collects it (once)."""
+
+    def __init__(self, group: Group, seq: int, slots: list[int], what: str):
+        self._group, self._seq, self._slots, self._what = group, seq, slots, what
+        self._results: list[RankResult] | None = None
+
+    def results(self, on_output: Callable | None = None, on_display: Callable | None = None,
+                timeout: float | None = None) -> list[RankResult]:
+        """Waits for every rank; per-rank RankResults, errors included (nothing is raised)."""
+        if self._results is None:
+            self._results = self._group._collect(self._seq, self._slots, on_output, on_display, timeout)
+        return self._results
+
+    def result(self, on_output: Callable | None = None, timeout: float | None = None) -> list:
+        """Waits for every rank; their return values in rank order, or RemoteError."""
+        results = self.results(on_output=on_output, timeout=timeout)
+        Group._raise_failures(results, self._what)
+        return [r.value for r in results]
 
 
 def _rss_mb(pid: int) -> float | None:
