@@ -402,65 +402,36 @@ class Group:
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at = None
         timed_out = False
+
+        def interrupt_pending():
+            for s in pending:
+                self._coord.signal(s, signal.SIGINT)
+            return time.monotonic()
+
         while pending:
-            wait = 250.0
-            if interrupted_at is not None:
-                left = interrupted_at + INTERRUPT_GRACE_S - time.monotonic()
-                if left <= 0:
-                    break
-                wait = min(wait, left * 1000)
-            elif deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
-                    interrupted_at = time.monotonic()
-                    for s in pending:
-                        self._coord.signal(s, signal.SIGINT)
-                    continue
-                wait = min(wait, left * 1000)
+            # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
+            # ranks and keeps collecting their replies; a second one stops waiting.
             try:
+                wait = 250.0
+                if interrupted_at is not None:
+                    left = interrupted_at + INTERRUPT_GRACE_S - time.monotonic()
+                    if left <= 0:
+                        break
+                    wait = min(wait, left * 1000)
+                elif deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        timed_out = True
+                        interrupted_at = interrupt_pending()
+                        continue
+                    wait = min(wait, left * 1000)
                 ev = self._coord.next_event(wait)
+                if ev is not None:
+                    self._handle(ev, seq, results, pending, on_output, on_display)
             except KeyboardInterrupt:
                 if interrupted_at is not None:
-                    raise  # a second Ctrl-C: stop waiting; late replies are dropped by seq
-                interrupted_at = time.monotonic()
-                for s in pending:
-                    self._coord.signal(s, signal.SIGINT)
-                continue
-            if ev is None:
-                continue
-            kind, slot, a, b, data = ev
-            if kind == _OUTPUT and slot in pending:
-                text = data.decode(errors="replace")
-                r = results[slot]
-                if a == 1:
-                    r.stdout += text
-                else:
-                    r.stderr += text
-                if on_output is not None:
-                    on_output(r.rank, _STREAMS[a], text)
-            elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
-                pending.discard(slot)
-                self._state[slot] = "idle"
-                self._fill(results[slot], loads(data))
-            elif kind == _FRAME and a == _core.DISPLAY and slot in pending:
-                msg = loads(data)
-                if msg.get("seq") != seq:
-                    continue
-                if on_display is not None:
-                    on_display(self.rank_ids[slot], msg)
-                else:
-                    results[slot].displays.append(msg)
-            elif kind == _EXITED:
-                f = self._death(slot, a, b, data)
-                if slot in pending:
-                    pending.discard(slot)
-                    results[slot].error = f
-            elif kind == _FAILED:
-                self.close(0)
-                raise RuntimeError(data.decode(errors="replace"))
-            else:
-                self._background(ev)
+                    raise  # late replies are told apart by their sequence number and dropped
+                interrupted_at = interrupt_pending()
         if interrupted_at is not None:
             if pending:
                 ranks_left = ", ".join(str(self.rank_ids[s]) for s in sorted(pending))
@@ -471,6 +442,40 @@ class Group:
                                    f"rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)} were interrupted")
             raise KeyboardInterrupt(f"interrupted rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)}")
         return [results[s] for s in slots]
+
+    def _handle(self, ev, seq, results, pending, on_output, on_display):
+        kind, slot, a, b, data = ev
+        if kind == _OUTPUT and slot in pending:
+            text = data.decode(errors="replace")
+            r = results[slot]
+            if a == 1:
+                r.stdout += text
+            else:
+                r.stderr += text
+            if on_output is not None:
+                on_output(r.rank, _STREAMS[a], text)
+        elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
+            pending.discard(slot)
+            self._state[slot] = "idle"
+            self._fill(results[slot], loads(data))
+        elif kind == _FRAME and a == _core.DISPLAY and slot in pending:
+            msg = loads(data)
+            if msg.get("seq") != seq:
+                return
+            if on_display is not None:
+                on_display(self.rank_ids[slot], msg)
+            else:
+                results[slot].displays.append(msg)
+        elif kind == _EXITED:
+            f = self._death(slot, a, b, data)
+            if slot in pending:
+                pending.discard(slot)
+                results[slot].error = f
+        elif kind == _FAILED:
+            self.close(0)
+            raise RuntimeError(data.decode(errors="replace"))
+        else:
+            self._background(ev)
 
     @staticmethod
     def _fill(result: RankResult, reply: dict):

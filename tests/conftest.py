@@ -1,0 +1,60 @@
+import os
+import sys
+import time
+
+import pytest
+
+import ddip
+
+
+def children_of(pid: int) -> set[int]:
+    """Live (non-zombie) direct children of `pid`, read from /proc."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            out.add(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout=10.0):
+    """Polls `predicate` until it holds; False if it never did within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def group2():
+    with ddip.Group(n=2, backend=None) as g:
+        yield g
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workers():
+    """Every test leaves no worker of its own behind (module fixtures excepted)."""
+    before = children_of(os.getpid())
+    yield
+    assert wait_until(lambda: children_of(os.getpid()) <= before, 10), \
+        f"leftover child processes: {children_of(os.getpid()) - before}"
+
+
+requires_gpu = pytest.mark.skipif(ddip.group.gpu_count() == 0, reason="needs an NVIDIA GPU")
+PY = sys.executable

@@ -1,0 +1,309 @@
+"""ddip.Group end to end: real worker processes, real IPython shells, real torch.distributed."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ddip
+from conftest import PY, alive, children_of, requires_gpu, wait_until
+
+
+def test_run_returns_each_ranks_value_in_rank_order(group2):
+    res = group2.run("import os\nx = int(os.environ['RANK']) * 10\nx")
+    assert [r.rank for r in res] == [0, 1]
+    assert [r.value for r in res] == [0, 10]
+    assert group2.size == 2 and len(group2.pids) == 2
+
+
+def test_ranks_get_torchrun_environment(group2):
+    env = group2.apply(lambda: {k: os.environ.get(k) for k in
+                                ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                 "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")})
+    assert [e["RANK"] for e in env] == ["0", "1"]
+    assert [e["LOCAL_RANK"] for e in env] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in env} == {"2"} and {e["LOCAL_WORLD_SIZE"] for e in env} == {"2"}
+    assert {e["MASTER_ADDR"] for e in env} == {"127.0.0.1"}
+    assert {e["MASTER_PORT"] for e in env} == {str(group2.master_port)}
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in env} == {""}  # CPU ranks stay off GPUs
+
+
+def test_ranks_are_separate_processes_in_their_own_process_groups(group2):
+    pids = group2.apply(os.getpid)
+    assert pids == group2.pids and os.getpid() not in pids
+    assert [os.getpgid(p) for p in pids] == pids
+
+
+def test_output_streams_live_and_is_complete_before_the_result(group2):
+    seen = []
+    code = textwrap.dedent("""
+        import os, sys, subprocess
+        for i in range(200):
+            print(f"line {i}")
+        print("to stderr", file=sys.stderr)
+        os.write(1, b"from the fd\\n")                      # below Python: fd level
+        subprocess.run(["echo", "from a child process"])  # inherits the pipe
+        "value"
+    """)
+    res = group2.run(code, ranks=[1], on_output=lambda r, s, t: seen.append((r, s, t)))
+    assert res[0].value == "value"
+    out = res[0].stdout
+    assert out.startswith("line 0\nline 1\n") and "line 199\n" in out
+    assert "from the fd\n" in out and "from a child process\n" in out
+    assert res[0].stderr == "to stderr\n"
+    assert {r for r, _, _ in seen} == {1}
+    assert "".join(t for _, s, t in seen if s == "stdout") == out
+
+
+def test_carriage_return_progress_updates_are_kept(group2):
+    res = group2.run("import sys\nfor p in (10, 50, 100):\n    sys.stdout.write(f'{p}%\\r')\nprint()", ranks=[0])
+    assert res[0].stdout == "10%\r50%\r100%\r\n"
+
+
+def test_partial_line_is_delivered(group2):
+    res = group2.run("print('no newline', end='')", ranks=[0])
+    assert res[0].stdout == "no newline"
+
+
+def test_ipython_features_work_in_ranks(group2):
+    res = group2.run("%time y = sum(range(10))\ny", ranks=[0])
+    assert res[0].value == 45
+    assert "Wall time" in res[0].stdout
+    res = group2.run("from IPython.display import display, HTML\ndisplay(HTML('<b>hi</b>'))", ranks=[0])
+    assert res[0].displays[0]["data"]["text/html"] == "<b>hi</b>"
+    res = group2.run("[1, 2]", ranks=[0])
+    assert res[0].format[0]["text/plain"] == "[1, 2]"
+
+
+def test_display_callback_receives_rich_output(group2):
+    got = []
+    group2.run("from IPython.display import display, Markdown\ndisplay(Markdown('**m**'))",
+               on_display=lambda rank, msg: got.append((rank, msg["data"]["text/markdown"])))
+    assert sorted(got) == [(0, "**m**"), (1, "**m**")]
+
+
+def test_apply_passes_args_and_kwargs(group2):
+    assert group2.apply(lambda a, b=1: a + b, 1, b=2) == [3, 3]
+    assert group2.apply(lambda: int(os.environ["RANK"]), ranks=[1]) == [1]
+
+
+def test_push_and_pull(group2):
+    group2.push(y=[1, 2, 3])
+    group2.push({"z": 5}, ranks=[1])
+    group2.run("x = int(__import__('os').environ['RANK']) * 10")
+    assert group2.pull("x", rank=1) == 10
+    assert group2.pull(["x", "y"]) == [0, [1, 2, 3]]
+    assert group2.pull("z", rank=1) == 5
+
+
+def test_pull_of_a_missing_name_names_the_rank(group2):
+    group2.push({"only_on_1": 1}, ranks=[1])
+    with pytest.raises(ddip.RemoteError) as e:
+        group2.pull("only_on_1", rank=0)
+    assert "NameError" in str(e.value) and "not defined on rank 0" in str(e.value)
+
+
+def test_notebook_defined_functions_and_classes_travel_by_value(tmp_path):
+    # Defined in a real __main__ (a script), as they are in a notebook.
+    script = tmp_path / "nb.py"
+    script.write_text(textwrap.dedent("""
+        import ddip
+        class Scaler:
+            def __init__(self, k): self.k = k
+            def __call__(self, x): return self.k * x
+        def work(scaler, x):
+            import os
+            return scaler(x) + int(os.environ["RANK"])
+        with ddip.Group(n=2, backend=None) as g:
+            print(g.apply(work, Scaler(10), 4))
+            g.push(s=Scaler(3))
+            print([r.value for r in g.run("s(2)")])
+    """))
+    out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[40, 41]", "[6, 6]"]
+
+
+def test_remote_error_names_every_failing_rank_and_the_group_survives(group2):
+    group2.run("kept = 'still here'")
+    with pytest.raises(ddip.RemoteError) as e:
+        group2.run("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('bad rank')\n'ok'")
+    err = e.value
+    assert err.ranks == [1]
+    f = err.failures[0]
+    assert (f.rank, f.ename, f.evalue) == (1, "ValueError", "bad rank")
+    assert "raise ValueError('bad rank')" in ddip.errors.strip_ansi("\n".join(f.traceback))
+    assert "rank 1: ValueError: bad rank" in str(err)
+    assert [r.value for r in err.results] == ["ok", None]
+    assert [r.value for r in group2.run("kept")] == ["still here", "still here"]
+
+
+def test_exception_in_apply_carries_the_exception(group2):
+    def boom(x):
+        raise KeyError(x)
+    with pytest.raises(ddip.RemoteError) as e:
+        group2.apply(boom, "k")
+    assert e.value.ranks == [0, 1]
+    assert isinstance(e.value.failures[0].exception, KeyError)
+    assert "boom" in ddip.errors.strip_ansi("\n".join(e.value.failures[0].traceback))
+
+
+def test_interrupt_stops_running_code_and_keeps_the_namespace(group2):
+    group2.run("survivor = 42")
+
+    def on_output(rank, stream, text):
+        if "sleeping" in text:
+            group2.interrupt()
+
+    with pytest.raises(ddip.RemoteError) as e:
+        group2.run("import time\nprint('sleeping')\ntime.sleep(60)", on_output=on_output)
+    assert {f.ename for f in e.value.failures} == {"KeyboardInterrupt"}
+    assert [r.value for r in group2.run("survivor")] == [42, 42]
+
+
+def test_ctrl_c_in_the_caller_interrupts_every_rank(group2):
+    def on_output(rank, stream, text):
+        if "sleeping" in text:
+            os.kill(os.getpid(), signal.SIGINT)  # what the notebook's stop button does
+
+    with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
+        group2.run("import time\nprint('sleeping')\ntime.sleep(60)", ranks=[0], on_output=on_output)
+    assert [r.value for r in group2.run("1 + 1")] == [2, 2]
+
+
+def test_timeout_interrupts_and_raises(group2):
+    with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+        group2.run("import time\ntime.sleep(60)", timeout=0.5)
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+
+
+def test_status_reports_pid_device_state_memory(group2):
+    rows = group2.status()
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert [r["pid"] for r in rows] == group2.pids
+    assert {r["device"] for r in rows} == {"cpu"} and {r["state"] for r in rows} == {"idle"}
+    assert all(r["rss_mb"] > 1 for r in rows)
+
+
+def test_a_dying_rank_is_named_with_its_cause_and_restart_recovers():
+    with ddip.Group(n=2, backend=None) as g:
+        old = g.pids
+        with pytest.raises(ddip.RemoteError) as e:
+            g.run("import os, sys\nif os.environ['RANK'] == '1':\n"
+                  "    print('about to go', file=sys.stderr); sys.stderr.flush(); os._exit(3)\n")
+        f = e.value.failures[0]
+        assert (f.rank, f.died, f.exit_code, f.evalue) == (1, True, 3, "exit code 3")
+        assert "about to go" in f.stderr_tail and "about to go" in str(e.value)
+        with pytest.raises(RuntimeError, match=r"rank 1 is dead \(exit code 3\); call restart\(\)"):
+            g.run("1")
+        assert g.status()[1]["state"] == "dead"
+        g.restart()
+        assert set(g.pids).isdisjoint(old)
+        assert [r.value for r in g.run("7")] == [7, 7]
+
+
+def test_a_killed_rank_reports_the_signal():
+    with ddip.Group(n=2, backend=None) as g:
+        with pytest.raises(ddip.RemoteError) as e:
+            g.run("import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                  "import time\ntime.sleep(1)")
+        f = e.value.failures[0]
+        assert (f.rank, f.exit_signal, f.evalue) == (0, signal.SIGKILL, "killed by SIGKILL")
+
+
+def test_close_stops_every_worker_and_removes_the_runtime_dir():
+    g = ddip.Group(n=3, backend=None)
+    pids = g.pids
+    runtime_dir = os.path.dirname(g._coord.socket_path)
+    assert oct(os.stat(runtime_dir).st_mode & 0o777) == "0o700"
+    g.close()
+    assert not os.path.exists(runtime_dir)
+    assert not any(alive(p) for p in pids)
+    assert g.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        g.run("1")
+    g.close()  # idempotent
+
+
+def test_workers_die_with_the_kernel(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text("import ddip, sys, time\ng = ddip.Group(n=2, backend=None)\n"
+                      "print(*g.pids, flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        proc.kill()  # the kernel dies without closing anything
+        proc.wait()
+        assert wait_until(lambda: not any(alive(p) for p in pids), 10), "workers outlived the kernel"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "n must be a positive number of processes, got 0"),
+    (dict(n=-2), "n must be a positive number of processes"),
+    (dict(n="2"), "n must be a positive number of processes, got '2'"),
+    (dict(), "give n= (the number of CPU processes) or gpus="),
+    (dict(n=2, backend="mpi"), "backend='mpi' is not one of"),
+    (dict(n=2, backend="nccl"), "backend='nccl' needs GPUs"),
+    (dict(n=2, timeout=0), "timeout must be a positive number"),
+])
+def test_bad_input_is_a_clear_error_and_starts_nothing(kwargs, message):
+    before = children_of(os.getpid())
+    with pytest.raises(ValueError) as e:
+        ddip.Group(**kwargs)
+    assert message in str(e.value)
+    assert children_of(os.getpid()) == before
+
+
+@pytest.mark.skipif(ddip.group.gpu_count() > 0, reason="this machine has GPUs")
+def test_gpus_on_a_machine_without_gpus_suggests_cpu_ranks():
+    with pytest.raises(ValueError, match=r"no NVIDIA GPU; use n=2 \(for example\)"):
+        ddip.Group(gpus="all")
+    with pytest.raises(ValueError, match="GPU 5 does not exist"):
+        ddip.Group(gpus=[5])
+
+
+def test_gpu_list_parsing_rejects_duplicates_and_junk():
+    with pytest.raises(ValueError, match="lists a GPU twice"):
+        ddip.group.parse_gpus("0,0")
+    with pytest.raises(ValueError, match="is not a GPU list"):
+        ddip.group.parse_gpus("zero")
+
+
+def test_a_rank_that_fails_at_start_is_reported_with_its_stderr(tmp_path):
+    # A broken environment: the workers' interpreter dies before ddip's code runs.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nprint('broken site setup', file=sys.stderr)\nraise SystemExit(1)\n")
+    before = children_of(os.getpid())
+    with pytest.raises(ddip.StartError, match=r"rank \d exited while starting \(exit code 1\)") as e:
+        ddip.Group(n=2, backend=None, env={"PYTHONPATH": str(tmp_path)})
+    assert "broken site setup" in str(e.value)
+    assert wait_until(lambda: children_of(os.getpid()) <= before)
+
+
+def test_torch_distributed_gloo_is_initialized_in_every_rank():
+    pytest.importorskip("torch")
+    with ddip.Group(n=2) as g:  # backend="auto": gloo on CPU when torch is installed
+        assert g.backend == "gloo"
+        res = g.run("import torch, torch.distributed as dist\n"
+                    "t = torch.tensor([dist.get_rank() + 1.0])\ndist.all_reduce(t)\n"
+                    "(dist.get_backend(), dist.get_world_size(), t.item())")
+        assert [r.value for r in res] == [("gloo", 2, 3.0)] * 2
+
+
+@requires_gpu
+def test_gpu_list_in_any_order_maps_rank_i_to_the_ith_gpu():
+    n = ddip.group.gpu_count()
+    order = list(reversed(range(n)))
+    with ddip.Group(gpus=order, backend="nccl") as g:
+        res = g.run("import torch, torch.distributed as dist, os\n"
+                    "t = torch.ones(1, device='cuda') * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+                    "(os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.current_device(), t.item())")
+        expect_sum = n * (n + 1) / 2
+        assert [r.value for r in res] == [(",".join(map(str, order)), i, expect_sum) for i in range(n)]
