@@ -1,0 +1,618 @@
+"""IPython magics: %makedip, %%dip, %autodip, %dipush, %dipull, %dipstatus.
+
+    %load_ext ddip
+    %makedip -n 3
+    %%dip --see all
+    import os; print(os.environ["RANK"])
+
+One `DipMagics` instance per shell owns the group. Rank output is written to the notebook as it
+arrives; values, display() calls and tracebacks become the notebook's own display/error outputs.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import importlib.util
+import pkgutil
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import clear_output, publish_display_data
+
+from .errors import RemoteError, strip_ansi
+from .group import Group, _resolve_backend, parse_gpus
+
+NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
+_WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What %makedip was asked for; -r reuses it, overriding only the flags given again."""
+
+    n: int | None = None
+    gpus: tuple | None = None
+    backend: str = "auto"
+    timeout: float = 60.0
+    app: str | None = None
+
+    def describe(self) -> str:
+        where = f"-g {','.join(map(str, self.gpus))}" if self.gpus is not None else f"-n {self.n}"
+        return " ".join([where, f"--backend {self.backend}"] + ([f"-a {self.app}"] if self.app else []))
+
+
+class CellError(Exception):
+    """A %%dip cell failed. IPython's custom-exception hook shows `entries` (the ranks' own
+    tracebacks, merged) instead of a local traceback of the magic's internals, and the cell
+    still counts as failed, so "Run All" stops there."""
+
+    def __init__(self, message: str, entries=()):
+        super().__init__(message)
+        self.entries = list(entries)  # (ename, evalue, structured traceback lines)
+
+    def show(self, shell):
+        for ename, evalue, stb in self.entries:
+            shell._showtraceback(type(ename, (Exception,), {}), evalue, stb)
+
+
+def _header(text: str) -> str:
+    return f"\x1b[1;31m{text}\x1b[0m"
+
+
+def _failure_entries(failures) -> list:
+    """One entry per distinct traceback, naming every rank that raised it (root cause first)."""
+    merged: dict = {}
+    for f in failures:
+        if f.died:
+            body = [f"{f.ename}: {f.evalue}"]
+            if f.stderr_tail:
+                body.append("last lines of its stderr:\n" + f.stderr_tail.rstrip("\n"))
+        else:
+            body = list(f.traceback) or [f"{f.ename}: {f.evalue}"]
+        # Ranks that ran the same code number their cells alike, but don't count on it.
+        key = (f.ename, f.evalue, tuple(re.sub(r"In\[\d+\]", "In[*]", strip_ansi(l)) for l in body))
+        merged.setdefault(key, (f, body, []))[2].append(f.rank)
+    entries = []
+    for f, body, ranks in merged.values():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else \
+            f"ranks {', '.join(map(str, ranks))} (the same traceback on each)"
+        entries.append((f.ename, f.evalue, [_header(f"[{who}]")] + body))
+    return entries
+
+
+def _brief_entries(failures) -> list:
+    """For push/pull: the message alone; the worker's own frames would only confuse."""
+    return [(f.ename, f.evalue, [_header(f"[rank {f.rank}]"), f"{f.ename}: {f.evalue}"]) for f in failures]
+
+
+def _usage(fn) -> str:
+    # magic_arguments formats usage as reST ("::" and an indented block); show it plainly.
+    text = fn.parser.format_usage().replace("::", "")
+    return "usage: " + " ".join(text.split())
+
+
+def _unquote(text: str) -> str:
+    # IPython splits magic arguments without removing quotes: -a "--see all" arrives quoted.
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _known_apps() -> list[str]:
+    try:
+        apps = importlib.import_module("ddip.apps")
+    except ImportError:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(getattr(apps, "__path__", [])) if not m.name.startswith("_"))
+
+
+class _RankOutput:
+    """Writes the shown ranks' output into the notebook live, labelling it when the rank changes."""
+
+    def __init__(self, shown: list[int]):
+        self.shown = set(shown)
+        self.labelled = len(shown) > 1
+        self.last_rank = None
+        self.at_line_start = {"stdout": True, "stderr": True}
+
+    def _label(self, rank, stream_name):
+        if self.labelled and rank != self.last_rank:
+            stream = getattr(sys, stream_name)
+            if not self.at_line_start[stream_name]:
+                stream.write("\n")
+            stream.write(f"[rank {rank}]\n")
+            self.at_line_start[stream_name] = True
+        self.last_rank = rank
+
+    def on_output(self, rank, stream_name, text):
+        if rank not in self.shown or not text:
+            return
+        self._label(rank, stream_name)
+        stream = getattr(sys, stream_name)
+        stream.write(text)
+        stream.flush()  # live: send it now, not at ipykernel's next flush interval
+        self.at_line_start[stream_name] = text.endswith("\n")
+
+    def on_display(self, rank, msg):
+        if rank not in self.shown:
+            return
+        self._label(rank, "stdout")
+        # Keep display output after the text printed before it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if msg.get("clear"):
+            clear_output(wait=msg.get("wait", False))
+        else:
+            publish_display_data(msg["data"], msg.get("metadata") or {},
+                                 transient=msg.get("transient") or {}, update=msg.get("update", False))
+
+
+def show_value(rank: int, count, fmt):
+    """The last expression's value as Out[RANK:N]; rich bundles keep every MIME type."""
+    data, metadata = fmt
+    label = f"Out[{rank}:{count}]:"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if set(data) <= {"text/plain"}:
+        text = data.get("text/plain", "")
+        sep = "\n" if "\n" in text else " "  # as IPython does for multi-line reprs
+        publish_display_data({"text/plain": f"{label}{sep}{text}"}, metadata)
+    else:
+        publish_display_data({"text/plain": label})
+        publish_display_data(data, metadata)
+
+
+@magics_class
+class DipMagics(Magics):
+    """The ddip magics and the state they share: the group, its spec and %autodip."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.group: Group | None = None
+        self.spec: GroupSpec | None = None
+        self.autodip_args: str | None = None  # the %%dip flags while %autodip is on, else None
+        self.last_results = None  # RankResults of the last %%dip cell, for inspection
+        self._running_local = False  # a %%dip local body must not be rewritten by %autodip
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _group(self) -> Group:
+        if self.group is None or self.group.closed:
+            raise UsageError(NO_GROUP)
+        return self.group
+
+    @staticmethod
+    def _parse(fn, line: str):
+        usage = _usage(fn)
+        try:
+            return parse_argstring(fn, line)
+        except UsageError as exc:
+            raise UsageError(f"{exc}\n{usage}") from None
+        except ValueError as exc:  # unbalanced quotes
+            raise UsageError(f"cannot split the arguments ({exc})\n{usage}") from None
+
+    @staticmethod
+    def _usage_error(fn, message: str):
+        return UsageError(f"{message}\n{_usage(fn)}")
+
+    def _autodip_state(self) -> str:
+        if self.autodip_args is None:
+            return "autodip is off"
+        return f"autodip is on (cells run as %%dip {self.autodip_args})".replace(" )", ")")
+
+    # -- %makedip ---------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("-g", "--gpus", metavar="GPUS", help="one rank per listed GPU: 'all' or ids like 0,1,3 (in that order)")
+    @argument("-n", "--nprocs", metavar="NPROCS", type=int, help="this many CPU ranks")
+    @argument("-a", "--app", metavar="APP", help="set the group up for an app (ddip.apps.APP), e.g. fastai")
+    @argument("-r", "--restart", action="store_true", help="kill the group and start it again (new flags override)")
+    @argument("-k", "--kill", action="store_true", help="kill the group")
+    @argument("-i", "--info", action="store_true", help="print pids, rank -> device, backend, app and %%autodip")
+    @argument("-v", "--verbose", action="store_true", help="print progress while the group starts")
+    @argument("-t", "--timeout", metavar="TIMEOUT", type=float, help="seconds to wait for the group to come up (60)")
+    @argument("--backend", choices=["gloo", "nccl", "none", "auto"],
+              help="torch.distributed backend (auto: nccl on GPUs, gloo on CPU, none without torch)")
+    @line_magic
+    def makedip(self, line=""):
+        """Create (-n/-g), restart (-r), kill (-k) or describe (-i) the group of ranks."""
+        fn = self.makedip
+        args = self._parse(fn, line)
+        creating = args.gpus is not None or args.nprocs is not None
+        options = creating or args.app is not None or args.timeout is not None or args.backend is not None
+
+        if args.kill:
+            if args.restart or options or args.info:
+                raise self._usage_error(fn, "-k kills the group and takes no other flag (but -v)")
+            self._kill(args.verbose)
+            return
+
+        # Everything is checked before anything is stopped or started: bad input changes nothing.
+        spec = self._new_spec(fn, args, creating)
+        running = self.group is not None and not self.group.closed
+
+        if spec is None:  # no flags that make a group
+            if args.restart:
+                raise self._usage_error(fn, "-r: there is no group to restart; create one with -n N or -g all")
+            if args.info or running:
+                self._print_info()
+                return
+            raise self._usage_error(fn, "give -n N (N CPU ranks) or -g all / -g 0,1 (one rank per GPU)")
+
+        if running and not args.restart:
+            if spec == self.spec:
+                print(f"the group is already running ({spec.describe()}, pids {self.group.pids}); "
+                      f"%makedip -r restarts it")
+                if args.info:
+                    self._print_info()
+                return
+            raise self._usage_error(fn, f"a group is already running ({self.spec.describe()}): "
+                                        f"add -r to replace it with {spec.describe()}, or -k to kill it first")
+
+        if running:
+            self._kill(args.verbose, keep_autodip=True)
+        self._start(spec, args.verbose)
+        if args.info:
+            self._print_info()
+
+    def _new_spec(self, fn, args, creating) -> GroupSpec | None:
+        base = self.spec if (args.restart and self.spec is not None) else None
+        if base is None and not creating:
+            if args.app is not None or args.timeout is not None or args.backend is not None:
+                if not args.restart:
+                    raise self._usage_error(fn, "say how many ranks: add -n N (CPU) or -g all / -g 0,1 (GPUs)")
+            return None
+        spec = base or GroupSpec()
+        if creating:
+            gpus = None
+            if args.gpus is not None:
+                try:
+                    gpus = tuple(parse_gpus(args.gpus))
+                except ValueError as exc:
+                    raise self._usage_error(fn, f"-g {args.gpus}: {exc}") from None
+            n = args.nprocs
+            if n is not None and n < 1:
+                raise self._usage_error(fn, f"-n {n}: give a positive number of ranks")
+            if n is not None and gpus is not None and n != len(gpus):
+                raise self._usage_error(fn, f"-n {n} but -g lists {len(gpus)} GPUs; give one or the other")
+            spec = replace(spec, n=None if gpus is not None else n, gpus=gpus)
+        if args.backend is not None:
+            spec = replace(spec, backend=args.backend)
+        if args.timeout is not None:
+            if not args.timeout > 0:
+                raise self._usage_error(fn, f"-t {args.timeout:g}: give a positive number of seconds")
+            spec = replace(spec, timeout=args.timeout)
+        if args.app is not None:
+            spec = replace(spec, app=args.app)
+        try:
+            _resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus)
+        except ValueError as exc:
+            raise self._usage_error(fn, f"--backend {spec.backend}: {exc}") from None
+        if spec.app is not None:
+            known = _known_apps()
+            if spec.app not in known:
+                raise self._usage_error(fn, f"-a {spec.app}: no such app; known apps: "
+                                            f"{', '.join(known) if known else '(none installed)'}")
+        return spec
+
+    def _start(self, spec: GroupSpec, verbose: bool):
+        what = f"{len(spec.gpus)} GPU ranks" if spec.gpus is not None else f"{spec.n} CPU rank(s)"
+        if verbose:
+            print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
+        t0 = time.monotonic()
+        backend = None if spec.backend == "none" else spec.backend
+        group = Group(n=spec.n, gpus=list(spec.gpus) if spec.gpus is not None else None,
+                      backend=backend, timeout=spec.timeout)
+        self.group, self.spec = group, replace(spec, app=None)
+        if verbose:
+            print(f"ready in {time.monotonic() - t0:.1f} s: pids {group.pids}, backend {group.backend}", flush=True)
+        if spec.app is not None:
+            if verbose:
+                print(f"setting the group up for {spec.app} ...", flush=True)
+            module = importlib.import_module(f"ddip.apps.{spec.app}")
+            setup = getattr(module, "setup_group", None)
+            if setup is None:
+                raise UsageError(f"ddip.apps.{spec.app} has no setup_group(group); the group runs without it")
+            setup(group)
+            self.spec = spec  # the app counts only once its setup succeeded
+        if not verbose:
+            print(f"{what} ready: pids {group.pids}, backend {group.backend}" +
+                  (f", app {spec.app}" if spec.app else ""))
+
+    def _kill(self, verbose: bool, keep_autodip: bool = False):
+        if self.group is None or self.group.closed:
+            print("no group is running")
+            return
+        pids = self.group.pids
+        if verbose:
+            print(f"stopping ranks (pids {pids}) ...", flush=True)
+        self.group.close()
+        self.group = None
+        print(f"killed the group (pids {pids})")
+        if self.autodip_args is not None and not keep_autodip:
+            # Every following cell would fail with "no group"; the notebook runs locally again.
+            self._set_autodip(None)
+            print("autodip is now off")
+
+    def _print_info(self):
+        if self.group is None or self.group.closed:
+            print("no group is running")
+            print(self._autodip_state())
+            return
+        g = self.group
+        print(f"group: {self.spec.describe()}")
+        print(f"backend: {g.backend or 'none'}")
+        print(f"app: {self.spec.app or 'none'}")
+        print(f"pids: {g.pids}")
+        for rank in g.rank_ids:
+            print(f"  rank {rank} -> {g.device(rank)}")
+        print(self._autodip_state())
+
+    # -- %%dip ------------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("where", nargs="?", choices=["remote", "local", "everywhere"],
+              help="remote: the group (default); local: the notebook only; everywhere: the notebook, then the group")
+    @argument("--to", choices=["remote", "local", "both"], help="the same as `where` (both = everywhere)")
+    @argument("-S", "--see", metavar="all|none|RANKS", help="whose output to show: all, none or ranks like 0,2 (0)")
+    @argument("-q", "--quiet", action="store_true", help="show no rank's output (errors still show)")
+    @argument("--timeout", metavar="SECONDS", type=float, help="interrupt the ranks after this many seconds")
+    @argument("--push", metavar="VAR", nargs="+", help="(line magic) copy these notebook variables to every rank")
+    @line_cell_magic
+    def dip(self, line="", cell=None):
+        """Run a cell on the group's ranks (remote), in the notebook (local), or both (everywhere)."""
+        fn = self.dip
+        if cell is None and "--push" not in line:
+            raise self._usage_error(fn, "as a line magic %dip takes --push VAR ...; "
+                                        "to run code on the ranks, start the cell with %%dip")
+        args = self._parse(fn, line)
+        if cell is None:
+            if not args.push:
+                raise self._usage_error(fn, "as a line magic %dip takes --push VAR ...; "
+                                            "to run code on the ranks, start the cell with %%dip")
+            self._push(args.push)
+            return
+        if args.push:
+            raise self._usage_error(fn, "--push goes on a line of its own (%dip --push VAR); not with %%dip")
+        where = self._where(fn, args)
+        if where == "local":
+            self._run_local(cell)
+            return
+        group = self._group()
+        shown = self._shown(fn, args, group)
+        if args.timeout is not None and not args.timeout > 0:
+            raise self._usage_error(fn, f"--timeout {args.timeout:g}: give a positive number of seconds")
+        if where == "everywhere":
+            self._run_local(cell)
+        self._run_remote(group, cell, shown, args.timeout)
+
+    @staticmethod
+    def _where(fn, args) -> str:
+        where = args.where or "remote"
+        if args.to is not None:
+            to = _WHERE[args.to]
+            if args.where is not None and to != where:
+                raise DipMagics._usage_error(fn, f"'{args.where}' and --to {args.to} disagree; give one")
+            where = to
+        return where
+
+    @staticmethod
+    def _shown(fn, args, group) -> list[int]:
+        if args.quiet:
+            if args.see not in (None, "none"):
+                raise DipMagics._usage_error(fn, f"-q shows no rank; it contradicts --see {args.see}")
+            return []
+        see = _unquote(args.see or str(group.rank_ids[0])).lower()
+        if see == "all":
+            return list(group.rank_ids)
+        if see == "none":
+            return []
+        try:
+            ranks = [int(r) for r in see.split(",") if r.strip()]
+        except ValueError:
+            raise DipMagics._usage_error(fn, f"--see {args.see}: give all, none or ranks like 0,2") from None
+        bad = [r for r in ranks if r not in group.rank_ids]
+        if bad or not ranks:
+            raise DipMagics._usage_error(fn, f"--see {args.see}: the group's ranks are "
+                                             f"{', '.join(map(str, group.rank_ids))}")
+        return sorted(set(ranks), key=ranks.index)
+
+    def _run_local(self, cell: str):
+        self._running_local = True
+        try:
+            result = self.shell.run_cell(cell, store_history=False)
+        finally:
+            self._running_local = False
+        if not result.success:
+            # The notebook's own traceback has been shown; fail the cell without adding to it.
+            raise CellError("the cell failed in the notebook; it did not run on the ranks")
+
+    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout):
+        out = _RankOutput(shown)
+        error = None
+        try:
+            results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout)
+        except RemoteError as exc:
+            results, error = exc.results or [], exc
+        except KeyboardInterrupt as exc:
+            # Group.run has already interrupted every rank and waited for them; no need for a
+            # traceback of our own frames. (Raised again as a CellError so the cell counts as failed.)
+            msg = str(exc) or "interrupted"
+            raise CellError(msg, [("KeyboardInterrupt", msg, [_header("KeyboardInterrupt"), msg])]) from None
+        except TimeoutError as exc:
+            raise CellError(str(exc), [("TimeoutError", str(exc), [_header("TimeoutError"), str(exc)])]) from None
+        except RuntimeError as exc:  # a dead rank: the group must be restarted
+            text = str(exc).replace("call restart()", "run %makedip -r")
+            raise CellError(text, [("RankDied", text, [_header("RankDied"), text])]) from None
+        self.last_results = results
+        for r in results:
+            if r.rank in out.shown and r.ok and r.format is not None:
+                show_value(r.rank, r.execution_count, r.format)
+        if error is not None:
+            raise CellError(str(error).splitlines()[0], _failure_entries(error.failures)) from None
+
+    # -- %autodip ---------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("state", nargs="?", choices=["on", "off"], help="on: every cell runs as %%%%dip; off: as written")
+    @argument("-a", "--args", default="", metavar='"..."',
+              help='%%%%dip flags for every cell, e.g. -a "--see all" (or --args=-q)')
+    @line_magic
+    def autodip(self, line=""):
+        """Run every following cell as if it began with %%dip (a cell starting with % runs as written)."""
+        fn = self.autodip
+        args = self._parse(fn, line)
+        args.args = _unquote(args.args)
+        if args.state is None:
+            if args.args:
+                raise self._usage_error(fn, "-a goes with on: %autodip on -a \"--see all\"")
+            print(self._autodip_state())
+            return
+        if args.state == "off":
+            if args.args:
+                raise self._usage_error(fn, "-a goes with on, not off")
+            self._set_autodip(None)
+            print(self._autodip_state())
+            return
+        self._group()
+        # Check the flags now, so a typo fails here rather than in every following cell.
+        dip_args = self._parse(self.dip, args.args)
+        if dip_args.push:
+            raise self._usage_error(fn, "--push is not a cell flag; use %dipush VAR")
+        self._where(self.dip, dip_args)
+        self._shown(self.dip, dip_args, self._group())
+        self._set_autodip(args.args.strip())
+        print(self._autodip_state())
+
+    def _set_autodip(self, dip_args: str | None):
+        transforms = self.shell.input_transformers_cleanup
+        if self._autodip_transform in transforms:
+            transforms.remove(self._autodip_transform)
+        self.autodip_args = dip_args
+        if dip_args is not None:
+            # Cleanup transforms run before IPython turns %%magics into calls, so the rewritten
+            # cell is an ordinary %%dip cell.
+            transforms.append(self._autodip_transform)
+
+    def _autodip_transform(self, lines: list[str]) -> list[str]:
+        if self.autodip_args is None or self._running_local or not lines:
+            return lines
+        if lines[0].startswith("%") or not "".join(lines).strip():
+            return lines
+        return [f"%%dip {self.autodip_args}".rstrip() + "\n"] + lines
+
+    # -- %dipush / %dipull / %dipstatus -----------------------------------------------------
+
+    @magic_arguments()
+    @argument("names", nargs="+", metavar="VAR", help="notebook variables to copy to every rank")
+    @line_magic
+    def dipush(self, line=""):
+        """Copy notebook variables into every rank's namespace."""
+        args = self._parse(self.dipush, line)
+        self._push(args.names)
+
+    def _push(self, names: list[str]):
+        group = self._group()
+        bad = [n for n in names if not n.isidentifier()]
+        if bad:
+            raise UsageError(f"not variable names: {', '.join(bad)}")
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)}; nothing was pushed")
+        try:
+            group.push({n: self.shell.user_ns[n] for n in names})
+        except RemoteError as exc:
+            raise CellError(str(exc).splitlines()[0], _brief_entries(exc.failures)) from None
+
+    @magic_arguments()
+    @argument("-r", "--rank", type=int, default=None, metavar="RANK", help="the rank to copy from (default: 0)")
+    @argument("names", nargs="+", metavar="VAR", help="rank variables to copy into the notebook")
+    @line_magic
+    def dipull(self, line=""):
+        """Copy variables from rank 0 (or -r RANK) into the notebook."""
+        args = self._parse(self.dipull, line)
+        group = self._group()
+        rank = group.rank_ids[0] if args.rank is None else args.rank
+        if rank not in group.rank_ids:
+            raise self._usage_error(self.dipull, f"-r {rank}: the group's ranks are "
+                                                 f"{', '.join(map(str, group.rank_ids))}")
+        bad = [n for n in args.names if not n.isidentifier()]
+        if bad:
+            raise UsageError(f"not variable names: {', '.join(bad)}")
+        try:
+            values = group.pull(args.names, rank=rank)
+        except RemoteError as exc:
+            raise CellError(str(exc).splitlines()[0], _brief_entries(exc.failures)) from None
+        self.shell.user_ns.update(zip(args.names, values))
+
+    @line_magic
+    def dipstatus(self, line=""):
+        """A table of the ranks: pid, device, state (idle / busy / dead), memory, heartbeat."""
+        if line.strip():
+            raise UsageError(f"%dipstatus takes no arguments (got {line.strip()!r})")
+        rows = self._group().status()
+        header = ["rank", "pid", "device", "state", "memory", "heartbeat"]
+        table = [[str(r["rank"]), str(r["pid"]), r["device"], r["state"],
+                  "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f} MiB",
+                  "-" if r["heartbeat_ms"] is None or r["heartbeat_ms"] < 0 else f"{r['heartbeat_ms'] / 1000:.1f} s ago"]
+                 for r in rows]
+        widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+        text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + table)
+        cells = lambda tag, row: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
+        markup = ("<table><thead><tr>" + cells("th", header) + "</tr></thead><tbody>"
+                  + "".join("<tr>" + cells("td", row) + "</tr>" for row in table) + "</tbody></table>")
+        publish_display_data({"text/plain": text, "text/html": markup})
+
+    def close(self):
+        self._set_autodip(None)
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+_magics: DipMagics | None = None
+_previous_exc = None  # the shell's custom exception handling before ours, restored on unload
+
+
+def _install_exc_handler(shell):
+    global _previous_exc
+    _previous_exc = (shell.custom_exceptions, shell.CustomTB)
+    prev_types, prev_handler = _previous_exc
+
+    def handler(shell, etype, value, tb, tb_offset=None):
+        if isinstance(value, CellError):
+            value.show(shell)
+            return []
+        return prev_handler(etype, value, tb, tb_offset)
+
+    shell.set_custom_exc(tuple(t for t in prev_types if t is not CellError) + (CellError,), handler)
+
+
+def load_ipython_extension(ip):
+    global _magics
+    if _magics is not None and _magics.shell is ip:
+        return
+    _magics = DipMagics(ip)
+    ip.register_magics(_magics)
+    _install_exc_handler(ip)
+
+
+def unload_ipython_extension(ip):
+    global _magics, _previous_exc
+    if _magics is None:
+        return
+    _magics.close()
+    if _previous_exc is not None:
+        ip.custom_exceptions, ip.CustomTB = _previous_exc
+        _previous_exc = None
+    for kind in ("line", "cell"):
+        for name in ("makedip", "dip", "autodip", "dipush", "dipull", "dipstatus"):
+            ip.magics_manager.magics[kind].pop(name, None)
+    _magics = None

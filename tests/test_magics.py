@@ -1,0 +1,436 @@
+"""The notebook magics, driven through a real ipykernel with jupyter_client.
+
+One kernel (and, mostly, one 3-rank group with backend none) is shared by the whole module;
+tests that change the group's life cycle come last and leave a group behind for nobody.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import pytest
+from jupyter_client import KernelManager
+
+from ddip.errors import strip_ansi
+
+KERNEL_NAME = "ddip-test"
+GROUP = "%makedip -n 3 --backend none"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def install_kernelspec(root) -> str:
+    """A kernelspec for this interpreter (the .venv's), under root/kernels; returns JUPYTER_PATH."""
+    spec = root / "kernels" / KERNEL_NAME
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "ddip test", "language": "python"}))
+    return str(root)
+
+
+class Cell:
+    """What one execute_request produced: outputs in arrival order, and the execute_reply."""
+
+    def __init__(self, outputs, reply):
+        self.outputs = outputs
+        self.reply = reply
+
+    def stream(self, name="stdout") -> str:
+        return "".join(o["text"] for o in self.outputs if o["type"] == "stream" and o["name"] == name)
+
+    def of_type(self, kind) -> list:
+        return [o for o in self.outputs if o["type"] == kind]
+
+    @property
+    def plain(self) -> list[str]:
+        return [o["data"].get("text/plain", "") for o in self.outputs if o["type"] in ("display_data", "execute_result")]
+
+    @property
+    def ok(self) -> bool:
+        return self.reply["status"] == "ok"
+
+
+class Kernel:
+    def __init__(self, km, kc):
+        self.km, self.kc = km, kc
+
+    def run(self, code: str, timeout: float = 120, on_output=None) -> Cell:
+        """Executes code; on_output(output) is called as each output arrives (mid-cell)."""
+        msg_id = self.kc.execute(code)
+        outputs = []
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"cell did not finish within {timeout} s; outputs so far: {outputs}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except Exception:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status":
+                if content["execution_state"] == "idle":
+                    break
+                continue
+            if kind == "stream":
+                out = {"type": "stream", "name": content["name"], "text": content["text"]}
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                out = {"type": kind, "data": content["data"], "metadata": content.get("metadata", {})}
+            elif kind == "error":
+                out = {"type": "error", "ename": content["ename"], "evalue": content["evalue"],
+                       "traceback": content["traceback"]}
+            elif kind == "clear_output":
+                out = {"type": "clear_output"}
+            else:
+                continue
+            outputs.append(out)
+            if on_output is not None:
+                on_output(out)
+        while True:
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return Cell(outputs, reply["content"])
+
+    def pids(self) -> list[int]:
+        cell = self.run("print(get_ipython().magics_manager.registry['DipMagics'].group.pids)")
+        return json.loads(cell.stream())
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jupyter")
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = install_kernelspec(root)
+    km = KernelManager(kernel_name=KERNEL_NAME)
+    try:
+        km.start_kernel(cwd=str(root))
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        k = Kernel(km, kc)
+        assert k.run("%load_ext ddip").ok
+        yield k
+        k.run("%makedip -k")
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=False)
+        if old is None:
+            os.environ.pop("JUPYTER_PATH", None)
+        else:
+            os.environ["JUPYTER_PATH"] = old
+
+
+@pytest.fixture
+def k(kernel):
+    """The shared kernel with the shared 3-rank group running (started once, reused)."""
+    cell = kernel.run(GROUP)
+    if not cell.ok and "already running" in cell.stream("stderr"):  # a test resized it
+        cell = kernel.run(GROUP.replace("%makedip", "%makedip -r"))
+    assert cell.ok, cell.outputs
+    return kernel
+
+
+def usage_error(cell: Cell) -> str:
+    assert not cell.ok, cell.outputs
+    err = cell.stream("stderr")
+    assert "UsageError" in err, cell.outputs
+    return err
+
+
+# -- before any group --------------------------------------------------------------------------
+
+def test_magics_without_a_group_say_how_to_make_one(kernel):
+    for code in ["%%dip\nprint('ran')", "%dipush x", "%dipull x", "%dipstatus", "%autodip on"]:
+        kernel.run("x = 1")
+        cell = kernel.run(code)
+        assert "no group: run %makedip -n 2 (or -g all) first" in usage_error(cell), code
+        assert "ran" not in cell.stream()
+
+
+def test_makedip_needs_a_size(kernel):
+    err = usage_error(kernel.run("%makedip --backend none"))
+    assert "-n N" in err and "usage: %makedip" in err
+
+
+# -- running cells -----------------------------------------------------------------------------
+
+def test_makedip_starts_three_ranks_and_info_describes_them(k):
+    cell = k.run("%makedip -i")
+    text = cell.stream()
+    assert "backend: none" in text and "app: none" in text
+    for rank in range(3):
+        assert f"rank {rank} -> cpu" in text
+    assert "autodip is off" in text
+    assert len(k.pids()) == 3
+    # The same command again is harmless: it says the group is there.
+    assert "already running" in k.run(GROUP).stream()
+
+
+def test_output_streams_live_while_the_cell_runs(k, tmp_path):
+    gate = tmp_path / "gate"
+    seen = []
+
+    def on_output(out):
+        seen.append(out)
+        if out["type"] == "stream" and "first" in out["text"]:
+            gate.touch()  # only now may the rank go on to print "second"
+
+    code = (f"%%dip\nimport os, time\nprint('first', flush=True)\n"
+            f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\nprint('second')")
+    cell = k.run(code, timeout=60, on_output=on_output)
+    assert cell.ok
+    streams = [o["text"] for o in cell.of_type("stream")]
+    assert any("first" in s and "second" not in s for s in streams), streams
+    assert "second" in cell.stream()
+
+
+def test_only_rank_0_is_shown_by_default(k):
+    cell = k.run("%%dip\nimport os\nprint('hello from', os.environ['RANK'])")
+    assert cell.stream() == "hello from 0\n"
+
+
+def test_see_all_labels_each_rank(k):
+    cell = k.run("%%dip --see all\nimport os, time\nr = int(os.environ['RANK'])\n"
+                 "time.sleep(0.2 * r)\nprint('hello from', r)")
+    text = cell.stream()
+    for r in range(3):
+        assert f"[rank {r}]\nhello from {r}\n" in text, text
+
+
+def test_see_some_ranks_and_quiet(k):
+    cell = k.run("%%dip -S 0,2\nimport os\nprint('hello from', os.environ['RANK'])\n1")
+    text = cell.stream()
+    assert "hello from 0" in text and "hello from 2" in text and "hello from 1" not in text
+    assert "[rank 2]" in text
+    assert len(cell.plain) == 2
+    quiet = k.run("%%dip -q\nprint('hello')\n1")
+    assert quiet.ok and quiet.stream() == "" and quiet.plain == []
+    none = k.run("%%dip --see none\nprint('hello')")
+    assert none.ok and none.stream() == ""
+
+
+def test_last_value_is_shown_as_out_rank_count(k):
+    first = k.run("%%dip\n40 + 2")
+    [text] = first.plain
+    m = re.fullmatch(r"Out\[0:(\d+)\]: 42", text)
+    assert m, text
+    second = k.run("%%dip --see all\nimport os\nint(os.environ['RANK']) * 10")
+    n = int(m.group(1)) + 1
+    assert second.plain == [f"Out[0:{n}]: 0", f"Out[1:{n}]: 10", f"Out[2:{n}]: 20"]
+    assert k.run("%%dip\nx = 1").plain == []  # no value, no Out
+
+
+def test_rich_values_keep_their_mime_types(k):
+    cell = k.run("%%dip\nfrom IPython.display import HTML\nHTML('<b>bold</b>')")
+    [label, value] = cell.of_type("display_data")
+    assert re.fullmatch(r"Out\[0:\d+\]:", label["data"]["text/plain"])
+    assert value["data"]["text/html"] == "<b>bold</b>"
+
+
+def test_display_html_reaches_the_notebook(k):
+    cell = k.run("%%dip\nfrom IPython.display import HTML, display\nprint('before')\n"
+                 "display(HTML('<i>rich</i>'))\nprint('after')")
+    assert cell.stream() == "before\nafter\n"
+    [shown] = cell.of_type("display_data")
+    assert shown["data"]["text/html"] == "<i>rich</i>"
+
+
+@pytest.mark.xfail(reason="runtime: a rank's display frames and its stdout pipe are read independently, "
+                          "so prints around a display() can arrive on either side of it", strict=False)
+def test_display_keeps_its_place_among_prints(k):
+    for _ in range(5):
+        cell = k.run("%%dip\nfrom IPython.display import HTML, display\nprint('before')\n"
+                     "display(HTML('<i>rich</i>'))\nprint('after')")
+        assert [o["type"] for o in cell.outputs] == ["stream", "display_data", "stream"], cell.outputs
+
+
+def test_matplotlib_figure_arrives_as_png(k):
+    cell = k.run("%%dip\n%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 3, 2]);")
+    assert cell.ok, cell.outputs
+    pngs = [o for o in cell.of_type("display_data") if "image/png" in o["data"]]
+    assert len(pngs) == 1, cell.outputs
+
+
+def test_identical_tracebacks_are_merged_with_their_ranks(k):
+    cell = k.run("%%dip\ndef f():\n    raise ValueError('boom')\nf()")
+    assert not cell.ok and cell.reply["evalue"]
+    [err] = cell.of_type("error")
+    text = strip_ansi("\n".join(err["traceback"]))
+    assert "ranks 0, 1, 2 (the same traceback on each)" in text
+    assert "ValueError" in text and "boom" in text and "raise ValueError" in text
+    assert err["ename"] == "ValueError"
+    # Nothing about the magic's own frames in the notebook.
+    everything = json.dumps(cell.outputs)
+    assert "magics.py" not in everything and "run_cell_magic" not in everything
+
+
+def test_different_tracebacks_are_shown_per_rank(k):
+    cell = k.run("%%dip\nimport os\nr = int(os.environ['RANK'])\nif r > 0:\n    raise KeyError(f'rank{r}')\nr")
+    errors = cell.of_type("error")
+    assert [e["evalue"] for e in errors] == ["'rank1'", "'rank2'"]
+    assert "[rank 1]" in errors[0]["traceback"][0]
+    assert cell.plain and cell.plain[0].endswith(": 0")  # rank 0 succeeded: its Out is shown
+    assert k.run("%%dip\n'still usable'").ok
+
+
+def test_interrupt_stops_every_rank_and_the_group_stays_usable(k):
+    started = []
+
+    def on_output(out):
+        if out["type"] == "stream" and "sleeping" in out["text"] and not started:
+            started.append(True)
+            k.km.interrupt_kernel()
+
+    cell = k.run("%%dip\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)", timeout=50,
+                 on_output=on_output)
+    assert started and not cell.ok
+    [err] = cell.of_type("error")
+    assert err["ename"] == "KeyboardInterrupt" and "0, 1, 2" in err["evalue"]
+    after = k.run("%%dip --see all\n'after'")
+    assert after.ok and len(after.plain) == 3
+
+
+def test_timeout_interrupts_the_ranks(k):
+    cell = k.run("%%dip --timeout 0.5\nimport time\ntime.sleep(60)", timeout=50)
+    [err] = cell.of_type("error")
+    assert err["ename"] == "TimeoutError"
+    assert k.run("%%dip\n1").ok
+
+
+def test_local_and_everywhere(k):
+    assert k.run("%%dip local\nonly_here = 1").ok
+    assert k.run("only_here").ok
+    assert k.run("%%dip\n'only_here' in globals()").plain[0].endswith(": False")
+    cell = k.run("%%dip everywhere\nboth = 2\nprint('ran')")
+    assert cell.stream() == "ran\nran\n"  # the notebook's, then rank 0's
+    assert k.run("%%dip --to remote\nboth").plain[0].endswith(": 2")
+    assert k.run("both").ok
+    assert k.run("%%dip --to both\nboth += 1").ok
+    assert k.run("print(both)").stream() == "3\n"
+
+
+def test_local_failure_does_not_run_remotely(k):
+    cell = k.run("%%dip everywhere\nmarker = 'set'\n1/0")
+    assert not cell.ok
+    assert cell.of_type("error")[0]["ename"] == "ZeroDivisionError"
+    assert k.run("%%dip\n'marker' in globals()").plain[0].endswith(": False")
+
+
+def test_autodip_runs_cells_remotely_until_off(k):
+    on = k.run('%autodip on -a "--see all"')
+    assert "autodip is on (cells run as %%dip --see all)" in on.stream()
+    cell = k.run("import os\nprint('rank', os.environ.get('RANK'))")
+    for r in range(3):
+        assert f"rank {r}" in cell.stream()
+    # A first line starting with % runs as written.
+    local = k.run("%%dip local\nimport os\nprint('local', os.environ.get('RANK'))")
+    assert local.stream() == "local None\n"
+    assert "autodip is on" in k.run("%autodip").stream()
+    assert "autodip is on" in k.run("%makedip -i").stream()
+    assert "autodip is off" in k.run("%autodip off").stream()
+    assert k.run("import os\nprint('rank', os.environ.get('RANK'))").stream() == "rank None\n"
+    assert "autodip is off" in k.run("%autodip").stream()
+
+
+def test_autodip_rejects_bad_args_and_stays_off(k):
+    err = usage_error(k.run('%autodip on -a "--see 9"'))
+    assert "--see 9" in err
+    assert "autodip is off" in k.run("%autodip").stream()
+    assert k.run("import os\nprint(os.environ.get('RANK'))").stream() == "None\n"
+
+
+def test_push_and_pull_round_trip(k):
+    assert k.run("a = {'x': [1, 2]}\nb = 'text'").ok
+    assert k.run("%dipush a b").ok
+    cell = k.run("%%dip --see all\nimport os\na['x'].append(int(os.environ['RANK']))\nc = (a, b)")
+    assert cell.ok, cell.outputs
+    assert k.run("%dipull c").ok
+    assert k.run("print(c)").stream() == "({'x': [1, 2, 0]}, 'text')\n"
+    assert k.run("%dipull -r 2 c").ok
+    assert k.run("print(c)").stream() == "({'x': [1, 2, 2]}, 'text')\n"
+    assert k.run("d = 7\n%dip --push d").ok
+    assert k.run("%%dip --see all\nd").plain[-1].endswith(": 7")
+
+
+def test_push_and_pull_errors(k):
+    assert "not defined in the notebook: nope" in usage_error(k.run("%dipush nope"))
+    assert "-r 5" in usage_error(k.run("%dipull -r 5 a"))
+    cell = k.run("%dipull missing_on_rank")
+    assert not cell.ok
+    [err] = cell.of_type("error")
+    assert err["ename"] == "NameError" and "missing_on_rank" in err["evalue"]
+
+
+def test_dipstatus_table(k):
+    cell = k.run("%dipstatus")
+    [table] = cell.of_type("display_data")
+    text = table["data"]["text/plain"]
+    lines = text.splitlines()
+    assert lines[0].split()[:5] == ["rank", "pid", "device", "state", "memory"]
+    pids = k.pids()
+    for r, pid in enumerate(pids):
+        row = lines[1 + r].split()
+        assert row[:4] == [str(r), str(pid), "cpu", "idle"] and "MiB" in text
+    assert "<table>" in table["data"]["text/html"]
+
+
+@pytest.mark.parametrize("code, needle", [
+    ("%makedip -n 3 --backend bogus", "invalid choice"),
+    ("%makedip -n 4", "already running"),
+    ("%makedip -g all", "-g all"),
+    ("%makedip -n 0 -r", "-n 0"),
+    ("%makedip -r -a nosuchapp", "known apps"),
+    ("%makedip -k -n 2", "-k"),
+    ("%makedip --frobnicate", "unrecognized arguments"),
+    ("%%dip --see 7\nprint('ran')", "--see 7"),
+    ("%%dip --bogus\nprint('ran')", "unrecognized arguments"),
+    ("%%dip local --to remote\nprint('ran')", "disagree"),
+    ("%%dip sideways\nprint('ran')", "invalid choice"),
+    ("%dip print(1)", "%%dip"),
+    ("%autodip maybe", "invalid choice"),
+])
+def test_bad_flags_raise_usage_error_and_change_nothing(k, code, needle):
+    before = k.pids()
+    cell = k.run(code)
+    err = usage_error(cell)
+    assert needle in err and "usage:" in err, err
+    assert "ran" not in cell.stream()
+    assert k.pids() == before
+
+
+# -- life cycle (last: these replace the shared group) -----------------------------------------
+
+def test_restart_gives_new_pids_and_keeps_options(k):
+    before = k.pids()
+    cell = k.run("%makedip -r -v")
+    assert cell.ok and "ready in" in cell.stream()
+    after = k.pids()
+    assert len(after) == 3 and not set(after) & set(before)
+    assert not any(_alive(p) for p in before)
+    resized = k.run("%makedip -r -n 2 -t 30")
+    assert resized.ok and len(k.pids()) == 2
+    assert "-n 2 --backend none" in k.run("%makedip -i").stream()
+
+
+def test_kill_ends_every_rank(k):
+    pids = k.pids()
+    assert all(_alive(p) for p in pids)
+    k.run('%autodip on')
+    cell = k.run("%makedip -k")
+    assert cell.ok and "killed the group" in cell.stream() and "autodip is now off" in cell.stream()
+    assert not any(_alive(p) for p in pids)
+    assert "no group" in usage_error(k.run("%%dip\n1"))
+    assert "no group is running" in k.run("%makedip -k").stream()
