@@ -425,6 +425,36 @@ def test_restart_gives_new_pids_and_keeps_options(k):
     assert "-n 2 --backend none" in k.run("%makedip -i").stream()
 
 
+def test_a_dead_rank_is_reported_and_restart_recovers(k):
+    import signal
+    pids = k.pids()
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "dead" not in k.run("%dipstatus").plain[0]:  # the runtime notices the death on its own time
+        assert time.monotonic() < deadline, "rank 1 never showed up as dead"
+    row = [line for line in k.run("%dipstatus").plain[0].splitlines() if line.startswith("1 ")][0]
+    assert row.split()[3] == "dead"
+    cell = k.run("%%dip\nprint('ran')")
+    [err] = cell.of_type("error")
+    assert "rank 1 is dead" in err["evalue"] and "%makedip -r" in err["evalue"]
+    assert "ran" not in cell.stream()
+    assert k.run("%makedip -r").ok
+    assert len(k.run("%%dip --see all\n1").plain) == 3
+
+
+def test_app_preset_sets_the_group_up(k, tmp_path):
+    app = tmp_path / "dip_test_app.py"
+    app.write_text("def setup_group(group):\n    group.run(\"APP_READY = 'yes'\")\n")
+    # ddip.apps is where app presets live; make this test's one findable there.
+    assert k.run(f"import ddip.apps\nddip.apps.__path__.append({str(tmp_path)!r})").ok
+    cell = k.run("%makedip -r -a dip_test_app")
+    assert cell.ok, cell.outputs
+    assert "app: dip_test_app" in k.run("%makedip -i").stream()
+    assert k.run("%%dip --see all\nAPP_READY").plain[-1].endswith(": 'yes'")
+    err = usage_error(k.run("%makedip -r -a nosuch"))
+    assert "dip_test_app" in err  # the known apps are listed
+
+
 def test_kill_ends_every_rank(k):
     pids = k.pids()
     assert all(_alive(p) for p in pids)

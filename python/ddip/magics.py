@@ -312,7 +312,7 @@ class DipMagics(Magics):
                       backend=backend, timeout=spec.timeout)
         self.group, self.spec = group, replace(spec, app=None)
         if verbose:
-            print(f"ready in {time.monotonic() - t0:.1f} s: pids {group.pids}, backend {group.backend}", flush=True)
+            print(f"ready in {time.monotonic() - t0:.1f} s: pids {group.pids}, backend {group.backend or 'none'}", flush=True)
         if spec.app is not None:
             if verbose:
                 print(f"setting the group up for {spec.app} ...", flush=True)
@@ -323,7 +323,7 @@ class DipMagics(Magics):
             setup(group)
             self.spec = spec  # the app counts only once its setup succeeded
         if not verbose:
-            print(f"{what} ready: pids {group.pids}, backend {group.backend}" +
+            print(f"{what} ready: pids {group.pids}, backend {group.backend or 'none'}" +
                   (f", app {spec.app}" if spec.app else ""))
 
     def _kill(self, verbose: bool, keep_autodip: bool = False):

@@ -1,0 +1,107 @@
+"""examples/user_guide.ipynb, executed through a real kernel with nbclient.
+
+    python tests/test_magics_notebook.py --write    # re-executes it and saves its outputs into the file
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_magics import KERNEL_NAME, install_kernelspec  # noqa: E402
+
+from ddip.errors import strip_ansi  # noqa: E402
+
+GUIDE = Path(__file__).resolve().parent.parent / "examples" / "user_guide.ipynb"
+
+
+def execute_guide():
+    """The guide with fresh outputs, run on this interpreter's kernel; cells tagged
+    raises-exception may fail, any other failing cell raises CellExecutionError."""
+    nb = nbformat.read(GUIDE, as_version=4)
+    with tempfile.TemporaryDirectory() as root:
+        old = os.environ.get("JUPYTER_PATH")
+        os.environ["JUPYTER_PATH"] = install_kernelspec(Path(root))
+        try:
+            NotebookClient(nb, timeout=300, kernel_name=KERNEL_NAME, record_timing=False,
+                           resources={"metadata": {"path": str(GUIDE.parent)}}).execute()
+        finally:
+            if old is None:
+                os.environ.pop("JUPYTER_PATH", None)
+            else:
+                os.environ["JUPYTER_PATH"] = old
+    # Saved as written for users: their own python3 kernel, not the test's.
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("display_data", "execute_result"):
+            parts.append(out.data.get("text/plain", "") + "\n")
+        elif out.output_type == "error":
+            parts.append(strip_ansi("\n".join(out.traceback)) + "\n")
+    return "".join(parts)
+
+
+def _cell(nb, starts: str):
+    [cell] = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(starts)]
+    return cell
+
+
+def test_user_guide_runs_and_shows_every_feature():
+    nb = execute_guide()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        failed = any(o.output_type == "error" for o in cell.outputs) or "UsageError" in _text(cell)
+        assert failed == ("raises-exception" in cell.metadata.get("tags", [])), (cell.source, _text(cell))
+
+    assert "rank 2 -> cpu" in _text(_cell(nb, "%makedip -i"))
+    assert _text(_cell(nb, '%%dip\nimport os')) == "hello from rank 0 of 3\n"
+    see_all = _text(_cell(nb, "%%dip --see all\nprint"))
+    assert all(f"[rank {r}]\nhello from rank {r} of 3" in see_all for r in range(3))
+    assert _text(_cell(nb, "%%dip -q")) == ""
+    reduced = _text(_cell(nb, "%%dip --see all\nimport torch"))
+    assert all(f"Out[{r}:" in reduced for r in range(3)) and reduced.count("tensor([6.])") == 3
+
+    rich = _cell(nb, "%%dip\nfrom IPython.display")
+    assert sum("text/html" in o.get("data", {}) for o in rich.outputs) == 2
+    plot = _cell(nb, "%%dip\n%matplotlib inline")
+    assert any("image/png" in o.get("data", {}) for o in plot.outputs)
+
+    merged = [o for o in _cell(nb, "%%dip\ndef train_step").outputs if o.output_type == "error"]
+    assert len(merged) == 1 and "ranks 0, 1, 2" in strip_ansi(merged[0].traceback[0])
+    split = [o for o in _cell(nb, "%%dip\nif rank > 0").outputs if o.output_type == "error"]
+    assert [o.ename for o in split] == ["KeyError", "KeyError"]
+
+    assert "from rank 2: 19900" in _text(_cell(nb, "%dipull result"))
+    auto = _text(_cell(nb, 'print(f"rank {rank}: batch_size'))
+    assert all(f"rank {r}: batch_size=64" in auto for r in range(3))
+    assert "this one ran in the notebook" in _text(_cell(nb, "%%dip local\nprint(\"this one"))
+    assert "idle" in _text(_cell(nb, "%dipstatus"))
+    assert "invalid choice: 'mpi'" in _text(_cell(nb, "%makedip -n 3 --backend mpi"))
+    assert "fresh namespace: False" in _text(_cell(nb, "%%dip --see all\n\"fresh"))
+
+
+def main(argv):
+    if argv != ["--write"]:
+        print(__doc__)
+        return 2
+    nb = execute_guide()
+    nbformat.write(nb, GUIDE)
+    print(f"wrote {GUIDE} with its outputs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
