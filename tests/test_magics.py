@@ -455,6 +455,14 @@ def test_app_preset_sets_the_group_up(k, tmp_path):
     assert "dip_test_app" in err  # the known apps are listed
 
 
+def test_a_group_that_does_not_come_up_in_time_is_reported(k):
+    cell = k.run("%makedip -r -t 0.001")
+    [err] = cell.of_type("error")
+    assert err["ename"] == "StartError" and "-t SECONDS" in err["evalue"]
+    assert "no group is running" in k.run("%makedip -i").stream()
+    assert k.run("%makedip -r -t 30").ok and len(k.pids()) == 3
+
+
 def test_kill_ends_every_rank(k):
     pids = k.pids()
     assert all(_alive(p) for p in pids)
@@ -464,3 +472,11 @@ def test_kill_ends_every_rank(k):
     assert not any(_alive(p) for p in pids)
     assert "no group" in usage_error(k.run("%%dip\n1"))
     assert "no group is running" in k.run("%makedip -k").stream()
+    # Unloading the extension takes the magics (and any group) away; loading brings them back.
+    assert k.run("%makedip -n 2 --backend none").ok
+    pids = k.pids()
+    assert k.run("%unload_ext ddip").ok
+    assert not any(_alive(p) for p in pids)
+    assert not k.run("%makedip -i").ok
+    assert k.run("%load_ext ddip").ok
+    assert "no group is running" in k.run("%makedip -i").stream()

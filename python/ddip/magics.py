@@ -25,7 +25,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import clear_output, publish_display_data
 
-from .errors import RemoteError, strip_ansi
+from .errors import RemoteError, StartError, strip_ansi
 from .group import Group, _resolve_backend, parse_gpus
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
@@ -258,6 +258,8 @@ class DipMagics(Magics):
 
         if running:
             self._kill(args.verbose, keep_autodip=True)
+        elif args.restart and self.group is not None:
+            self.group = None  # closed behind our back (group.close() in a cell): start afresh
         self._start(spec, args.verbose)
         if args.info:
             self._print_info()
@@ -308,9 +310,16 @@ class DipMagics(Magics):
             print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
         t0 = time.monotonic()
         backend = None if spec.backend == "none" else spec.backend
-        group = Group(n=spec.n, gpus=list(spec.gpus) if spec.gpus is not None else None,
-                      backend=backend, timeout=spec.timeout)
-        self.group, self.spec = group, replace(spec, app=None)
+        # Remembered even if the start fails, so `%makedip -r` (perhaps with -t) tries it again.
+        self.spec = replace(spec, app=None)
+        try:
+            group = Group(n=spec.n, gpus=list(spec.gpus) if spec.gpus is not None else None,
+                          backend=backend, timeout=spec.timeout)
+        except StartError as exc:
+            text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
+            text += "\n(no group is running; %makedip -r tries again)"
+            raise CellError(text, [("StartError", text, [_header("StartError"), text])]) from None
+        self.group = group
         if verbose:
             print(f"ready in {time.monotonic() - t0:.1f} s: pids {group.pids}, backend {group.backend or 'none'}", flush=True)
         if spec.app is not None:
@@ -444,7 +453,7 @@ class DipMagics(Magics):
         except KeyboardInterrupt as exc:
             # Group.run has already interrupted every rank and waited for them; no need for a
             # traceback of our own frames. (Raised again as a CellError so the cell counts as failed.)
-            msg = str(exc) or "interrupted"
+            msg = (str(exc) or "interrupted").replace("g.restart() ends them", "%makedip -r ends them")
             raise CellError(msg, [("KeyboardInterrupt", msg, [_header("KeyboardInterrupt"), msg])]) from None
         except TimeoutError as exc:
             raise CellError(str(exc), [("TimeoutError", str(exc), [_header("TimeoutError"), str(exc)])]) from None
