@@ -7,8 +7,10 @@
 
 from .errors import RankFailure, RemoteError, StartError
 from .group import Group, RankResult
+from .launch import ranch, torchddp_launch, TorchDDPCtx, import_star
 
 __all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "StartError"]
+__all__ += ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
 __version__ = "0.1.0"
 
 

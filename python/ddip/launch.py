@@ -1,0 +1,699 @@
+"""One-shot launches: `ranch()` runs a function on ranked processes, the notebook as one of them.
+
+    import ddip
+    def train(lr):
+        import os
+        return int(os.environ["RANK"]) * lr
+    ddip.ranch(3, train, 0.1)          # [0.0, 0.1, 0.2]; the notebook ran rank 0
+
+Children are fresh `ddip.worker` processes (never forks of the notebook) started by a `Group`
+for this launch only and stopped before `ranch` returns. The first failure in any rank (an
+exception or a death) stops the others at once, so a peer blocked in a collective gets its
+connections closed and returns; the notebook is never left waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import selectors
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback as _traceback
+from typing import Callable, Iterable
+
+from .errors import RankFailure, RemoteError
+from .group import Group, free_port, parse_gpus
+from .messages import dumps, loads
+
+__all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
+
+# After the first failure, how long ranks that already finished get to send their reply
+# (their traceback) before they are killed too.
+STOP_GRACE_S = 10.0
+# After Ctrl-C in the notebook, how long the child ranks get to show where they were.
+INTERRUPT_GRACE_S = 3.0
+# After another rank failed, how long the notebook's fn may take to end by itself before it is
+# interrupted.
+INTERRUPT_DELAY_S = 0.5
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# -- the public API -----------------------------------------------------------------------------
+
+
+def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather: bool = True,
+          ctx=None, need="", imports: str = "", **kwargs):
+    """Runs fn(*args, **kwargs) on `nprocs` ranked processes and returns the results.
+
+    caller_rank: the rank the notebook itself plays (0 by default), or None for all children.
+    gather: True returns every rank's value in rank order; False only the caller's (or rank 0's).
+    ctx: a context manager entered in every rank around fn (picklable with cloudpickle),
+        e.g. TorchDDPCtx().
+    need: notebook globals copied into each child's __main__ ("model data" or "model, data").
+    imports: code run in each child's __main__ first ("import numpy as np").
+
+    Raises RemoteError naming the first failing rank (the root cause), then the others."""
+    return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
+                  need=need, imports=imports, caller_globals=sys._getframe(1).f_globals)
+
+
+def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
+    """ranch(nprocs, fn, *args, ctx=TorchDDPCtx(), gather=False, **kwargs): fn runs with
+    torch.distributed initialized (gloo on CPU); returns the notebook's (rank 0's) value."""
+    for reserved in ("ctx", "gather"):
+        if reserved in kwargs:
+            raise TypeError(f"torchddp_launch sets {reserved}= itself; call ranch() to choose it")
+    opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports") if k in kwargs}
+    return _ranch(nprocs, fn, args, kwargs, ctx=TorchDDPCtx(), gather=False,
+                  caller_globals=sys._getframe(1).f_globals, **opts)
+
+
+def import_star(modules, ns: dict | None = None) -> list[str]:
+    """`from mod import *` as a function (allowed inside functions), into `ns` — the caller's
+    globals by default. Honours each module's __all__. Returns the names bound."""
+    if isinstance(modules, str):
+        modules = [modules]
+    if ns is None:
+        ns = sys._getframe(1).f_globals
+    bound = []
+    for name in modules:
+        mod = importlib.import_module(name)
+        names = getattr(mod, "__all__", None)
+        if names is None:
+            names = [n for n in vars(mod) if not n.startswith("_")]
+        for n in names:
+            ns[n] = getattr(mod, n)
+            bound.append(n)
+    return bound
+
+
+class TorchDDPCtx:
+    """Sets up torch.distributed in each rank around the launched function, and tears it down.
+
+    backend: 'gloo' or 'nccl' (default: nccl with GPUs, gloo without).
+    gpus: GPU ids, in any order ([3, 2]: rank 0 on GPU 3, rank 1 on GPU 2), 'all', or None for CPU.
+    port: MASTER_PORT (default: the launch's free port). timeout: collective timeout in seconds.
+
+    Child ranks see CUDA_VISIBLE_DEVICES set to the GPU list and use device LOCAL_RANK, so code
+    that does model.to(rank) lands on the listed GPU. The notebook can't change its CUDA view once
+    CUDA has started, so as a rank it selects its GPU by physical id; there use
+    torch.cuda.current_device() (or `ctx.device`), not the rank number, as the device."""
+
+    def __init__(self, backend: str | None = None, gpus=None, port: int | None = None, *,
+                 timeout: float | None = None):
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend={backend!r} is not one of 'gloo', 'nccl' or None (automatic)")
+        self.gpus = parse_gpus(gpus) if gpus is not None else None
+        if backend == "nccl" and not self.gpus:
+            raise ValueError("backend='nccl' needs GPUs: pass gpus=[...] (or use backend='gloo' on CPU)")
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ValueError(f"port must be a TCP port number, got {port!r}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.backend = backend or ("nccl" if self.gpus else "gloo")
+        self.port = port
+        self.timeout = timeout
+        self.device = None
+
+    def __repr__(self):
+        return f"TorchDDPCtx(backend={self.backend!r}, gpus={self.gpus}, port={self.port})"
+
+    def __enter__(self):
+        import torch
+        import torch.distributed as dist
+
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if self.port is not None:
+            os.environ["MASTER_PORT"] = str(self.port)
+        elif "MASTER_PORT" not in os.environ:
+            if world > 1:
+                raise RuntimeError("MASTER_PORT is not set: run under ddip.ranch(), or pass port=")
+            os.environ["MASTER_PORT"] = str(free_port())
+        self.device = self._select_device(torch, rank)
+        kw = {}
+        if self.timeout is not None:
+            from datetime import timedelta
+
+            kw["timeout"] = timedelta(seconds=self.timeout)
+        dist.init_process_group(self.backend, rank=rank, world_size=world, **kw)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        import torch.distributed as dist
+
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            if self.gpus and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        return False
+
+    def _select_device(self, torch, rank: int):
+        if not self.gpus:
+            return torch.device("cpu")
+        if rank >= len(self.gpus):
+            raise RuntimeError(f"rank {rank} has no GPU: only {len(self.gpus)} listed ({self.gpus})")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if "DDIP_SLOT" in os.environ and not torch.cuda.is_initialized():
+            # A fresh ddip worker: CUDA hasn't started, so its view can still be set.
+            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+            index = local_rank
+        else:
+            # The notebook (or a process whose CUDA has started): pick the GPU by physical id.
+            gpu = self.gpus[local_rank]
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            index = gpu
+            if visible is not None and visible.strip() != "":
+                try:
+                    ids = [int(v) for v in visible.split(",") if v.strip()]
+                except ValueError:
+                    ids = None  # UUIDs: indices are all we can go by
+                if ids is not None:
+                    if gpu not in ids:
+                        raise RuntimeError(f"GPU {gpu} is hidden from this process "
+                                           f"(CUDA_VISIBLE_DEVICES={visible})")
+                    index = ids.index(gpu)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
+
+# -- the launch ---------------------------------------------------------------------------------
+
+
+def _parse_need(need) -> list[str]:
+    if need is None:
+        return []
+    if isinstance(need, str):
+        names = need.replace(",", " ").split()
+    else:
+        try:
+            names = list(need)
+        except TypeError:
+            raise TypeError(f"need must be names separated by spaces or commas, got {need!r}") from None
+    bad = [n for n in names if not (isinstance(n, str) and n.isidentifier())]
+    if bad:
+        raise ValueError(f"need names variables; {bad!r} {'is' if len(bad) == 1 else 'are'} not a name")
+    return list(dict.fromkeys(names))
+
+
+def _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals):
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive number of processes, got {nprocs!r}")
+    if not callable(fn):
+        raise TypeError(f"ranch needs a function to run, got {type(fn).__name__} {fn!r}")
+    if caller_rank is not None and (isinstance(caller_rank, bool) or not isinstance(caller_rank, int)
+                                    or not 0 <= caller_rank < nprocs):
+        raise ValueError(f"caller_rank must be None or a rank from 0 to {nprocs - 1}, got {caller_rank!r}")
+    if ctx is not None and not (hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__")):
+        raise TypeError(f"ctx must be a context manager (with __enter__ and __exit__), got {ctx!r}")
+    if not isinstance(imports, str):
+        raise TypeError(f"imports must be code as a string, got {type(imports).__name__}")
+    if imports.strip():
+        try:
+            compile(imports, "<ranch imports>", "exec")
+        except SyntaxError as exc:
+            raise ValueError(f"imports is not valid Python: {exc}") from None
+    names = _parse_need(need)
+    missing = [n for n in names if n not in caller_globals]
+    if missing:
+        raise ValueError(f"need names {', '.join(map(repr, missing))}, which the notebook has not defined")
+    return {n: caller_globals[n] for n in names}
+
+
+def _pickled(what, obj) -> bytes:
+    try:
+        return dumps(obj)
+    except Exception as exc:
+        raise TypeError(f"{what} can't be sent to the ranks (cloudpickle failed: "
+                        f"{type(exc).__name__}: {exc})") from exc
+
+
+def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, need="", imports="",
+           caller_globals=None):
+    # Everything is checked, and everything that travels is pickled, before anything starts.
+    needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
+    child_ranks = [r for r in range(nprocs) if r != caller_rank]
+    call = _pickled("fn, its arguments or ctx", (fn, args, kwargs, ctx)) if child_ranks else b""
+    if needed and child_ranks:
+        for name, value in needed.items():
+            _pickled(f"need={name!r}", value)
+    launch = _Launch(nprocs, caller_rank, child_ranks)
+    try:
+        return launch.run(fn, args, kwargs, ctx, call, needed, imports, gather)
+    finally:
+        launch.cleanup()
+
+
+class _Launch:
+    """One ranch() call: the children's Group, the failure watch, and the notebook's own rank."""
+
+    def __init__(self, nprocs, caller_rank, child_ranks):
+        self.nprocs = nprocs
+        self.caller_rank = caller_rank
+        self.child_ranks = child_ranks
+        self.group: Group | None = None
+        self.watch: _Watch | None = None
+        self.lock = threading.Lock()
+        self.failed_at: dict[int, tuple[float, str]] = {}  # rank -> (monotonic time, "raised"/"died")
+        self.first_failure_at: float | None = None
+        self.finished: set[int] = set()  # child ranks whose fn returned or raised
+        self.stopped: set[int] = set()  # child ranks we killed because another failed
+        self.pids: dict[int, int] = {}
+        self.main_in_fn = False
+        self.interrupt_sent = False
+        self.interrupt_seen = False
+        self.main_ident = None
+        self.saved_env: dict[str, str] | None = None
+
+    # The notebook's environment is restored exactly, whatever fn or ctx did to it.
+    def _set_env(self, rank, port):
+        self.saved_env = dict(os.environ)
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nprocs),
+                           "LOCAL_WORLD_SIZE": str(self.nprocs), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})
+
+    def _restore_env(self):
+        saved, self.saved_env = self.saved_env, None
+        if saved is None:
+            return
+        for k in [k for k in os.environ if k not in saved]:
+            del os.environ[k]
+        for k, v in saved.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
+
+    def run(self, fn, args, kwargs, ctx, call, needed, imports, gather):
+        port = None
+        if self.child_ranks:
+            self.watch = _Watch(self)
+            self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
+                               rank_ids=self.child_ranks)
+            port = self.group.master_port
+            self.pids = dict(zip(self.child_ranks, self.group.pids))
+            out = _LabelledOutput()
+            if imports.strip():
+                self.group.run(imports, on_output=out)
+            if needed:
+                self.group.push(needed)
+            pending = self.group.apply_async(_rank_main, call, self.watch.path)
+            self.watch.start()
+        if self.caller_rank is None:
+            results = self._collect(pending, out)
+            own = None
+        else:
+            collector = None
+            if self.child_ranks:
+                collector = _Collector(self, pending, out)
+                collector.start()
+            self._set_env(self.caller_rank, port or free_port())
+            try:
+                own = self._run_caller(fn, args, kwargs, ctx)
+            finally:
+                self._restore_env()
+            results = self._join(collector) if collector else []
+        return self._finish(results, own, gather)
+
+    # -- the notebook's own rank ------------------------------------------------------------------
+
+    def _run_caller(self, fn, args, kwargs, ctx):
+        """Runs fn as the caller's rank: ("ok", value) or ("error", exc, formatted traceback)."""
+        if threading.current_thread() is threading.main_thread():
+            self.main_ident = threading.get_ident()
+
+        def body(*a, **kw):
+            # Our interrupt (another rank failed) is only ever delivered inside here, never
+            # while ctx sets up or tears down.
+            with self.lock:
+                self.main_in_fn = True
+            try:
+                return fn(*a, **kw)
+            except KeyboardInterrupt:
+                if self.interrupt_sent:
+                    self.interrupt_seen = True
+                raise
+            finally:
+                try:
+                    with self.lock:
+                        self.main_in_fn = False
+                    if self.interrupt_sent and not self.interrupt_seen:
+                        # Sent while fn ran, not yet raised: take it here, before ctx exits.
+                        deadline = time.monotonic() + 1.0
+                        while time.monotonic() < deadline:
+                            time.sleep(0.005)
+                except KeyboardInterrupt:
+                    if not self.interrupt_sent or self.interrupt_seen:
+                        raise
+                    self.interrupt_seen = True
+
+        def on_error():
+            exc = sys.exc_info()[1]
+            if isinstance(exc, KeyboardInterrupt) and self.interrupt_sent:
+                return  # ours: another rank failed first
+            self.failure(self.caller_rank, "raised")
+
+        try:
+            return ("ok", _call(body, args, kwargs, ctx, on_error))
+        except BaseException as exc:
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+                tb = tb.tb_next  # start at the user's code, not at ours
+            return ("error", exc, _traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+    def _interrupt_main(self):
+        """Gives the notebook control back when its fn waits, in Python, for a rank that failed.
+        (A wait inside gloo ends by itself: the failed rank's peers are killed, so their
+        connections close.) A moment's delay lets fn end by itself first."""
+        with self.lock:
+            if not self.main_in_fn or self.interrupt_sent or self.main_ident is None:
+                return
+        timer = threading.Timer(INTERRUPT_DELAY_S, self._send_interrupt)
+        timer.daemon = True
+        timer.start()
+
+    def _send_interrupt(self):
+        with self.lock:
+            if not self.main_in_fn or self.interrupt_sent or self.main_ident is None:
+                return
+            if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                return  # only where SIGINT means KeyboardInterrupt, as in a kernel running a cell
+            self.interrupt_sent = True
+            signal.pthread_kill(self.main_ident, signal.SIGINT)
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def failure(self, rank: int, kind: str):
+        """A rank raised or died: stop every child still running fn, at once."""
+        with self.lock:
+            if rank in self.stopped:
+                return  # one we killed
+            self.failed_at.setdefault(rank, (time.monotonic(), kind))
+            if self.first_failure_at is None:
+                self.first_failure_at = time.monotonic()
+            if rank in self.child_ranks:
+                self.finished.add(rank)
+            victims = [r for r in self.child_ranks if r not in self.finished and r not in self.stopped]
+            self.stopped.update(victims)
+        self._kill(victims, signal.SIGKILL)
+        if rank != self.caller_rank:
+            self._interrupt_main()
+
+    def finished_ok(self, rank: int):
+        with self.lock:
+            self.finished.add(rank)
+
+    def _kill(self, ranks, sig):
+        for r in ranks:
+            pid = self.pids.get(r)
+            if pid is not None and _is_our_child(pid):
+                try:
+                    os.killpg(pid, sig)
+                except OSError:
+                    pass
+
+    # -- collecting -------------------------------------------------------------------------------
+
+    def _collect(self, pending, out):
+        results = pending.results(on_output=out)
+        if any(not r.ok for r in results) or self.first_failure_at is not None:
+            # Ranks that raised may still hold connections their peers wait on.
+            self.group.close(0)
+        return results
+
+    def _join(self, collector: "_Collector"):
+        try:
+            while collector.is_alive():
+                collector.join(0.1)
+                with self.lock:
+                    started = self.first_failure_at
+                if started is not None and time.monotonic() - started > STOP_GRACE_S:
+                    # Failed ranks that never replied (stuck in ctx.__exit__, say): kill them too.
+                    with self.lock:
+                        rest = [r for r in self.child_ranks if r not in self.stopped]
+                        self.stopped.update(r for r in rest if r not in self.failed_at)
+                    self._kill(rest, signal.SIGKILL)
+                    collector.join()
+        except KeyboardInterrupt:
+            # Ctrl-C while the children are still busy: show where they were, then stop them.
+            self._kill(self.child_ranks, signal.SIGINT)
+            collector.join(INTERRUPT_GRACE_S)
+            with self.lock:
+                self.stopped.update(self.child_ranks)
+            self._kill(self.child_ranks, signal.SIGKILL)
+            collector.join()
+            raise
+        if collector.error is not None:
+            raise collector.error
+        return collector.results
+
+    def _finish(self, results, own, gather):
+        failures = []
+        for r in results:
+            f = r.error
+            if f is None:
+                continue
+            if r.rank in self.stopped and r.rank not in self.failed_at:
+                first = self._root_rank()
+                f = RankFailure(rank=r.rank, ename="Stopped",
+                                evalue=f"stopped after rank {first} failed" if first is not None else "stopped",
+                                stderr_tail=f.stderr_tail, exit_code=f.exit_code, exit_signal=f.exit_signal)
+            failures.append(f)
+        if own is not None and own[0] == "error":
+            exc = own[1]
+            ours = isinstance(exc, KeyboardInterrupt) and self.interrupt_sent
+            if isinstance(exc, KeyboardInterrupt) and not ours:
+                raise exc  # the user's Ctrl-C: the children are already stopped
+            first = self._root_rank()
+            if ours:
+                failures.append(RankFailure(rank=self.caller_rank, ename="Stopped",
+                                            evalue=f"interrupted after rank {first} failed"))
+            else:
+                failures.append(RankFailure(rank=self.caller_rank, ename=type(exc).__name__, evalue=str(exc),
+                                            traceback=[l.rstrip("\n") for l in own[2]], exception=exc))
+        if failures:
+            failures.sort(key=self._failure_order)
+            err = RemoteError(failures, results, f"{_name_of_call(self)}")
+            root = failures[0]
+            if root.rank == self.caller_rank and own is not None and own[0] == "error":
+                raise err from own[1]
+            raise err
+        values = {r.rank: r.value for r in results}
+        if own is not None:
+            values[self.caller_rank] = own[1]
+        if gather:
+            return [values[r] for r in range(self.nprocs)]
+        return values[self.caller_rank if self.caller_rank is not None else 0]
+
+    def _root_rank(self):
+        if not self.failed_at:
+            return None
+        return min(self.failed_at, key=lambda r: (self.failed_at[r][1] != "died", self.failed_at[r][0]))
+
+    def _failure_order(self, f: RankFailure):
+        # Deaths first (a dead peer is what the others then trip over), then by time; ranks
+        # stopped by us last.
+        if f.ename == "Stopped":
+            return (2, 0.0, f.rank)
+        t, kind = self.failed_at.get(f.rank, (float("inf"), "raised"))
+        return (0 if (f.died or kind == "died") else 1, t, f.rank)
+
+    def cleanup(self):
+        self._restore_env()
+        if self.group is not None:
+            self.group.close(0.5)
+            self.group = None
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+
+def _name_of_call(launch) -> str:
+    return "ranch"
+
+
+def _is_our_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+class _LabelledOutput:
+    """Children's output, written to the notebook live, each line labelled with its rank."""
+
+    def __init__(self):
+        self._at_line_start: dict[tuple[int, str], bool] = {}
+
+    def __call__(self, rank, stream, text):
+        key = (rank, stream)
+        label = f"[rank {rank}] "
+        parts = []
+        start = self._at_line_start.get(key, True)
+        for line in text.splitlines(keepends=True):
+            parts.append((label if start else "") + line)
+            start = line.endswith("\n")
+        self._at_line_start[key] = start
+        dest = sys.stdout if stream == "stdout" else sys.stderr
+        dest.write("".join(parts))
+        dest.flush()
+
+
+class _Collector(threading.Thread):
+    """Collects the children's replies (printing their output live) while the notebook runs fn."""
+
+    def __init__(self, launch: _Launch, pending, out):
+        super().__init__(name="ddip-ranch-collector", daemon=True)
+        self.launch, self.pending, self.out = launch, pending, out
+        self.results = None
+        self.error = None
+
+    def run(self):
+        try:
+            self.results = self.launch._collect(self.pending, self.out)
+            if any(not r.ok for r in self.results):
+                self.launch._interrupt_main()
+        except BaseException as exc:
+            self.error = exc
+            self.launch._kill(self.launch.child_ranks, signal.SIGKILL)
+            self.launch._interrupt_main()
+
+
+class _Watch:
+    """A Unix socket each child connects to: it says when its fn failed, and its EOF without a
+    word means it died. This is what lets the launch stop the others at the first failure,
+    instead of waiting for every reply."""
+
+    def __init__(self, launch: _Launch):
+        self.launch = launch
+        self._dir = tempfile.mkdtemp(prefix="ddip-ranch-")
+        self.path = os.path.join(self._dir, "watch")
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.path)
+        self._server.listen(64)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, name="ddip-ranch-watch", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def _loop(self):
+        sel = selectors.DefaultSelector()
+        sel.register(self._server, selectors.EVENT_READ, "accept")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        conns: dict[socket.socket, dict] = {}
+        try:
+            while True:
+                for key, _ in sel.select():
+                    if key.data == "wake":
+                        return
+                    if key.data == "accept":
+                        conn, _ = self._server.accept()
+                        conns[conn] = {"buf": b"", "rank": None, "said": None}
+                        sel.register(conn, selectors.EVENT_READ, "conn")
+                        continue
+                    conn = key.fileobj
+                    st = conns[conn]
+                    try:
+                        data = conn.recv(4096)
+                    except OSError:
+                        data = b""
+                    if data:
+                        st["buf"] += data
+                        while b"\n" in st["buf"]:
+                            line, st["buf"] = st["buf"].split(b"\n", 1)
+                            word, _, rank = line.decode().partition(" ")
+                            if word == "hello":
+                                st["rank"] = int(rank)
+                            elif word in ("ok", "failed") and st["rank"] is not None:
+                                st["said"] = word
+                                if word == "ok":
+                                    self.launch.finished_ok(st["rank"])
+                                else:
+                                    self.launch.failure(st["rank"], "raised")
+                        continue
+                    sel.unregister(conn)
+                    conn.close()
+                    del conns[conn]
+                    if st["rank"] is not None and st["said"] is None:
+                        self.launch.failure(st["rank"], "died")
+        finally:
+            for conn in conns:
+                conn.close()
+            sel.close()
+
+    def close(self):
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._server.close()
+        try:
+            os.unlink(self.path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+# -- in every rank ------------------------------------------------------------------------------
+
+
+def _call(fn, args, kwargs, ctx, on_error):
+    """fn inside ctx; on_error() is called the moment fn (or ctx) raises, before ctx exits, so
+    the launch hears of the failure before this rank's teardown makes its peers fail too."""
+    reported = False
+    try:
+        with ctx if ctx is not None else contextlib.nullcontext():
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                reported = True
+                on_error()
+                raise
+    except BaseException:
+        if not reported:
+            on_error()
+        raise
+
+
+def _rank_main(call: bytes, watch_path: str):
+    """What a child rank runs: tells the watch it started, runs fn in ctx, says how it ended."""
+    rank = os.environ.get("RANK", "?")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(watch_path)
+    sock.sendall(f"hello {rank}\n".encode())
+    said = []
+
+    def on_error():
+        if not said:
+            said.append(1)
+            sock.sendall(b"failed\n")
+
+    try:
+        try:
+            fn, args, kwargs, ctx = loads(call)
+        except BaseException:
+            on_error()
+            raise
+        value = _call(fn, args, kwargs, ctx, on_error)
+        sock.sendall(b"ok\n")
+        return value
+    finally:
+        sock.close()
