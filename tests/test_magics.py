@@ -303,6 +303,24 @@ def test_interrupt_stops_every_rank_and_the_group_stays_usable(k):
     assert after.ok and len(after.plain) == 3
 
 
+def test_interrupt_while_output_floods_in(k):
+    # The Ctrl-C may land while the magic is writing a rank's output rather than waiting for it.
+    for _ in range(3):
+        sent = []
+
+        def on_output(out):
+            if out["type"] == "stream" and not sent:
+                sent.append(True)
+                k.km.interrupt_kernel()
+
+        cell = k.run("%%dip --see all\nwhile True:\n    print('x' * 200)", timeout=60, on_output=on_output)
+        assert sent and not cell.ok
+        assert [e["ename"] for e in cell.of_type("error")] == ["KeyboardInterrupt"]
+        after = k.run("%%dip --see all\n'after'", timeout=60)
+        assert after.ok and len(after.plain) == 3, after.outputs
+
+
+
 def test_timeout_interrupts_the_ranks(k):
     cell = k.run("%%dip --timeout 0.5\nimport time\ntime.sleep(60)", timeout=50)
     [err] = cell.of_type("error")
@@ -399,6 +417,7 @@ def test_dipstatus_table(k):
     ("%%dip --bogus\nprint('ran')", "unrecognized arguments"),
     ("%%dip local --to remote\nprint('ran')", "disagree"),
     ("%%dip sideways\nprint('ran')", "invalid choice"),
+    ("%%dip local --timeout -1\nprint('ran')", "--timeout -1"),
     ("%dip print(1)", "%%dip"),
     ("%autodip maybe", "invalid choice"),
 ])

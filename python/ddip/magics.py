@@ -247,7 +247,7 @@ class DipMagics(Magics):
             raise self._usage_error(fn, "give -n N (N CPU ranks) or -g all / -g 0,1 (one rank per GPU)")
 
         if running and not args.restart:
-            if spec == self.spec:
+            if replace(spec, timeout=None) == replace(self.spec, timeout=None):  # -t only matters at start
                 print(f"the group is already running ({spec.describe()}, pids {self.group.pids}); "
                       f"%makedip -r restarts it")
                 if args.info:
@@ -391,13 +391,13 @@ class DipMagics(Magics):
         if args.push:
             raise self._usage_error(fn, "--push goes on a line of its own (%dip --push VAR); not with %%dip")
         where = self._where(fn, args)
+        if args.timeout is not None and not args.timeout > 0:
+            raise self._usage_error(fn, f"--timeout {args.timeout:g}: give a positive number of seconds")
         if where == "local":
             self._run_local(cell)
             return
         group = self._group()
         shown = self._shown(fn, args, group)
-        if args.timeout is not None and not args.timeout > 0:
-            raise self._usage_error(fn, f"--timeout {args.timeout:g}: give a positive number of seconds")
         if where == "everywhere":
             self._run_local(cell)
         self._run_remote(group, cell, shown, args.timeout)
@@ -454,12 +454,18 @@ class DipMagics(Magics):
             # Group.run has already interrupted every rank and waited for them; no need for a
             # traceback of our own frames. (Raised again as a CellError so the cell counts as failed.)
             msg = (str(exc) or "interrupted").replace("g.restart() ends them", "%makedip -r ends them")
+            # A Ctrl-C that lands while we write output escapes Group.run before it interrupts
+            # the ranks; make sure none is left running the cell.
+            busy = [r["rank"] for r in group.status() if r["state"] == "busy"]
+            if busy:
+                group.interrupt(busy)
             raise CellError(msg, [("KeyboardInterrupt", msg, [_header("KeyboardInterrupt"), msg])]) from None
         except TimeoutError as exc:
             raise CellError(str(exc), [("TimeoutError", str(exc), [_header("TimeoutError"), str(exc)])]) from None
-        except RuntimeError as exc:  # a dead rank: the group must be restarted
-            text = str(exc).replace("call restart()", "run %makedip -r")
-            raise CellError(text, [("RankDied", text, [_header("RankDied"), text])]) from None
+        except RuntimeError as exc:  # a dead rank (or a broken runtime): the group must be restarted
+            text = str(exc).replace("call restart()", "run %makedip -r").replace("call restart", "run %makedip -r")
+            ename = "RankDied" if " is dead " in text else type(exc).__name__
+            raise CellError(text, [(ename, text, [_header(ename), text])]) from None
         self.last_results = results
         for r in results:
             if r.rank in out.shown and r.ok and r.format is not None:
