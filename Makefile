@@ -33,6 +33,11 @@ $(STAMPS)/build-deps: $(VENV)/bin/python
 # Editable install: Python sources are used in place; the extension is rebuilt when C++ changes.
 $(STAMPS)/package: $(STAMPS)/build-deps $(CXX_SOURCES)
 	$(VPY) -m pip install -q --no-build-isolation -e '.[test,bench]'
+	$(VPY) -c "import fastai.distributed, accelerate" 2>/dev/null || { \
+	  $(VPY) -m pip install -q --no-deps "fastai==2.8.12" && \
+	  $(VPY) -m pip install -q "torch==$$($(VPY) -c 'import torch; print(torch.__version__)')" \
+	    "fastprogress==1.0.3" fastcore fasttransform "plum-dispatch<2.10" fastdownload accelerate \
+	    requests pyyaml pandas scipy scikit-learn; }
 	@touch $@
 
 cpp-test: $(STAMPS)/system $(STAMPS)/build-deps

@@ -1,0 +1,4 @@
+"""Integrations with training libraries: what each needs to train distributed in ddip's ranks.
+
+    ddip.apps.fastai    %makedip -a fastai, or ranch(..., ctx=ddip.apps.fastai.ctx())
+"""
