@@ -248,8 +248,6 @@ def test_display_html_reaches_the_notebook(k):
     assert shown["data"]["text/html"] == "<i>rich</i>"
 
 
-@pytest.mark.xfail(reason="runtime: a rank's display frames and its stdout pipe are read independently, "
-                          "so prints around a display() can arrive on either side of it", strict=False)
 def test_display_keeps_its_place_among_prints(k):
     for _ in range(5):
         cell = k.run("%%dip\nfrom IPython.display import HTML, display\nprint('before')\n"

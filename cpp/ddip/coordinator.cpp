@@ -35,6 +35,8 @@ struct Coordinator::Slot {
   Fd out, err;
   Clock::time_point last_output;
   bool exited = false;
+  // stdout read after a display marker whose frame has not arrived yet, one batch per marker.
+  std::deque<std::vector<Event>> held;
 };
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
@@ -315,10 +317,15 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
         last_ack_[slot] = Clock::now();
         continue;
       }
+      if (f->kind == kDisplay) {
+        on_display(slot, std::move(*f));
+        continue;
+      }
       if (f->kind == kDone) {
         // Everything the cell printed was written to the pipes before "done" was sent.
         drain_output(slot, false);
         flush_partial(slot);
+        release_held(slot, true);
       }
       Event e;
       e.kind = Event::kFrame;
@@ -363,16 +370,11 @@ void Coordinator::on_pipe(size_t slot, int stream, bool final) {
       fd.reset();
       break;
     }
-    std::string text =
-        s.output.feed(static_cast<RankOutput::Stream>(stream), std::string_view(buf, n));
+    auto pieces = s.output.feed(static_cast<RankOutput::Stream>(stream), std::string_view(buf, n));
     s.last_output = Clock::now();
-    if (!text.empty()) {
-      Event e;
-      e.kind = Event::kOutput;
-      e.slot = static_cast<int>(slot);
-      e.stream = stream;
-      e.text = std::move(text);
-      emit(std::move(e));
+    for (auto& piece : pieces) {
+      emit_output(slot, stream, std::move(piece.text));
+      if (piece.marker) s.held.emplace_back();
     }
     if (static_cast<size_t>(n) < sizeof buf && !final) break;
   }
@@ -385,15 +387,43 @@ void Coordinator::drain_output(size_t slot, bool final) {
 
 void Coordinator::flush_partial(size_t slot) {
   Slot& s = slots_[slot];
-  for (auto stream : {RankOutput::kStdout, RankOutput::kStderr}) {
-    std::string text = s.output.flush(stream);
-    if (text.empty()) continue;
-    Event e;
-    e.kind = Event::kOutput;
-    e.slot = static_cast<int>(slot);
-    e.stream = stream;
-    e.text = std::move(text);
+  for (auto stream : {RankOutput::kStdout, RankOutput::kStderr})
+    emit_output(slot, stream, s.output.flush(stream));
+}
+
+void Coordinator::emit_output(size_t slot, int stream, std::string text) {
+  if (text.empty()) return;
+  Event e;
+  e.kind = Event::kOutput;
+  e.slot = static_cast<int>(slot);
+  e.stream = stream;
+  e.text = std::move(text);
+  Slot& s = slots_[slot];
+  if (stream == RankOutput::kStdout && !s.held.empty())
+    s.held.back().push_back(std::move(e));
+  else
     emit(std::move(e));
+}
+
+void Coordinator::on_display(size_t slot, Frame f) {
+  Slot& s = slots_[slot];
+  // The worker wrote the marker before sending the frame, so after a drain it has been read.
+  if (s.held.empty()) drain_output(slot, false);
+  Event e;
+  e.kind = Event::kFrame;
+  e.slot = static_cast<int>(slot);
+  e.frame = std::move(f);
+  emit(std::move(e));
+  release_held(slot, false);
+}
+
+void Coordinator::release_held(size_t slot, bool all) {
+  Slot& s = slots_[slot];
+  while (!s.held.empty()) {
+    std::vector<Event> batch = std::move(s.held.front());
+    s.held.pop_front();
+    for (auto& e : batch) emit(std::move(e));
+    if (!all) break;
   }
 }
 
@@ -404,6 +434,7 @@ void Coordinator::on_exit(size_t slot) {
   if (s.conn) on_connection(slot, EPOLLIN);
   drain_output(slot, true);
   flush_partial(slot);
+  release_held(slot, true);
   auto status = supervisor_.poll(slot);
   if (!status) return;
   s.exited = true;

@@ -110,6 +110,9 @@ class Coordinator {
   void on_exit(size_t slot);
   void drain_output(size_t slot, bool final);
   void flush_partial(size_t slot);
+  void emit_output(size_t slot, int stream, std::string text);
+  void on_display(size_t slot, Frame f);
+  void release_held(size_t slot, bool all);
   void send_now(size_t slot, Frame f);
   void drop_connection(size_t slot);
   void watch(int fd, uint64_t tag, uint32_t events);

@@ -1,5 +1,7 @@
 #include "ddip/output.hpp"
 
+#include <algorithm>
+
 namespace ddip {
 
 std::string LineAssembler::feed(std::string_view data) {
@@ -20,15 +22,50 @@ std::string LineAssembler::flush() {
   return out;
 }
 
-std::string RankOutput::feed(Stream s, std::string_view data) {
-  std::string text = (s == kStdout ? out_ : err_).feed(data);
-  if (s == kStderr) remember(text);
-  return text;
+std::vector<OutputPiece> RankOutput::feed(Stream s, std::string_view data) {
+  std::vector<OutputPiece> pieces;
+  if (s == kStderr) {
+    std::string text = err_.feed(data);
+    remember(text);
+    if (!text.empty()) pieces.push_back({std::move(text), false});
+    return pieces;
+  }
+  std::string buf = std::move(marker_carry_);
+  marker_carry_.clear();
+  buf.append(data);
+  std::string_view rest(buf);
+  while (true) {
+    size_t at = rest.find(kDisplayMarker);
+    if (at == std::string_view::npos) break;
+    std::string text = out_.feed(rest.substr(0, at));
+    text += out_.flush();
+    pieces.push_back({std::move(text), true});
+    rest.remove_prefix(at + kDisplayMarker.size());
+  }
+  // Hold back a tail that could be the first bytes of a marker split across reads.
+  size_t keep = 0;
+  for (size_t k = std::min(rest.size(), kDisplayMarker.size() - 1); k > 0; --k) {
+    if (rest.substr(rest.size() - k) == kDisplayMarker.substr(0, k)) {
+      keep = k;
+      break;
+    }
+  }
+  marker_carry_.assign(rest.substr(rest.size() - keep));
+  std::string text = out_.feed(rest.substr(0, rest.size() - keep));
+  if (!text.empty()) pieces.push_back({std::move(text), false});
+  return pieces;
 }
 
 std::string RankOutput::flush(Stream s) {
-  std::string text = (s == kStdout ? out_ : err_).flush();
-  if (s == kStderr) remember(text);
+  std::string text;
+  if (s == kStdout) {
+    out_.feed(marker_carry_);  // not a marker after all: it's text
+    marker_carry_.clear();
+    text = out_.flush();
+  } else {
+    text = err_.flush();
+    remember(text);
+  }
   return text;
 }
 

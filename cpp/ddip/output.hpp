@@ -5,6 +5,7 @@
 #include <deque>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace ddip {
 
@@ -20,20 +21,34 @@ class LineAssembler {
   std::string pending_;
 };
 
+// Written by a worker to its stdout just before it sends a display frame: it marks where in the
+// text that rich output belongs, since the frame and the pipe travel separately.
+inline constexpr std::string_view kDisplayMarker = "\x1b_ddip-display\x1b\\";
+
+struct OutputPiece {
+  std::string text;
+  bool marker = false;  // a display frame belongs right after `text`
+};
+
 // stdout and stderr of one rank, plus the last lines of stderr for failure reports.
 class RankOutput {
  public:
   static constexpr size_t kTailLines = 20;
   enum Stream { kStdout = 1, kStderr = 2 };
 
-  std::string feed(Stream s, std::string_view data);
+  // Text released by `data`. On stdout, each display marker ends a piece (with the partial line
+  // before it flushed), so the caller can put the display there.
+  std::vector<OutputPiece> feed(Stream s, std::string_view data);
   std::string flush(Stream s);
-  bool has_pending() const { return out_.has_pending() || err_.has_pending(); }
+  bool has_pending() const {
+    return out_.has_pending() || err_.has_pending() || !marker_carry_.empty();
+  }
   // The last kTailLines complete lines written to stderr, joined with '\n'.
   std::string stderr_tail() const;
 
  private:
   LineAssembler out_, err_;
+  std::string marker_carry_;  // the end of a read that may be the start of a marker
   std::deque<std::string> tail_;
   std::string tail_partial_;
   void remember(std::string_view text);

@@ -51,6 +51,12 @@ int worker_main() {
     } else if (req.rfind("partial:", 0) == 0) {
       write_fd(1, req.substr(8));
       ep.send(Frame::make(kDone, rank, f->seq, ""));
+    } else if (req == "display") {
+      write_fd(1, "before\n");
+      write_fd(1, std::string(kDisplayMarker));
+      ep.send(Frame::make(kDisplay, rank, f->seq, "D"));
+      write_fd(1, "after\n");
+      ep.send(Frame::make(kDone, rank, f->seq, ""));
     } else if (req.rfind("exit:", 0) == 0) {
       write_fd(2, "about to exit\n");
       ::_exit(std::atoi(req.c_str() + 5));
@@ -125,6 +131,21 @@ TEST(Coordinator, PartialLineArrivesBeforeDone) {
     if (e.kind == Event::kFrame && e.frame.kind == kDone) break;
   }
   EXPECT_EQ(out, "50%");
+}
+
+TEST(Coordinator, DisplayKeepsItsPlaceAmongPrints) {
+  Coordinator c(options(1));
+  for (int round = 0; round < 50; ++round) {
+    c.send(0, Frame::make(kRequest, 0, round, "display"));
+    std::string order;
+    while (true) {
+      Event e = next(c);
+      if (e.kind == Event::kOutput) order += e.text;
+      if (e.kind == Event::kFrame && e.frame.kind == kDisplay) order += "[" + e.frame.data() + "]";
+      if (e.kind == Event::kFrame && e.frame.kind == kDone) break;
+    }
+    ASSERT_EQ(order, "before\n[D]after\n") << "round " << round;
+  }
 }
 
 TEST(Coordinator, ReportsExitWithStderrTail) {

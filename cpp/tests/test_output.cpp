@@ -27,11 +27,46 @@ TEST(LineAssembler, FlushReturnsThePartialLineOnce) {
   EXPECT_EQ(a.flush(), "");
 }
 
+namespace {
+
+std::string text_of(const std::vector<OutputPiece>& pieces) {
+  std::string out;
+  for (const auto& p : pieces) out += p.text + (p.marker ? "|D|" : "");
+  return out;
+}
+
+}  // namespace
+
 TEST(RankOutput, StreamsAreIndependent) {
   RankOutput o;
-  EXPECT_EQ(o.feed(RankOutput::kStdout, "out"), "");
-  EXPECT_EQ(o.feed(RankOutput::kStderr, "err\n"), "err\n");
-  EXPECT_EQ(o.feed(RankOutput::kStdout, "!\n"), "out!\n");
+  EXPECT_EQ(text_of(o.feed(RankOutput::kStdout, "out")), "");
+  EXPECT_EQ(text_of(o.feed(RankOutput::kStderr, "err\n")), "err\n");
+  EXPECT_EQ(text_of(o.feed(RankOutput::kStdout, "!\n")), "out!\n");
+}
+
+TEST(RankOutput, DisplayMarkersSplitTheTextAndFlushThePartialLine) {
+  RankOutput o;
+  std::string m(kDisplayMarker);
+  EXPECT_EQ(text_of(o.feed(RankOutput::kStdout, "before\npart" + m + "after\n")),
+            "before\npart|D|after\n");
+}
+
+TEST(RankOutput, AMarkerSplitAcrossReadsIsStillFound) {
+  std::string m(kDisplayMarker);
+  for (size_t cut = 1; cut < m.size(); ++cut) {
+    RankOutput o;
+    std::string got = text_of(o.feed(RankOutput::kStdout, "a\n" + m.substr(0, cut)));
+    got += text_of(o.feed(RankOutput::kStdout, m.substr(cut) + "b\n"));
+    EXPECT_EQ(got, "a\n|D|b\n") << "cut at " << cut;
+  }
+}
+
+TEST(RankOutput, ALookalikeThatIsNotAMarkerIsText) {
+  RankOutput o;
+  std::string start(kDisplayMarker.substr(0, 3));
+  EXPECT_EQ(text_of(o.feed(RankOutput::kStdout, "x" + start)), "");
+  EXPECT_TRUE(o.has_pending());
+  EXPECT_EQ(o.flush(RankOutput::kStdout), "x" + start);
 }
 
 TEST(RankOutput, StderrTailKeepsTheLastLinesAsFinallyShown) {

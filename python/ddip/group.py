@@ -96,7 +96,7 @@ def parse_gpus(gpus) -> list[int]:
     return ids
 
 
-def _resolve_backend(backend, gpus) -> str | None:
+def resolve_backend(backend, gpus) -> str | None:
     if backend in (None, "none", "None", False):
         return None
     if backend == "auto":
@@ -136,7 +136,7 @@ class Group:
         size = len(gpu_ids) if gpu_ids is not None else n
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.backend = _resolve_backend(backend, gpu_ids)
+        self.backend = resolve_backend(backend, gpu_ids)
         self.gpus = gpu_ids
         self.rank_ids = list(rank_ids) if rank_ids is not None else list(range(size))
         if len(self.rank_ids) != size:

@@ -26,7 +26,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import clear_output, publish_display_data
 
 from .errors import RemoteError, StartError, strip_ansi
-from .group import Group, _resolve_backend, parse_gpus
+from .group import Group, resolve_backend, parse_gpus
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
 _WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
@@ -294,7 +294,7 @@ class DipMagics(Magics):
         if args.app is not None:
             spec = replace(spec, app=args.app)
         try:
-            _resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus)
+            resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus)
         except ValueError as exc:
             raise self._usage_error(fn, f"--backend {spec.backend}: {exc}") from None
         if spec.app is not None:

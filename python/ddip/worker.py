@@ -69,6 +69,8 @@ def _send_display(msg):
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    # Marks the display's place in the stdout text; the kernel's runtime strips it.
+    os.write(1, _core.DISPLAY_MARKER)
     msg["seq"] = _current_seq
     _endpoint.send(_core.DISPLAY, _current_seq, dumps(msg))
 
