@@ -17,7 +17,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 def show(cell, index):
     if cell.cell_type != "code":
         return
-    print(f"\n\033[1mIn [{index}]:\033[0m " + cell.source.replace("\n", "\n        "))
+    print(f"\n\033[1mIn [{cell.get('execution_count') or index}]:\033[0m " + cell.source.replace("\n", "\n        "))
     for out in cell.get("outputs", []):
         if out.output_type == "stream":
             sys.stdout.write(out.text)
