@@ -1,0 +1,197 @@
+"""One-shot launch overhead: ddip.ranch against torch.multiprocessing.spawn and accelerate's
+notebook_launcher, measured in the same run.
+
+    .venv/bin/python bench/bench_launch.py     (or `make bench` for every bench module)
+
+Two functions on 2 processes, each timed from the call until it returns:
+- noop: returns None.
+- all_reduce: joins a gloo process group, does one all_reduce of a 4-float tensor, leaves it.
+
+ddip: `ranch(2, fn)` — the calling process is rank 0, one fresh ddip worker is rank 1; for
+all_reduce with `ctx=TorchDDPCtx()`. torch: `torch.multiprocessing.spawn(fn, nprocs=2)` (start
+method spawn, as in a notebook). accelerate: `notebook_launcher(fn, num_processes=2)` (forks,
+through torch's elastic agent). The tools run interleaved, so load on the machine hits them alike.
+
+Clean-up: after every launch, each descendant of this process still there after a grace period
+is killed by pid (psutil checks the pid still names the same process); the count is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import psutil
+
+REPS = 5  # timed launches per tool and function, after one untimed warm-up each
+GRACE_S = 5.0
+
+
+def _log(msg: str):
+    print(f"[bench_launch] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the functions launched (module level: spawn needs to import them by name) --------------
+
+
+def noop(*_):
+    return None
+
+
+def all_reduce_gloo(*_):
+    """For ranch (TorchDDPCtx set up the process group)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def spawn_all_reduce(index, port):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=index, world_size=2)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+
+
+def elastic_all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # env:// from the elastic agent
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+
+
+# -- the tools --------------------------------------------------------------------------------
+
+
+def _ranch(kind):
+    import ddip
+
+    if kind == "noop":
+        ddip.ranch(2, noop)
+    else:
+        ddip.ranch(2, all_reduce_gloo, ctx=ddip.TorchDDPCtx())
+
+
+def _spawn(kind):
+    import torch.multiprocessing as mp
+
+    from ddip.group import free_port
+
+    if kind == "noop":
+        mp.spawn(noop, nprocs=2, join=True)
+    else:
+        mp.spawn(spawn_all_reduce, args=(free_port(),), nprocs=2, join=True)
+
+
+def _accelerate(kind):
+    from accelerate import notebook_launcher
+
+    from ddip.group import free_port
+
+    fn = noop if kind == "noop" else elastic_all_reduce
+    notebook_launcher(fn, num_processes=2, use_port=str(free_port()))
+
+
+def _accelerate_available() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cleanup(before: set[int]) -> int:
+    """Kills, by pid, every descendant of ours that the launch left behind; returns the count."""
+    me = psutil.Process()
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(left, timeout=GRACE_S) if left else ([], [])
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if alive:
+        psutil.wait_procs(alive, timeout=GRACE_S)
+    return len(alive)
+
+
+def _quiet(call, kind):
+    # notebook_launcher and the elastic agent print a line per launch; keep the table readable.
+    import contextlib
+    import io
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink):
+        call(kind)
+
+
+def main() -> str:
+    import cloudpickle
+
+    import torch  # noqa: F401 - the notebook has it already; nobody pays for it in the timings
+
+    # As a notebook's functions: by value, the children need not import this module.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    tools = [("ddip.ranch", _ranch), ("torch.multiprocessing.spawn", _spawn)]
+    if _accelerate_available():
+        tools.append(("accelerate notebook_launcher", _accelerate))
+    # multiprocessing's resource tracker lives as long as this process (spawn starts it once);
+    # start it now so that it isn't taken for a process a launch left behind.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    times = {(t, k): [] for t, _ in tools for k in ("noop", "all_reduce")}
+    killed = {t: 0 for t, _ in tools}
+    me = psutil.Process()
+    for rep in range(REPS + 1):
+        for kind in ("noop", "all_reduce"):
+            for name, call in tools:
+                before = {p.pid for p in me.children(recursive=True)}
+                t0 = time.perf_counter()
+                _quiet(call, kind)
+                dt = time.perf_counter() - t0
+                killed[name] += _cleanup(before)
+                if rep > 0:
+                    times[(name, kind)].append(dt)
+        _log(f"round {rep} of {REPS} done" + (" (warm-up)" if rep == 0 else ""))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    lines = ["| launch of 2 processes | " + " | ".join(n for n, _ in tools) + " | "
+             + " | ".join(f"{n} / ranch" for n, _ in tools[1:]) + " |",
+             "|---" * (2 * len(tools)) + "|"]
+    for kind, label in (("noop", "`fn` returns at once"), ("all_reduce", "`fn` does one gloo all_reduce")):
+        cells = [f"{med[(n, kind)]:.3f} s" for n, _ in tools]
+        ratios = [f"{med[(n, kind)] / med[('ddip.ranch', kind)]:.1f}x" for n, _ in tools[1:]]
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    spawn_ok = all(med[("ddip.ranch", k)] <= med[("torch.multiprocessing.spawn", k)] for k in ("noop", "all_reduce"))
+    notes = [
+        "",
+        f"Medians of {REPS} launches each, after one untimed warm-up; tools interleaved. "
+        "ranch runs rank 0 in the calling process (which has torch imported already, as a notebook "
+        "would) and starts one worker; spawn starts two fresh interpreters that import torch; "
+        "notebook_launcher forks two processes under torch's elastic agent, so its children have torch "
+        "already (fork is why it must refuse a notebook that has touched CUDA); ranch's worker starts "
+        "fresh and imports torch, which is most of its all_reduce time.",
+        f"Target: ranch no slower than torch.multiprocessing.spawn: {'met' if spawn_ok else 'NOT met'}.",
+        "Processes left behind and killed by pid: "
+        + ", ".join(f"{n} {killed[n]}" for n, _ in tools) + ".",
+    ]
+    if not _accelerate_available():
+        notes.append("accelerate is not installed: its column is left out.")
+    return "\n".join(lines + notes) + "\n"
+
+
+if __name__ == "__main__":
+    print(main())
