@@ -158,3 +158,44 @@ def test_rank_0s_return_value_arrives_in_the_notebook(first_run):
     _, logs, _ = first_run
     assert isinstance(logs[0], dict) and logs[0]["epochs"] == [0, 1, 2]
     assert len(logs[0]["loss"]) == 3 and logs[0]["loss"][-1] < logs[0]["loss"][0]
+
+
+def test_the_ddp_tutorial_notebook_runs_in_a_real_kernel(tmp_path):
+    """examples/ddp_tutorial.ipynb, executed afresh through a Jupyter kernel on this interpreter."""
+    import json
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "ddp_tutorial.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    spec = tmp_path / "kernels" / "ddip-tutorial-test"
+    spec.mkdir(parents=True)
+    spec.joinpath("kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "ddip test", "language": "python"}))
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = str(tmp_path)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="ddip-tutorial-test", record_timing=False,
+                       resources={"metadata": {"path": os.path.dirname(path)}}).execute()
+    finally:
+        if old is None:
+            os.environ.pop("JUPYTER_PATH", None)
+        else:
+            os.environ["JUPYTER_PATH"] = old
+
+    def text(cell):
+        return "".join(o.get("text", "") if o.output_type == "stream" else o.get("data", {}).get("text/plain", "")
+                       for o in cell.outputs)
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    out = "\n".join(text(c) for c in code)
+    assert "[rank 1] hello from rank 1 of 3" in out and "[rank 2] hello from rank 2 of 3" in out
+    assert "hello from rank 0 of 3 (pid" in out
+    assert "disjoint and complete: True" in out
+    accs = [float(a) for a in re.findall(r"epoch \d: accuracy (\d\.\d+) on 512 validation samples", out)]
+    assert len(accs) == 5 and accs[-1] > 0.9
+    assert "resumed at epoch 3 | checkpoint now at epoch 4" in out
+    assert "rank 1: exit code 3; its last stderr: 'rank 1: out of memory (pretend)'" in out
+    assert text(code[-1]) == "[30, 31]"
