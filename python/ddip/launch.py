@@ -267,6 +267,7 @@ class _Launch:
         self.lock = threading.Lock()
         self.failed_at: dict[int, tuple[float, str]] = {}  # rank -> (monotonic time, "raised"/"died")
         self.first_failure_at: float | None = None
+        self.in_fn: set[int] = set()  # child ranks past ctx.__enter__
         self.finished: set[int] = set()  # child ranks whose fn returned or raised
         self.stopped: set[int] = set()  # child ranks we killed because another failed
         self.pids: dict[int, int] = {}
@@ -336,7 +337,12 @@ class _Launch:
             # while ctx sets up or tears down.
             with self.lock:
                 self.main_in_fn = True
+                if self.first_failure_at is not None and not self.interrupt_sent:
+                    self.interrupt_sent = True  # a rank failed while ctx was entering: don't start
+                    self.main_in_fn = False
             try:
+                if not self.main_in_fn:
+                    raise KeyboardInterrupt("another rank failed")
                 return fn(*a, **kw)
             except KeyboardInterrupt:
                 if self.interrupt_sent:
@@ -395,18 +401,30 @@ class _Launch:
     def failure(self, rank: int, kind: str):
         """A rank raised or died: stop every child still running fn, at once."""
         with self.lock:
-            if rank in self.stopped:
-                return  # one we killed
             self.failed_at.setdefault(rank, (time.monotonic(), kind))
+            if rank in self.stopped:
+                return  # one we killed (or that failed by itself just as we did)
             if self.first_failure_at is None:
                 self.first_failure_at = time.monotonic()
             if rank in self.child_ranks:
                 self.finished.add(rank)
-            victims = [r for r in self.child_ranks if r not in self.finished and r not in self.stopped]
+            # Only ranks past ctx.__enter__: killing one in the middle of a rendezvous (gloo
+            # connecting its full mesh) would leave its peers waiting for it until the timeout.
+            victims = [r for r in self.in_fn if r not in self.finished and r not in self.stopped]
             self.stopped.update(victims)
         self._kill(victims, signal.SIGKILL)
         if rank != self.caller_rank:
             self._interrupt_main()
+
+    def entered(self, rank: int):
+        """A child is past ctx.__enter__ and starts fn; if another rank failed already, stop it."""
+        with self.lock:
+            self.in_fn.add(rank)
+            late = self.first_failure_at is not None and rank not in self.finished and rank not in self.stopped
+            if late:
+                self.stopped.add(rank)
+        if late:
+            self._kill([rank], signal.SIGKILL)
 
     def finished_ok(self, rank: int):
         with self.lock:
@@ -462,28 +480,28 @@ class _Launch:
             f = r.error
             if f is None:
                 continue
-            if r.rank in self.stopped and r.rank not in self.failed_at:
-                first = self._root_rank()
-                f = RankFailure(rank=r.rank, ename="Stopped",
-                                evalue=f"stopped after rank {first} failed" if first is not None else "stopped",
-                                stderr_tail=f.stderr_tail, exit_code=f.exit_code, exit_signal=f.exit_signal)
+            if r.rank in self.stopped and f.died and f.exit_signal == signal.SIGKILL:
+                # Killed by us because another rank failed: not a failure of its own.
+                f = RankFailure(rank=r.rank, ename="Stopped", evalue="stopped", stderr_tail=f.stderr_tail,
+                                exit_signal=f.exit_signal)
             failures.append(f)
         if own is not None and own[0] == "error":
             exc = own[1]
             ours = isinstance(exc, KeyboardInterrupt) and self.interrupt_sent
             if isinstance(exc, KeyboardInterrupt) and not ours:
                 raise exc  # the user's Ctrl-C: the children are already stopped
-            first = self._root_rank()
             if ours:
-                failures.append(RankFailure(rank=self.caller_rank, ename="Stopped",
-                                            evalue=f"interrupted after rank {first} failed"))
+                failures.append(RankFailure(rank=self.caller_rank, ename="Stopped", evalue="interrupted"))
             else:
                 failures.append(RankFailure(rank=self.caller_rank, ename=type(exc).__name__, evalue=str(exc),
                                             traceback=[l.rstrip("\n") for l in own[2]], exception=exc))
         if failures:
             failures.sort(key=self._failure_order)
-            err = RemoteError(failures, results, f"{_name_of_call(self)}")
             root = failures[0]
+            for f in failures[1:]:
+                if f.ename == "Stopped":
+                    f.evalue = f"{f.evalue} after rank {root.rank} failed"
+            err = RemoteError(failures, results, "ranch")
             if root.rank == self.caller_rank and own is not None and own[0] == "error":
                 raise err from own[1]
             raise err
@@ -494,18 +512,13 @@ class _Launch:
             return [values[r] for r in range(self.nprocs)]
         return values[self.caller_rank if self.caller_rank is not None else 0]
 
-    def _root_rank(self):
-        if not self.failed_at:
-            return None
-        return min(self.failed_at, key=lambda r: (self.failed_at[r][1] != "died", self.failed_at[r][0]))
-
     def _failure_order(self, f: RankFailure):
-        # Deaths first (a dead peer is what the others then trip over), then by time; ranks
-        # stopped by us last.
+        # Deaths first (a dead peer is what the others then trip over), then by when the launch
+        # heard of them; ranks stopped by us last.
         if f.ename == "Stopped":
             return (2, 0.0, f.rank)
         t, kind = self.failed_at.get(f.rank, (float("inf"), "raised"))
-        return (0 if (f.died or kind == "died") else 1, t, f.rank)
+        return (0 if f.died else 1, t, f.rank)
 
     def cleanup(self):
         self._restore_env()
@@ -515,10 +528,6 @@ class _Launch:
         if self.watch is not None:
             self.watch.close()
             self.watch = None
-
-
-def _name_of_call(launch) -> str:
-    return "ranch"
 
 
 def _is_our_child(pid: int) -> bool:
@@ -615,6 +624,8 @@ class _Watch:
                             word, _, rank = line.decode().partition(" ")
                             if word == "hello":
                                 st["rank"] = int(rank)
+                            elif word == "entered" and st["rank"] is not None:
+                                self.launch.entered(st["rank"])
                             elif word in ("ok", "failed") and st["rank"] is not None:
                                 st["said"] = word
                                 if word == "ok":
@@ -655,12 +666,15 @@ class _Watch:
 # -- in every rank ------------------------------------------------------------------------------
 
 
-def _call(fn, args, kwargs, ctx, on_error):
+def _call(fn, args, kwargs, ctx, on_error, on_entered=None):
     """fn inside ctx; on_error() is called the moment fn (or ctx) raises, before ctx exits, so
-    the launch hears of the failure before this rank's teardown makes its peers fail too."""
+    the launch hears of the failure before this rank's teardown makes its peers fail too.
+    on_entered() is called once ctx is entered (a rendezvous in it is complete)."""
     reported = False
     try:
         with ctx if ctx is not None else contextlib.nullcontext():
+            if on_entered is not None:
+                on_entered()
             try:
                 return fn(*args, **kwargs)
             except BaseException:
@@ -692,7 +706,7 @@ def _rank_main(call: bytes, watch_path: str):
         except BaseException:
             on_error()
             raise
-        value = _call(fn, args, kwargs, ctx, on_error)
+        value = _call(fn, args, kwargs, ctx, on_error, lambda: sock.sendall(b"entered\n"))
         sock.sendall(b"ok\n")
         return value
     finally:
