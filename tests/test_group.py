@@ -307,3 +307,37 @@ def test_gpu_list_in_any_order_maps_rank_i_to_the_ith_gpu():
                     "(os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.current_device(), t.item())")
         expect_sum = n * (n + 1) / 2
         assert [r.value for r in res] == [(",".join(map(str, order)), i, expect_sum) for i in range(n)]
+
+
+def test_pending_reports_each_rank_as_it_finishes_and_relays_notes(group2):
+    def work():
+        import os
+        import time
+
+        import ddip.worker
+
+        rank = int(os.environ["RANK"])
+        ddip.worker.notify({"started": rank})
+        if rank == 1:
+            raise RuntimeError("early failure")
+        time.sleep(30)  # rank 0 is still busy when rank 1's failure is reported
+
+    notes, done = [], []
+
+    def on_done(result):
+        done.append((result.rank, result.error and result.error.ename))
+        if result.rank == 1:
+            group2.interrupt(ranks=[0])  # act on the first failure, as ranch does
+
+    results = group2.apply_async(work).results(on_message=lambda r, obj: notes.append((r, obj)),
+                                               on_done=on_done)
+    assert sorted(notes) == [(0, {"started": 0}), (1, {"started": 1})]
+    assert done == [(1, "RuntimeError"), (0, "KeyboardInterrupt")]
+    assert [r.error.ename for r in results] == ["KeyboardInterrupt", "RuntimeError"]
+
+
+def test_notify_outside_a_rank_is_a_clear_error():
+    import ddip.worker
+
+    with pytest.raises(RuntimeError, match="only inside a ddip rank"):
+        ddip.worker.notify(1)

@@ -26,6 +26,7 @@ enum FrameKind : uint16_t {
   kHeartbeat = 5,     // kernel -> worker, answered by the worker's watchdog thread
   kHeartbeatAck = 6,  // worker -> kernel
   kShutdown = 7,      // kernel -> worker: leave the worker loop and exit
+  kMessage = 8,       // worker -> kernel: a note for whoever waits on the request (opaque)
 };
 
 inline constexpr size_t kMaxFdsPerFrame = 16;

@@ -180,7 +180,7 @@ class Group:
     def _start(self):
         self.master_port = self._fixed_port or free_port()
         size = len(self.rank_ids)
-        specs = [([sys.executable, "-m", "ddip.worker"], self._worker_env(slot, self.master_port), os.getcwd())
+        specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"], self._worker_env(slot, self.master_port), os.getcwd())
                  for slot in range(size)]
         self._coord = _core.Coordinator(specs)
         self._state = ["starting"] * size
@@ -384,7 +384,7 @@ class Group:
 
     def _request(self, req, ranks, on_output, on_display, timeout) -> list[RankResult]:
         seq, slots = self._send(req, ranks)
-        return self._collect(seq, slots, on_output, on_display, timeout)
+        return self._collect(seq, slots, _Callbacks(on_output, on_display), timeout)
 
     def _send(self, req, ranks) -> tuple[int, list[int]]:
         self._check_open()
@@ -401,7 +401,7 @@ class Group:
             self._state[s] = "busy"
         return seq, slots
 
-    def _collect(self, seq, slots, on_output, on_display, timeout) -> list[RankResult]:
+    def _collect(self, seq, slots, callbacks: "_Callbacks", timeout) -> list[RankResult]:
         self._check_open()
         results = {s: RankResult(rank=self.rank_ids[s]) for s in slots}
         pending = set(slots)
@@ -433,7 +433,7 @@ class Group:
                     wait = min(wait, left * 1000)
                 ev = self._coord.next_event(wait)
                 if ev is not None:
-                    self._handle(ev, seq, results, pending, on_output, on_display)
+                    self._handle(ev, seq, results, pending, callbacks)
             except KeyboardInterrupt:
                 if interrupted_at is not None:
                     raise  # late replies are told apart by their sequence number and dropped
@@ -449,7 +449,7 @@ class Group:
             raise KeyboardInterrupt(f"interrupted rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)}")
         return [results[s] for s in slots]
 
-    def _handle(self, ev, seq, results, pending, on_output, on_display):
+    def _handle(self, ev, seq, results, pending, cb: "_Callbacks"):
         kind, slot, a, b, data = ev
         if kind == _OUTPUT and slot in pending:
             text = data.decode(errors="replace")
@@ -458,18 +458,21 @@ class Group:
                 r.stdout += text
             else:
                 r.stderr += text
-            if on_output is not None:
-                on_output(r.rank, _STREAMS[a], text)
+            if cb.on_output is not None:
+                cb.on_output(r.rank, _STREAMS[a], text)
         elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
             pending.discard(slot)
             self._state[slot] = "idle"
             self._fill(results[slot], loads(data))
-        elif kind == _FRAME and a == _core.DISPLAY and slot in pending:
+            if cb.on_done is not None:
+                cb.on_done(results[slot])
+        elif kind == _FRAME and a in (_core.DISPLAY, _core.MESSAGE) and b == seq and slot in pending:
             msg = loads(data)
-            if msg.get("seq") != seq:
-                return
-            if on_display is not None:
-                on_display(self.rank_ids[slot], msg)
+            if a == _core.MESSAGE:
+                if cb.on_message is not None:
+                    cb.on_message(self.rank_ids[slot], msg)
+            elif cb.on_display is not None:
+                cb.on_display(self.rank_ids[slot], msg)
             else:
                 results[slot].displays.append(msg)
         elif kind == _EXITED:
@@ -477,6 +480,8 @@ class Group:
             if slot in pending:
                 pending.discard(slot)
                 results[slot].error = f
+                if cb.on_done is not None:
+                    cb.on_done(results[slot])
         elif kind == _FAILED:
             self.close(0)
             raise RuntimeError(data.decode(errors="replace"))
@@ -502,6 +507,14 @@ class Group:
             raise RemoteError(failures, results, what)
 
 
+@dataclass
+class _Callbacks:
+    on_output: Callable | None = None  # (rank, "stdout" | "stderr", text), live
+    on_display: Callable | None = None  # (rank, msg): a display() in the rank
+    on_message: Callable | None = None  # (rank, obj): ddip.worker.notify(obj) in the rank
+    on_done: Callable | None = None  # (RankResult): a rank finished, failed or died
+
+
 class Pending:
     """A request sent with apply_async; result() collects it (once)."""
 
@@ -510,10 +523,14 @@ class Pending:
         self._results: list[RankResult] | None = None
 
     def results(self, on_output: Callable | None = None, on_display: Callable | None = None,
-                timeout: float | None = None) -> list[RankResult]:
-        """Waits for every rank; per-rank RankResults, errors included (nothing is raised)."""
+                timeout: float | None = None, *, on_message: Callable | None = None,
+                on_done: Callable | None = None) -> list[RankResult]:
+        """Waits for every rank; per-rank RankResults, errors included (nothing is raised).
+        on_done(result) is called as each rank finishes (or dies), so a caller can act on the
+        first failure; on_message(rank, obj) receives ddip.worker.notify(obj) from ranks."""
         if self._results is None:
-            self._results = self._group._collect(self._seq, self._slots, on_output, on_display, timeout)
+            cb = _Callbacks(on_output, on_display, on_message, on_done)
+            self._results = self._group._collect(self._seq, self._slots, cb, timeout)
         return self._results
 
     def result(self, on_output: Callable | None = None, timeout: float | None = None) -> list:

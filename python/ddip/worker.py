@@ -1,4 +1,5 @@
-"""A ranked worker: `python -m ddip.worker`, started by a Group's Coordinator.
+"""A ranked worker, started by a Group's Coordinator as `python -c "import ddip.worker; ..."`
+(imported, not run as __main__, so rank code can `import ddip.worker` and reach this loop's state).
 
 Runs an IPython InteractiveShell in __main__ and serves requests from the kernel until told to
 shut down. stdout/stderr are pipes read by the kernel's runtime (fd level, so C libraries'
@@ -62,6 +63,14 @@ class RankDisplayPublisher(DisplayPublisher):
 
     def clear_output(self, wait=False):
         _send_display({"clear": True, "wait": wait})
+
+
+def notify(obj) -> None:
+    """From code running in a rank: sends `obj` (picklable) to the kernel at once, to the
+    `on_message(rank, obj)` callback of the call that is waiting on this request."""
+    if _endpoint is None:
+        raise RuntimeError("ddip.worker.notify() works only inside a ddip rank")
+    _endpoint.send(_core.MESSAGE, _current_seq, dumps(obj))
 
 
 def _send_display(msg):
