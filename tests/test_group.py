@@ -341,3 +341,48 @@ def test_notify_outside_a_rank_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="only inside a ddip rank"):
         ddip.worker.notify(1)
+
+
+def test_large_arrays_travel_through_shared_memory_once_for_all_ranks():
+    np = pytest.importorskip("numpy")
+    with ddip.Group(n=3, backend=None) as g:
+        a = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: out of band
+        g.push(a=a, small=np.ones(10))
+        in_use, _, created = g._coord.pool_stats()
+        assert (in_use, created) == (1, 1)  # one segment for three ranks; small stays in band
+        res = g.run("(float(a.sum()), a.dtype.str, a.flags.writeable, small.sum())")
+        assert [r.value for r in res] == [(float(a.sum()), "<f8", True, 10.0)] * 3
+        # Private mappings: a rank's write is its own, not the notebook's nor its peers'.
+        g.run("a[0] = 100.0", ranks=[1])
+        assert [r.value for r in g.run("float(a[0])")] == [0.0, 100.0, 0.0] and a[0] == 0.0
+        # When every rank has dropped the array, the segment goes back to the pool...
+        g.run("del a\nimport gc; gc.collect()")
+        assert wait_until(lambda: g._coord.pool_stats()[0] == 0)
+        # ... and the next push of that size reuses it instead of allocating a new one.
+        g.push(b=a * 2)
+        assert g._coord.pool_stats()[2] == 1
+        assert g.pull("b", rank=2)[5] == 10.0
+
+
+def test_cpu_tensors_arrive_intact_and_writable():
+    torch = pytest.importorskip("torch")
+    with ddip.Group(n=2, backend=None) as g:
+        t = torch.randn(512, 1024)  # 2 MiB: out of band
+        bf = torch.randn(1024, 1024).to(torch.bfloat16).requires_grad_()
+        view = torch.arange(10.0)[2:5]  # a view: torch's own pickling keeps its semantics
+        g.push(t=t, bf=bf, view=view)
+        res = g.run("t.add_(1)\n(t.shape, t.dtype, bf.dtype, bf.requires_grad, view.tolist())")
+        assert res[0].value == (torch.Size([512, 1024]), torch.float32, torch.bfloat16, True, [2.0, 3.0, 4.0])
+        back = g.pull("t", rank=1)
+        assert torch.equal(back, t + 1)
+        assert torch.equal(g.pull("bf").float(), bf.detach().float())
+
+
+def test_a_dead_rank_gives_its_segments_back():
+    np = pytest.importorskip("numpy")
+    with ddip.Group(n=2, backend=None) as g:
+        g.push(a=np.zeros(1 << 18))
+        with pytest.raises(ddip.RemoteError):
+            g.run("import os\nos._exit(1)", ranks=[1])
+        g.run("del a\nimport gc; gc.collect()", ranks=[0])
+        assert wait_until(lambda: g._coord.pool_stats()[0] == 0)

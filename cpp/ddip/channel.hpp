@@ -27,6 +27,7 @@ enum FrameKind : uint16_t {
   kHeartbeatAck = 6,  // worker -> kernel
   kShutdown = 7,      // kernel -> worker: leave the worker loop and exit
   kMessage = 8,       // worker -> kernel: a note for whoever waits on the request (opaque)
+  kRelease = 9,       // worker -> kernel: shared-memory segments it no longer uses (u64 ids)
 };
 
 inline constexpr size_t kMaxFdsPerFrame = 16;

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <future>
+#include <unordered_set>
 #include <stdexcept>
 
 namespace ddip {
@@ -37,6 +39,8 @@ struct Coordinator::Slot {
   bool exited = false;
   // stdout read after a display marker whose frame has not arrived yet, one batch per marker.
   std::deque<std::vector<Event>> held;
+  // Shared-memory segments this worker was sent and has not released.
+  std::unordered_multiset<uint64_t> segments;
 };
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
@@ -119,10 +123,39 @@ void Coordinator::emit(Event e) {
   cv_.notify_all();
 }
 
-void Coordinator::send(int slot, Frame frame) {
+void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segments) {
   if (slot < 0 || static_cast<size_t>(slot) >= slots_.size())
     throw std::out_of_range("no worker slot " + std::to_string(slot));
-  post([this, slot, f = std::move(frame)]() mutable { send_now(slot, std::move(f)); });
+  if (!segments.empty()) {
+    if (segments.size() > kMaxFdsPerFrame)
+      throw std::invalid_argument("too many shared-memory segments in one frame");
+    frame.fds = std::make_shared<std::vector<Fd>>();
+    for (uint64_t id : segments) {
+      frame.fds->push_back(pool_.dup_fd(id));
+      pool_.retain(id);
+    }
+  }
+  post([this, slot, f = std::move(frame), segments]() mutable {
+    Slot& s = slots_[slot];
+    if (s.exited) {
+      for (uint64_t id : segments) pool_.release(id);
+      return;
+    }
+    s.segments.insert(segments.begin(), segments.end());
+    send_now(slot, std::move(f));
+  });
+}
+
+void Coordinator::release_segments(size_t slot, const std::string& ids) {
+  Slot& s = slots_[slot];
+  for (size_t off = 0; off + sizeof(uint64_t) <= ids.size(); off += sizeof(uint64_t)) {
+    uint64_t id;
+    std::memcpy(&id, ids.data() + off, sizeof id);
+    auto it = s.segments.find(id);
+    if (it == s.segments.end()) continue;  // not one it holds: ignore
+    s.segments.erase(it);
+    pool_.release(id);
+  }
 }
 
 void Coordinator::signal(int slot, int sig, bool whole_group) {
@@ -321,6 +354,10 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
         on_display(slot, std::move(*f));
         continue;
       }
+      if (f->kind == kRelease) {
+        release_segments(slot, f->data());
+        continue;
+      }
       if (f->kind == kDone) {
         // Everything the cell printed was written to the pipes before "done" was sent.
         drain_output(slot, false);
@@ -440,6 +477,8 @@ void Coordinator::on_exit(size_t slot) {
   s.exited = true;
   unwatch(supervisor_.child(slot).pidfd());
   s.waiting.clear();
+  for (uint64_t id : s.segments) pool_.release(id);  // a dead worker's mappings are gone
+  s.segments.clear();
   Event e;
   e.kind = Event::kExited;
   e.slot = static_cast<int>(slot);

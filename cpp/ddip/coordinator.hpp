@@ -18,6 +18,7 @@
 
 #include "ddip/channel.hpp"
 #include "ddip/output.hpp"
+#include "ddip/shm.hpp"
 #include "ddip/supervisor.hpp"
 
 namespace ddip {
@@ -60,7 +61,10 @@ class Coordinator {
   const std::string& socket_path() const { return socket_path_; }
 
   // Queue a frame to one worker; frames to a worker that has not connected yet wait for it.
-  void send(int slot, Frame frame);
+  // `segments` (ids from pool().put) travel with it as fds; the worker holds a reference to each
+  // until it sends a release for it, or exits.
+  void send(int slot, Frame frame, const std::vector<uint64_t>& segments = {});
+  SegmentPool& pool() { return pool_; }
   // Signal one worker (its process group when whole_group), or every worker when slot < 0.
   void signal(int slot, int sig, bool whole_group = false);
   // Next event, waiting up to `timeout`; nullopt on timeout or once closed and drained.
@@ -91,6 +95,8 @@ class Coordinator {
   bool thread_done_ = false;
   Fd wake_;  // eventfd: commands queued
 
+  SegmentPool pool_;  // thread-safe
+
   // Owned by the IO thread.
   Supervisor supervisor_;
   std::vector<Slot> slots_;
@@ -113,6 +119,7 @@ class Coordinator {
   void emit_output(size_t slot, int stream, std::string text);
   void on_display(size_t slot, Frame f);
   void release_held(size_t slot, bool all);
+  void release_segments(size_t slot, const std::string& ids);
   void send_now(size_t slot, Frame f);
   void drop_connection(size_t slot);
   void watch(int fd, uint64_t tag, uint32_t events);

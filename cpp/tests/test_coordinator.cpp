@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "ddip/endpoint.hpp"
 
@@ -51,6 +52,17 @@ int worker_main() {
     } else if (req.rfind("partial:", 0) == 0) {
       write_fd(1, req.substr(8));
       ep.send(Frame::make(kDone, rank, f->seq, ""));
+    } else if (req.rfind("segment:", 0) == 0) {
+      uint64_t id;
+      std::memcpy(&id, req.data() + 8, sizeof id);
+      std::string got;
+      if (f->fds && f->fds->size() == 1) {
+        char buf[16] = {};
+        ssize_t n = ::pread((*f->fds)[0].get(), buf, 5, 0);
+        got.assign(buf, n > 0 ? n : 0);
+      }
+      ep.send(Frame::make(kDone, rank, f->seq, got));
+      ep.send(Frame::make(kRelease, rank, 0, std::string(reinterpret_cast<char*>(&id), 8)));
     } else if (req == "display") {
       write_fd(1, "before\n");
       write_fd(1, std::string(kDisplayMarker));
@@ -146,6 +158,34 @@ TEST(Coordinator, DisplayKeepsItsPlaceAmongPrints) {
     }
     ASSERT_EQ(order, "before\n[D]after\n") << "round " << round;
   }
+}
+
+TEST(Coordinator, SegmentsTravelByFdAndComeBackWhenReleased) {
+  Coordinator c(options(2));
+  uint64_t id = c.pool().put("hello", 5);
+  std::string req = "segment:" + std::string(reinterpret_cast<char*>(&id), 8);
+  for (int slot = 0; slot < 2; ++slot) c.send(slot, Frame::make(kRequest, slot, 1, req), {id});
+  c.pool().release(id);  // the caller's reference; each frame holds its own
+  int done = 0;
+  while (done < 2) {
+    Event e = next(c);
+    if (e.kind == Event::kFrame && e.frame.kind == kDone) {
+      EXPECT_EQ(e.frame.data(), "hello");
+      ++done;
+    }
+  }
+  for (int i = 0; i < 1000 && c.pool().in_use() > 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(c.pool().in_use(), 0u);
+  EXPECT_EQ(c.pool().free_bytes(), SegmentPool::kMinSegment);
+}
+
+TEST(Coordinator, ADeadWorkersSegmentsAreReleased) {
+  Coordinator c(options(1));
+  uint64_t id = c.pool().put("hello", 5);
+  c.send(0, Frame::make(kRequest, 0, 1, "exit:0"), {id});
+  c.pool().release(id);
+  wait_for(c, Event::kExited, 0);
+  EXPECT_EQ(c.pool().in_use(), 0u);
 }
 
 TEST(Coordinator, ReportsExitWithStderrTail) {

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 from . import _core
 from .errors import RankFailure, RemoteError, StartError
-from .messages import dumps, loads
+from .messages import dumps_request, loads
 
 # Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data)
 _OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED = range(5)
@@ -303,7 +303,7 @@ class Group:
         Until then the group is busy: one request at a time."""
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
-        seq, slots = self._send({"op": "apply", "call": dumps((fn, args, kwargs))}, ranks)
+        seq, slots = self._send({"op": "apply", "fn": fn, "args": args, "kwargs": kwargs}, ranks)
         return Pending(self, seq, slots, f"{getattr(fn, '__name__', 'function')}()")
 
     def push(self, mapping: dict | None = None, /, ranks: Iterable[int] | None = None, **values):
@@ -313,7 +313,7 @@ class Group:
         bad = [k for k in ns if not (isinstance(k, str) and k.isidentifier())]
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
-        results = self._request({"op": "push", "ns": dumps(ns)}, ranks, None, None, None)
+        results = self._request({"op": "push", "ns": ns}, ranks, None, None, None)
         self._raise_failures(results, "push")
 
     def pull(self, names, rank: int = 0):
@@ -394,9 +394,14 @@ class Group:
         if dead:
             d = dead[0]
             raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
+        payload, segments = dumps_request(req, self._coord.put, self._coord.release)
         self._seq += 1
         seq = self._seq
-        self._coord.send(slots, _core.REQUEST, seq, dumps(req))
+        try:
+            self._coord.send(slots, _core.REQUEST, seq, payload, segments)
+        finally:
+            for segment in segments:  # the frames hold their own references now
+                self._coord.release(segment)
         for s in slots:
             self._state[s] = "busy"
         return seq, slots

@@ -2,23 +2,114 @@
 
 Functions, lambdas and classes defined in the notebook's __main__ are pickled by value
 (cloudpickle's rule for __main__), so they work in ranks without being importable there.
+
+Requests to ranks go out of band for large buffers (numpy arrays, CPU tensors): each buffer of
+at least OOB_THRESHOLD bytes is copied once into a shared-memory segment that every rank maps
+privately — one copy for N ranks, none on the receiving side. A request payload starts with
+the segments' table: u32 count, then (u64 id, u64 length) per segment, in buffer order.
 """
 
 from __future__ import annotations
 
+import io
+import mmap
+import os
 import pickle
+import struct
+import sys
+import weakref
 
 import cloudpickle
 
 PROTOCOL = 5
+OOB_THRESHOLD = 1 << 20  # smaller buffers stay in the pickle: a segment costs more than a copy
 
 
-def dumps(obj) -> bytes:
-    return cloudpickle.dumps(obj, protocol=PROTOCOL)
+class _Pickler(cloudpickle.CloudPickler):
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and _whole_cpu_tensor(torch, obj):
+            # torch's own pickling copies the bytes in band; as a uint8 array they go out of band.
+            flat = obj.detach().reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_tensor, (flat, obj.dtype, tuple(obj.shape), obj.requires_grad)
+        return super().reducer_override(obj)
 
 
-def loads(data: bytes):
-    return pickle.loads(data)
+def _whole_cpu_tensor(torch, t) -> bool:
+    """A dense CPU tensor that is its storage's only view: nothing is lost by sending its bytes."""
+    try:
+        return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+                and t.grad_fn is None and not t.is_conj() and not t.is_neg() and t.is_contiguous()
+                and t.storage_offset() == 0 and t.nbytes >= OOB_THRESHOLD
+                and t.untyped_storage().nbytes() == t.nbytes)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def _rebuild_tensor(flat, dtype, shape, requires_grad):
+    import torch
+
+    t = torch.from_numpy(flat).view(dtype).reshape(shape)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def dumps(obj, buffer_callback=None) -> bytes:
+    f = io.BytesIO()
+    _Pickler(f, protocol=PROTOCOL, buffer_callback=buffer_callback).dump(obj)
+    return f.getvalue()
+
+
+def loads(data, buffers=None):
+    return pickle.loads(data, buffers=buffers)
+
+
+def dumps_request(obj, put, release) -> tuple[bytes, list[int]]:
+    """Pickles a request; large buffers go to segments through put(buffer) -> segment id.
+    Returns the payload and the segment ids (each holding one reference for the caller, given
+    back with release(id))."""
+    big = []
+
+    def out_of_band(pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < OOB_THRESHOLD:
+            return True  # in band
+        big.append(raw)
+        return False
+
+    body = dumps(obj, buffer_callback=out_of_band)
+    ids = []
+    try:
+        for raw in big:
+            ids.append(put(raw))
+    except BaseException:
+        for i in ids:
+            release(i)
+        raise
+    table = struct.pack(f"<I{2 * len(ids)}Q", len(ids), *[x for i, raw in zip(ids, big) for x in (i, raw.nbytes)])
+    return table + body, ids
+
+
+class _Mapping(mmap.mmap):
+    """A private mapping of a received segment (a subclass, so it can carry a finalizer)."""
+
+
+def loads_request(payload: bytes, fds: list[int], release):
+    """Unpickles a request. Each segment is mapped privately (writable, copy-on-write) and
+    release(segment id) is called once nothing refers to it any more."""
+    (count,) = struct.unpack_from("<I", payload)
+    table = struct.unpack_from(f"<{2 * count}Q", payload, 4)
+    body = memoryview(payload)[4 + 16 * count:]
+    buffers = []
+    try:
+        for i in range(count):
+            seg, nbytes = table[2 * i], table[2 * i + 1]
+            m = _Mapping(fds[i], nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            weakref.finalize(m, release, seg)
+            buffers.append(memoryview(m))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return pickle.loads(body, buffers=buffers)
 
 
 class RemoteValue:

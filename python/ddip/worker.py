@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import sys
 import traceback
 
@@ -31,7 +32,7 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
-from ddip.messages import RemoteValue, dumps, loads  # noqa: E402
+from ddip.messages import RemoteValue, dumps, loads_request  # noqa: E402
 
 _endpoint = None  # set in main(); the display publisher sends through it
 _current_seq = 0
@@ -71,6 +72,15 @@ def notify(obj) -> None:
     if _endpoint is None:
         raise RuntimeError("ddip.worker.notify() works only inside a ddip rank")
     _endpoint.send(_core.MESSAGE, _current_seq, dumps(obj))
+
+
+def _release_segment(segment: int) -> None:
+    # Called by a finalizer once the objects backed by a shared-memory segment are gone.
+    try:
+        if _endpoint is not None and not _endpoint.closed:
+            _endpoint.send(_core.RELEASE, 0, struct.pack("<Q", segment))
+    except Exception:
+        pass
 
 
 def _send_display(msg):
@@ -144,10 +154,9 @@ def _serve(shell, req):
                 "format": fmt, "error": error, "execution_count": shell.execution_count - 1}
     try:
         if op == "apply":
-            fn, args, kwargs = loads(req["call"])
-            return {"op": op, "value": fn(*args, **kwargs), "error": None}
+            return {"op": op, "value": req["fn"](*req["args"], **req["kwargs"]), "error": None}
         if op == "push":
-            shell.user_ns.update(loads(req["ns"]))
+            shell.user_ns.update(req["ns"])
             return {"op": op, "value": None, "error": None}
         if op == "pull":
             rank = os.environ.get("RANK", "?")
@@ -218,15 +227,17 @@ def main():
                 frame = _endpoint.recv(-1)
             except _core.EndpointClosed:
                 break
-            kind, seq, payload = frame
+            kind, seq, payload, fds = frame
             if kind == _core.SHUTDOWN:
                 break
             if kind != _core.REQUEST:
+                for fd in fds:
+                    os.close(fd)
                 continue
             _current_seq = seq
             try:
-                req = loads(payload)
                 _busy = True
+                req = loads_request(payload, fds, _release_segment)
                 reply = _serve(shell, req)
             except KeyboardInterrupt as exc:
                 reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
@@ -234,6 +245,7 @@ def main():
                 reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
             finally:
                 _busy = False
+                req = None  # drop the request's buffers now, so their segments can be reused
             _reply(seq, reply)
     finally:
         try:

@@ -69,7 +69,7 @@ void init_coordinator(nb::module_& m) {
       .def(
           "send",
           [](ddip::Coordinator& c, const std::vector<int>& slots, int kind, uint64_t seq,
-             const nb::bytes& payload) {
+             const nb::bytes& payload, const std::vector<uint64_t>& segments) {
             // One payload shared by every slot's frame.
             auto shared = std::make_shared<const std::string>(from_bytes(payload));
             for (int slot : slots) {
@@ -78,10 +78,32 @@ void init_coordinator(nb::module_& m) {
               f.rank = slot;
               f.seq = seq;
               f.payload = shared;
-              c.send(slot, std::move(f));
+              c.send(slot, std::move(f), segments);
             }
           },
-          "slots"_a, "kind"_a, "seq"_a, "payload"_a)
+          "slots"_a, "kind"_a, "seq"_a, "payload"_a, "segments"_a = std::vector<uint64_t>{})
+      .def(
+          "put",
+          [](ddip::Coordinator& c, nb::handle obj) {
+            // Any C-contiguous buffer (a PickleBuffer's raw view): copied once, GIL released.
+            Py_buffer view;
+            if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0)
+              throw nb::python_error();
+            uint64_t id;
+            {
+              nb::gil_scoped_release release;
+              id = c.pool().put(view.buf, static_cast<size_t>(view.len));
+            }
+            PyBuffer_Release(&view);
+            return id;
+          },
+          "buffer"_a, "Copies a buffer into a shared-memory segment; returns its id (one reference).")
+      .def(
+          "release", [](ddip::Coordinator& c, uint64_t id) { c.pool().release(id); }, "segment"_a)
+      .def("pool_stats",
+           [](ddip::Coordinator& c) {
+             return nb::make_tuple(c.pool().in_use(), c.pool().free_bytes(), c.pool().created());
+           })
       .def("signal", &ddip::Coordinator::signal, "slot"_a, "sig"_a, "whole_group"_a = false)
       .def(
           "next_event",

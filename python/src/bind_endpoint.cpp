@@ -40,7 +40,12 @@ void init_endpoint(nb::module_& m) {
                 timeout_ms, [&](std::chrono::milliseconds slice) { return e.recv(slice); });
             if (!f) return nb::none();
             const std::string& d = f->data();
-            return nb::make_tuple(static_cast<int>(f->kind), f->seq, nb::bytes(d.data(), d.size()));
+            // Received fds (shared-memory segments) are handed to Python, which closes them.
+            nb::list fds;
+            if (f->fds)
+              for (auto& fd : *f->fds) fds.append(fd.release());
+            return nb::make_tuple(static_cast<int>(f->kind), f->seq, nb::bytes(d.data(), d.size()),
+                                  fds);
           },
           "timeout_ms"_a);
 }

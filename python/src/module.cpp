@@ -28,6 +28,7 @@ NB_MODULE(_core, m) {
   m.attr("DISPLAY") = static_cast<int>(ddip::kDisplay);
   m.attr("SHUTDOWN") = static_cast<int>(ddip::kShutdown);
   m.attr("MESSAGE") = static_cast<int>(ddip::kMessage);
+  m.attr("RELEASE") = static_cast<int>(ddip::kRelease);
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
   init_coordinator(m);
   init_endpoint(m);

@@ -1,0 +1,112 @@
+#include "ddip/shm.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <optional>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+namespace ddip {
+
+Segment::Segment(size_t size) : size_(size) {
+  fd_ = Fd(check(::memfd_create("ddip-segment", MFD_CLOEXEC), "memfd_create",
+                 "creating a shared-memory segment"));
+  check(::ftruncate(fd_.get(), static_cast<off_t>(size)), "ftruncate",
+        "sizing a shared-memory segment");
+  addr_ = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
+  if (addr_ == MAP_FAILED) {
+    addr_ = nullptr;
+    throw_errno("mmap", "mapping a shared-memory segment");
+  }
+}
+
+Segment::Segment(Segment&& o) noexcept
+    : fd_(std::move(o.fd_)),
+      addr_(std::exchange(o.addr_, nullptr)),
+      size_(std::exchange(o.size_, 0)) {}
+
+Segment& Segment::operator=(Segment&& o) noexcept {
+  if (this != &o) {
+    if (addr_) ::munmap(addr_, size_);
+    fd_ = std::move(o.fd_);
+    addr_ = std::exchange(o.addr_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+Segment::~Segment() {
+  if (addr_) ::munmap(addr_, size_);
+}
+
+uint64_t SegmentPool::put(const void* data, size_t n) {
+  // Sizes are rounded up to a power of two so that freed segments fit later requests.
+  size_t want = std::max(kMinSegment, std::bit_ceil(n));
+  std::optional<Segment> seg;
+  {
+    std::lock_guard lock(mu_);
+    auto it = free_.find(want);
+    if (it != free_.end()) {
+      seg.emplace(std::move(it->second));
+      free_bytes_ -= want;
+      free_.erase(it);
+    } else {
+      ++created_;
+    }
+  }
+  if (!seg) seg.emplace(want);
+  if (n > 0) std::memcpy(seg->data(), data, n);  // the one copy, outside the lock
+  std::lock_guard lock(mu_);
+  uint64_t id = next_id_++;
+  used_.emplace(id, Entry{std::move(*seg), 1});
+  return id;
+}
+
+void SegmentPool::retain(uint64_t id) {
+  std::lock_guard lock(mu_);
+  auto it = used_.find(id);
+  if (it == used_.end()) throw std::out_of_range("no shared-memory segment " + std::to_string(id));
+  ++it->second.refs;
+}
+
+void SegmentPool::release(uint64_t id) {
+  std::lock_guard lock(mu_);
+  auto it = used_.find(id);
+  if (it == used_.end()) return;
+  if (--it->second.refs > 0) return;
+  Segment seg = std::move(it->second.segment);
+  used_.erase(it);
+  if (free_bytes_ + seg.size() > keep_free_) return;  // freed here
+  free_bytes_ += seg.size();
+  free_.emplace(seg.size(), std::move(seg));
+}
+
+Fd SegmentPool::dup_fd(uint64_t id) const {
+  std::lock_guard lock(mu_);
+  auto it = used_.find(id);
+  if (it == used_.end()) throw std::out_of_range("no shared-memory segment " + std::to_string(id));
+  return Fd(check(::fcntl(it->second.segment.fd(), F_DUPFD_CLOEXEC, 0), "fcntl(F_DUPFD_CLOEXEC)",
+                  "duplicating a segment's fd"));
+}
+
+size_t SegmentPool::in_use() const {
+  std::lock_guard lock(mu_);
+  return used_.size();
+}
+
+size_t SegmentPool::free_bytes() const {
+  std::lock_guard lock(mu_);
+  return free_bytes_;
+}
+
+size_t SegmentPool::created() const {
+  std::lock_guard lock(mu_);
+  return created_;
+}
+
+}  // namespace ddip

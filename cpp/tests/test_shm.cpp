@@ -1,0 +1,70 @@
+#include "ddip/shm.hpp"
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <string>
+
+using namespace ddip;
+
+TEST(Segment, IsASharedMemfdOfTheGivenSize) {
+  Segment s(4096);
+  std::memcpy(s.data(), "abc", 3);
+  struct stat st{};
+  ASSERT_EQ(::fstat(s.fd(), &st), 0);
+  EXPECT_EQ(st.st_size, 4096);
+  // Another mapping of the fd sees the bytes (what a rank does after receiving it).
+  void* other = ::mmap(nullptr, 4096, PROT_READ, MAP_PRIVATE, s.fd(), 0);
+  ASSERT_NE(other, MAP_FAILED);
+  EXPECT_EQ(std::memcmp(other, "abc", 3), 0);
+  ::munmap(other, 4096);
+}
+
+TEST(SegmentPool, PutCopiesAndDupFdSharesTheBytes) {
+  SegmentPool pool;
+  std::string data(3 << 20, 'x');
+  data[12345] = 'y';
+  uint64_t id = pool.put(data.data(), data.size());
+  Fd fd = pool.dup_fd(id);
+  struct stat st{};
+  ASSERT_EQ(::fstat(fd.get(), &st), 0);
+  EXPECT_EQ(st.st_size, 4 << 20);  // rounded up to a power of two
+  char* p = static_cast<char*>(::mmap(nullptr, data.size(), PROT_READ, MAP_PRIVATE, fd.get(), 0));
+  ASSERT_NE(p, MAP_FAILED);
+  EXPECT_EQ(std::string(p, data.size()), data);
+  ::munmap(p, data.size());
+}
+
+TEST(SegmentPool, ASegmentIsReusedOnlyAfterEveryReferenceIsReleased) {
+  SegmentPool pool;
+  std::string a(1 << 20, 'a');
+  uint64_t first = pool.put(a.data(), a.size());
+  pool.retain(first);  // sent to two ranks: 3 references with the caller's
+  pool.retain(first);
+  pool.release(first);  // the caller's
+  pool.release(first);  // rank 0
+  EXPECT_EQ(pool.in_use(), 1u);
+  uint64_t second = pool.put(a.data(), a.size());  // rank 1 still holds the first
+  EXPECT_EQ(pool.created(), 2u);
+  pool.release(first);  // rank 1
+  EXPECT_EQ(pool.free_bytes(), size_t(1) << 20);
+  pool.release(second);
+  uint64_t third = pool.put(a.data(), 100);  // same size class: reused, nothing created
+  EXPECT_EQ(pool.created(), 2u);
+  EXPECT_NE(third, first);
+  pool.release(third);
+  pool.release(999);  // unknown ids are ignored (a rank can't corrupt the pool)
+}
+
+TEST(SegmentPool, KeepsAtMostTheConfiguredFreeBytes) {
+  SegmentPool pool(SegmentPool::kMinSegment);
+  std::string a(10, 'a');
+  uint64_t x = pool.put(a.data(), a.size());
+  uint64_t y = pool.put(a.data(), a.size());
+  pool.release(x);
+  pool.release(y);  // over the limit: freed, not kept
+  EXPECT_EQ(pool.free_bytes(), SegmentPool::kMinSegment);
+  EXPECT_EQ(pool.in_use(), 0u);
+}
