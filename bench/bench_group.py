@@ -8,6 +8,8 @@ What each side does:
   registered, then `client[:]` makes the DirectView. Both are timed from construction.
 - round trip: ddip `g.run("pass")` against ipyparallel `dview.execute("pass", block=True)`,
   N=2, after a warm-up.
+- push: a 256 MiB float32 numpy array to every rank of N=4, ddip `g.push(a=arr)` against
+  ipyparallel `dview.push({"a": arr}, block=True)`; a plain `arr.copy()` is shown for scale.
 
 ipyparallel is stopped with its own API (`stop_cluster_sync`); then every process it started
 (controller, its schedulers, engines, their nannies) is checked by pid and killed if still there.
@@ -31,6 +33,9 @@ RT_WARMUP = 50
 RT_REPS = 500
 START_TARGET_S = 0.5
 RT_TARGET_S = 1e-3
+PUSH_MIB = 256
+PUSH_N = 4
+PUSH_REPS = 5
 RATIO_TARGET = 10.0
 GRACE_S = 5.0  # how long stopped processes get to exit before they are killed by pid
 
@@ -101,6 +106,27 @@ def _ddip_round_trip(left: _Leftovers) -> list[float]:
             t0 = time.perf_counter()
             g.run("pass")
             times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        g.close()
+        left.ddip += _reap(procs)
+
+
+def _ddip_push(arr, left: _Leftovers) -> list[float]:
+    import ddip
+
+    g = ddip.Group(n=PUSH_N, backend=None)
+    procs = [psutil.Process(pid) for pid in g.pids]
+    try:
+        g.push(a=arr)  # warm-up: the pool's segments are created here and reused after
+        g.push(a=arr)
+        times = []
+        for _ in range(PUSH_REPS):
+            t0 = time.perf_counter()
+            g.push(a=arr)
+            times.append(time.perf_counter() - t0)
+        if g.run("float(a[-1])")[0].value != float(arr[-1]):
+            raise RuntimeError("ddip push delivered wrong data")
         return times
     finally:
         g.close()
@@ -199,6 +225,27 @@ def _ipp_round_trip(profile_dir: str, left: _Leftovers) -> list[float]:
         return times
 
 
+def _ipp_push(arr, profile_dir: str, left: _Leftovers) -> list[float]:
+    with _IpyparallelCluster(PUSH_N, profile_dir, left) as c:
+        c.start()
+        c.view.push({"a": arr}, block=True)
+        times = []
+        for _ in range(PUSH_REPS):
+            t0 = time.perf_counter()
+            c.view.push({"a": arr}, block=True)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def _copy_times(arr) -> list[float]:
+    times = []
+    for _ in range(PUSH_REPS):
+        t0 = time.perf_counter()
+        arr.copy()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 # -- report -----------------------------------------------------------------------------------
 
 
@@ -243,6 +290,13 @@ def main() -> str:
         _log(f"round trip, N=2, {RT_REPS} repetitions after {RT_WARMUP} warm-up")
         rt_ddip = _ddip_round_trip(left)
         rt_ipp = _ipp_round_trip(profile_dir, left)
+        import numpy as np
+
+        arr = np.arange(PUSH_MIB << 18, dtype=np.float32)
+        _log(f"push {PUSH_MIB} MiB to N={PUSH_N}")
+        push_ddip = statistics.median(_ddip_push(arr, left))
+        push_ipp = statistics.median(_ipp_push(arr, profile_dir, left))
+        copy = statistics.median(_copy_times(arr))
     finally:
         shutil.rmtree(profile_dir, ignore_errors=True)
 
@@ -254,6 +308,8 @@ def main() -> str:
         ("start to ready, N=2, ipyparallel with `delay=0`", med["ddip2"], med["ipp2-nodelay"], _secs),
         ("start to ready, N=2, with torch (`backend='gloo'`)", med["ddip2-gloo"], None, _secs),
         ("round trip of `run(\"pass\")`, N=2", rt_d, rt_i, _ms),
+        (f"push a {PUSH_MIB} MiB array to N={PUSH_N} ranks", push_ddip, push_ipp, _ms),
+        (f"for scale: one `arr.copy()` of {PUSH_MIB} MiB in the notebook", copy, None, _ms),
     ]
     lines = ["| step | ddip | ipyparallel | ratio |", "|---|---|---|---|"]
     for step, ours, theirs, fmt in rows:
