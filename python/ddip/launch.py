@@ -17,15 +17,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import selectors
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback as _traceback
-from typing import Callable, Iterable
+from typing import Callable
 
 from .errors import RankFailure, RemoteError
 from .group import Group, free_port, parse_gpus
@@ -256,21 +253,22 @@ def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, ne
 
 
 class _Launch:
-    """One ranch() call: the children's Group, the failure watch, and the notebook's own rank."""
+    """One ranch() call: the children's Group, the failures it hears of, and the notebook's rank.
+
+    Children tell of their progress with ddip.worker.notify(): "entered" once ctx is entered,
+    "failed" the moment fn (or ctx) raises, before ctx exits. Their replies and deaths come as
+    on_done from the Group's Pending. All of it arrives in the collecting thread, as it happens."""
 
     def __init__(self, nprocs, caller_rank, child_ranks):
         self.nprocs = nprocs
         self.caller_rank = caller_rank
         self.child_ranks = child_ranks
         self.group: Group | None = None
-        self.watch: _Watch | None = None
+        self.coord = None  # the group's runtime, which signals its processes
         self.lock = threading.Lock()
-        self.failed_at: dict[int, tuple[float, str]] = {}  # rank -> (monotonic time, "raised"/"died")
-        self.first_failure_at: float | None = None
-        self.in_fn: set[int] = set()  # child ranks past ctx.__enter__
-        self.finished: set[int] = set()  # child ranks whose fn returned or raised
+        self.failed_at: dict[int, float] = {}  # rank -> when the launch heard it failed
+        self.running: set[int] = set()  # child ranks past ctx.__enter__, not yet done or failed
         self.stopped: set[int] = set()  # child ranks we killed because another failed
-        self.pids: dict[int, int] = {}
         self.main_in_fn = False
         self.interrupt_sent = False
         self.interrupt_seen = False
@@ -297,18 +295,16 @@ class _Launch:
     def run(self, fn, args, kwargs, ctx, call, needed, imports, gather):
         port = None
         if self.child_ranks:
-            self.watch = _Watch(self)
             self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
                                rank_ids=self.child_ranks)
+            self.coord = self.group._coord
             port = self.group.master_port
-            self.pids = dict(zip(self.child_ranks, self.group.pids))
             out = _LabelledOutput()
             if imports.strip():
                 self.group.run(imports, on_output=out)
             if needed:
                 self.group.push(needed)
-            pending = self.group.apply_async(_rank_main, call, self.watch.path)
-            self.watch.start()
+            pending = self.group.apply_async(_rank_main, call)
         if self.caller_rank is None:
             results = self._collect(pending, out)
             own = None
@@ -337,7 +333,7 @@ class _Launch:
             # while ctx sets up or tears down.
             with self.lock:
                 self.main_in_fn = True
-                if self.first_failure_at is not None and not self.interrupt_sent:
+                if self.failed_at and not self.interrupt_sent:
                     self.interrupt_sent = True  # a rank failed while ctx was entering: don't start
                     self.main_in_fn = False
             try:
@@ -366,7 +362,7 @@ class _Launch:
             exc = sys.exc_info()[1]
             if isinstance(exc, KeyboardInterrupt) and self.interrupt_sent:
                 return  # ours: another rank failed first
-            self.failure(self.caller_rank, "raised")
+            self.failure(self.caller_rank)
 
         try:
             return ("ok", _call(body, args, kwargs, ctx, on_error))
@@ -398,52 +394,53 @@ class _Launch:
 
     # -- failures -------------------------------------------------------------------------------
 
-    def failure(self, rank: int, kind: str):
+    def failure(self, rank: int):
         """A rank raised or died: stop every child still running fn, at once."""
         with self.lock:
-            self.failed_at.setdefault(rank, (time.monotonic(), kind))
+            if rank in self.failed_at:
+                return  # heard already ("failed", then its reply or death)
+            self.failed_at[rank] = time.monotonic()
+            self.running.discard(rank)
             if rank in self.stopped:
                 return  # one we killed (or that failed by itself just as we did)
-            if self.first_failure_at is None:
-                self.first_failure_at = time.monotonic()
-            if rank in self.child_ranks:
-                self.finished.add(rank)
             # Only ranks past ctx.__enter__: killing one in the middle of a rendezvous (gloo
             # connecting its full mesh) would leave its peers waiting for it until the timeout.
-            victims = [r for r in self.in_fn if r not in self.finished and r not in self.stopped]
-            self.stopped.update(victims)
-        self._kill(victims, signal.SIGKILL)
+            victims, self.running = self.running, set()
+            self.stopped |= victims
+        self._kill(victims)
         if rank != self.caller_rank:
             self._interrupt_main()
 
-    def entered(self, rank: int):
-        """A child is past ctx.__enter__ and starts fn; if another rank failed already, stop it."""
-        with self.lock:
-            self.in_fn.add(rank)
-            late = self.first_failure_at is not None and rank not in self.finished and rank not in self.stopped
+    def _on_message(self, rank: int, what):
+        if what == "failed":
+            self.failure(rank)
+        elif what == "entered":
+            # Past ctx.__enter__, fn starts; if another rank failed already, stop it now.
+            with self.lock:
+                late = bool(self.failed_at)
+                (self.stopped if late else self.running).add(rank)
             if late:
-                self.stopped.add(rank)
-        if late:
-            self._kill([rank], signal.SIGKILL)
+                self._kill([rank])
 
-    def finished_ok(self, rank: int):
-        with self.lock:
-            self.finished.add(rank)
+    def _on_done(self, result):
+        if result.error is not None:
+            self.failure(result.rank)
+        else:
+            with self.lock:
+                self.running.discard(result.rank)
 
-    def _kill(self, ranks, sig):
-        for r in ranks:
-            pid = self.pids.get(r)
-            if pid is not None and _is_our_child(pid):
-                try:
-                    os.killpg(pid, sig)
-                except OSError:
-                    pass
+    def _kill(self, ranks, sig=signal.SIGKILL):
+        """Signals child ranks (their whole process groups) through the runtime, which knows
+        whether each is still running; after the group closed this does nothing."""
+        if self.coord is not None:
+            for r in ranks:
+                self.coord.signal(self.child_ranks.index(r), sig, True)
 
     # -- collecting -------------------------------------------------------------------------------
 
     def _collect(self, pending, out):
-        results = pending.results(on_output=out)
-        if any(not r.ok for r in results) or self.first_failure_at is not None:
+        results = pending.results(on_output=out, on_message=self._on_message, on_done=self._on_done)
+        if any(not r.ok for r in results) or self.failed_at:
             # Ranks that raised may still hold connections their peers wait on.
             self.group.close(0)
         return results
@@ -453,13 +450,13 @@ class _Launch:
             while collector.is_alive():
                 collector.join(0.1)
                 with self.lock:
-                    started = self.first_failure_at
+                    started = min(self.failed_at.values(), default=None)
                 if started is not None and time.monotonic() - started > STOP_GRACE_S:
                     # Failed ranks that never replied (stuck in ctx.__exit__, say): kill them too.
                     with self.lock:
                         rest = [r for r in self.child_ranks if r not in self.stopped]
                         self.stopped.update(r for r in rest if r not in self.failed_at)
-                    self._kill(rest, signal.SIGKILL)
+                    self._kill(rest)
                     collector.join()
         except KeyboardInterrupt:
             # Ctrl-C while the children are still busy: show where they were, then stop them.
@@ -467,7 +464,7 @@ class _Launch:
             collector.join(INTERRUPT_GRACE_S)
             with self.lock:
                 self.stopped.update(self.child_ranks)
-            self._kill(self.child_ranks, signal.SIGKILL)
+            self._kill(self.child_ranks)
             collector.join()
             raise
         if collector.error is not None:
@@ -517,25 +514,13 @@ class _Launch:
         # heard of them; ranks stopped by us last.
         if f.ename == "Stopped":
             return (2, 0.0, f.rank)
-        t, kind = self.failed_at.get(f.rank, (float("inf"), "raised"))
-        return (0 if f.died else 1, t, f.rank)
+        return (0 if f.died else 1, self.failed_at.get(f.rank, float("inf")), f.rank)
 
     def cleanup(self):
         self._restore_env()
         if self.group is not None:
             self.group.close(0.5)
             self.group = None
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-
-
-def _is_our_child(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except (OSError, ValueError, IndexError):
-        return False
 
 
 class _LabelledOutput:
@@ -570,97 +555,10 @@ class _Collector(threading.Thread):
     def run(self):
         try:
             self.results = self.launch._collect(self.pending, self.out)
-            if any(not r.ok for r in self.results):
-                self.launch._interrupt_main()
         except BaseException as exc:
             self.error = exc
-            self.launch._kill(self.launch.child_ranks, signal.SIGKILL)
+            self.launch._kill(self.launch.child_ranks)
             self.launch._interrupt_main()
-
-
-class _Watch:
-    """A Unix socket each child connects to: it says when its fn failed, and its EOF without a
-    word means it died. This is what lets the launch stop the others at the first failure,
-    instead of waiting for every reply."""
-
-    def __init__(self, launch: _Launch):
-        self.launch = launch
-        self._dir = tempfile.mkdtemp(prefix="ddip-ranch-")
-        self.path = os.path.join(self._dir, "watch")
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(self.path)
-        self._server.listen(64)
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, name="ddip-ranch-watch", daemon=True)
-
-    def start(self):
-        self._thread.start()
-
-    def _loop(self):
-        sel = selectors.DefaultSelector()
-        sel.register(self._server, selectors.EVENT_READ, "accept")
-        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        conns: dict[socket.socket, dict] = {}
-        try:
-            while True:
-                for key, _ in sel.select():
-                    if key.data == "wake":
-                        return
-                    if key.data == "accept":
-                        conn, _ = self._server.accept()
-                        conns[conn] = {"buf": b"", "rank": None, "said": None}
-                        sel.register(conn, selectors.EVENT_READ, "conn")
-                        continue
-                    conn = key.fileobj
-                    st = conns[conn]
-                    try:
-                        data = conn.recv(4096)
-                    except OSError:
-                        data = b""
-                    if data:
-                        st["buf"] += data
-                        while b"\n" in st["buf"]:
-                            line, st["buf"] = st["buf"].split(b"\n", 1)
-                            word, _, rank = line.decode().partition(" ")
-                            if word == "hello":
-                                st["rank"] = int(rank)
-                            elif word == "entered" and st["rank"] is not None:
-                                self.launch.entered(st["rank"])
-                            elif word in ("ok", "failed") and st["rank"] is not None:
-                                st["said"] = word
-                                if word == "ok":
-                                    self.launch.finished_ok(st["rank"])
-                                else:
-                                    self.launch.failure(st["rank"], "raised")
-                        continue
-                    sel.unregister(conn)
-                    conn.close()
-                    del conns[conn]
-                    if st["rank"] is not None and st["said"] is None:
-                        self.launch.failure(st["rank"], "died")
-        finally:
-            for conn in conns:
-                conn.close()
-            sel.close()
-
-    def close(self):
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        if self._thread.is_alive():
-            self._thread.join(5)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._server.close()
-        try:
-            os.unlink(self.path)
-            os.rmdir(self._dir)
-        except OSError:
-            pass
 
 
 # -- in every rank ------------------------------------------------------------------------------
@@ -687,27 +585,10 @@ def _call(fn, args, kwargs, ctx, on_error, on_entered=None):
         raise
 
 
-def _rank_main(call: bytes, watch_path: str):
-    """What a child rank runs: tells the watch it started, runs fn in ctx, says how it ended."""
-    rank = os.environ.get("RANK", "?")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(watch_path)
-    sock.sendall(f"hello {rank}\n".encode())
-    said = []
+def _rank_main(call: bytes):
+    """What a child rank runs: fn in ctx, telling the launch at once when ctx is entered and
+    when something raised (its reply, or its death, reaches the launch by itself)."""
+    from ddip.worker import notify
 
-    def on_error():
-        if not said:
-            said.append(1)
-            sock.sendall(b"failed\n")
-
-    try:
-        try:
-            fn, args, kwargs, ctx = loads(call)
-        except BaseException:
-            on_error()
-            raise
-        value = _call(fn, args, kwargs, ctx, on_error, lambda: sock.sendall(b"entered\n"))
-        sock.sendall(b"ok\n")
-        return value
-    finally:
-        sock.close()
+    fn, args, kwargs, ctx = loads(call)
+    return _call(fn, args, kwargs, ctx, lambda: notify("failed"), lambda: notify("entered"))
