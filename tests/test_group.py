@@ -386,3 +386,25 @@ def test_a_dead_rank_gives_its_segments_back():
             g.run("import os\nos._exit(1)", ranks=[1])
         g.run("del a\nimport gc; gc.collect()", ranks=[0])
         assert wait_until(lambda: g._coord.pool_stats()[0] == 0)
+
+
+def test_kill_signals_a_ranks_whole_process_group_and_is_a_no_op_once_closed():
+    g = ddip.Group(n=2, backend=None)
+    started = []
+
+    def on_output(rank, stream, text):
+        if text.startswith("started"):
+            started.append(int(text.split()[1]))
+            g.kill([1])
+
+    with pytest.raises(ddip.RemoteError) as e:
+        g.run("import os, subprocess, time\n"
+              "if os.environ['RANK'] == '1':\n"
+              "    print('started', subprocess.Popen(['sleep', '600']).pid, flush=True)\n"
+              "    time.sleep(60)",
+              on_output=on_output)
+    f = e.value.failures[0]
+    assert (f.rank, f.exit_signal) == (1, signal.SIGKILL)
+    assert wait_until(lambda: not alive(started[0]))  # what the rank started died with it
+    g.close()
+    g.kill()  # closed: nothing to signal, no error

@@ -331,6 +331,15 @@ class Group:
         for slot in self._slots(ranks):
             self._coord.signal(slot, signal.SIGINT)
 
+    def kill(self, ranks: Iterable[int] | None = None, sig: int = signal.SIGKILL):
+        """Sends `sig` to those ranks and everything they started (their process groups).
+        A no-op once the group is closed; safe from another thread while a call waits."""
+        coord = self._coord
+        if coord is None:
+            return
+        for slot in self._slots(ranks):
+            coord.signal(slot, sig, True)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _check_open(self):

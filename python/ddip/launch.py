@@ -26,7 +26,7 @@ from typing import Callable
 
 from .errors import RankFailure, RemoteError
 from .group import Group, free_port, parse_gpus
-from .messages import dumps, loads
+from .messages import dumps
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
 
@@ -228,9 +228,11 @@ def _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals):
     return {n: caller_globals[n] for n in names}
 
 
-def _pickled(what, obj) -> bytes:
+def _check_picklable(what, obj):
+    """Fails early, before anything starts, on what can't reach the ranks. Large buffers are not
+    copied here (the request sends them through shared memory)."""
     try:
-        return dumps(obj)
+        dumps(obj, buffer_callback=lambda buffer: False)
     except Exception as exc:
         raise TypeError(f"{what} can't be sent to the ranks (cloudpickle failed: "
                         f"{type(exc).__name__}: {exc})") from exc
@@ -241,13 +243,14 @@ def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, ne
     # Everything is checked, and everything that travels is pickled, before anything starts.
     needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
     child_ranks = [r for r in range(nprocs) if r != caller_rank]
-    call = _pickled("fn, its arguments or ctx", (fn, args, kwargs, ctx)) if child_ranks else b""
+    if child_ranks:
+        _check_picklable("fn, its arguments or ctx", (fn, args, kwargs, ctx))
     if needed and child_ranks:
         for name, value in needed.items():
-            _pickled(f"need={name!r}", value)
+            _check_picklable(f"need={name!r}", value)
     launch = _Launch(nprocs, caller_rank, child_ranks)
     try:
-        return launch.run(fn, args, kwargs, ctx, call, needed, imports, gather)
+        return launch.run(fn, args, kwargs, ctx, needed, imports, gather)
     finally:
         launch.cleanup()
 
@@ -264,7 +267,6 @@ class _Launch:
         self.caller_rank = caller_rank
         self.child_ranks = child_ranks
         self.group: Group | None = None
-        self.coord = None  # the group's runtime, which signals its processes
         self.lock = threading.Lock()
         self.failed_at: dict[int, float] = {}  # rank -> when the launch heard it failed
         self.running: set[int] = set()  # child ranks past ctx.__enter__, not yet done or failed
@@ -292,19 +294,18 @@ class _Launch:
             if os.environ.get(k) != v:
                 os.environ[k] = v
 
-    def run(self, fn, args, kwargs, ctx, call, needed, imports, gather):
+    def run(self, fn, args, kwargs, ctx, needed, imports, gather):
         port = None
         if self.child_ranks:
             self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
                                rank_ids=self.child_ranks)
-            self.coord = self.group._coord
             port = self.group.master_port
             out = _LabelledOutput()
             if imports.strip():
                 self.group.run(imports, on_output=out)
             if needed:
                 self.group.push(needed)
-            pending = self.group.apply_async(_rank_main, call)
+            pending = self.group.apply_async(_rank_main, fn, args, kwargs, ctx)
         if self.caller_rank is None:
             results = self._collect(pending, out)
             own = None
@@ -432,9 +433,8 @@ class _Launch:
     def _kill(self, ranks, sig=signal.SIGKILL):
         """Signals child ranks (their whole process groups) through the runtime, which knows
         whether each is still running; after the group closed this does nothing."""
-        if self.coord is not None:
-            for r in ranks:
-                self.coord.signal(self.child_ranks.index(r), sig, True)
+        if self.group is not None and ranks:
+            self.group.kill(ranks, sig)
 
     # -- collecting -------------------------------------------------------------------------------
 
@@ -585,10 +585,9 @@ def _call(fn, args, kwargs, ctx, on_error, on_entered=None):
         raise
 
 
-def _rank_main(call: bytes):
+def _rank_main(fn, args, kwargs, ctx):
     """What a child rank runs: fn in ctx, telling the launch at once when ctx is entered and
     when something raised (its reply, or its death, reaches the launch by itself)."""
     from ddip.worker import notify
 
-    fn, args, kwargs, ctx = loads(call)
     return _call(fn, args, kwargs, ctx, lambda: notify("failed"), lambda: notify("entered"))
