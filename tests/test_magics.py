@@ -15,18 +15,11 @@ import time
 import pytest
 from jupyter_client import KernelManager
 
+from conftest import alive as _alive
 from ddip.errors import strip_ansi
 
 KERNEL_NAME = "ddip-test"
 GROUP = "%makedip -n 3 --backend none"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def install_kernelspec(root) -> str:

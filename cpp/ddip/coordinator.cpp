@@ -171,7 +171,9 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
 
 std::optional<Event> Coordinator::next_event(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  cv_.wait_for(lock, timeout, [this] { return !events_.empty() || thread_done_; });
+  // A zero timeout only looks: a timed wait, even one already expired, costs the timer slack.
+  if (timeout.count() > 0)
+    cv_.wait_for(lock, timeout, [this] { return !events_.empty() || thread_done_; });
   if (events_.empty()) return std::nullopt;
   Event e = std::move(events_.front());
   events_.pop_front();
