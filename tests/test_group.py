@@ -127,6 +127,22 @@ def test_notebook_defined_functions_and_classes_travel_by_value(tmp_path):
     assert out.stdout.splitlines() == ["[40, 41]", "[6, 6]"]
 
 
+def test_notebook_functions_calling_get_ipython_get_the_ranks_shell(tmp_path):
+    script = tmp_path / "nb.py"
+    script.write_text(textwrap.dedent("""
+        import ddip
+        from IPython.core.interactiveshell import InteractiveShell
+        get_ipython = InteractiveShell.instance().get_ipython   # what a notebook's namespace has
+        def which_shell():
+            return type(get_ipython()).__name__
+        with ddip.Group(n=1, backend=None) as g:
+            print(g.apply(which_shell))
+    """))
+    out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['RankShell']"
+
+
 def test_remote_error_names_every_failing_rank_and_the_group_survives(group2):
     group2.run("kept = 'still here'")
     with pytest.raises(ddip.RemoteError) as e:

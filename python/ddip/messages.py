@@ -27,12 +27,22 @@ OOB_THRESHOLD = 1 << 20  # smaller buffers stay in the pickle: a segment costs m
 
 class _Pickler(cloudpickle.CloudPickler):
     def reducer_override(self, obj):
+        if _is_get_ipython(obj):
+            # A notebook function calling get_ipython() means the shell it runs in, not the
+            # kernel's (which can't be pickled): send IPython's function by reference.
+            return getattr, (sys.modules["IPython"], "get_ipython")
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor and _whole_cpu_tensor(torch, obj):
             # torch's own pickling copies the bytes in band; as a uint8 array they go out of band.
             flat = obj.detach().reshape(-1).view(torch.uint8).numpy()
             return _rebuild_tensor, (flat, obj.dtype, tuple(obj.shape), obj.requires_grad)
         return super().reducer_override(obj)
+
+
+def _is_get_ipython(obj) -> bool:
+    shell = sys.modules.get("IPython.core.interactiveshell")
+    return (shell is not None and getattr(obj, "__func__", None) is shell.InteractiveShell.get_ipython
+            and "IPython" in sys.modules)
 
 
 def _whole_cpu_tensor(torch, t) -> bool:
