@@ -424,3 +424,61 @@ def test_kill_signals_a_ranks_whole_process_group_and_is_a_no_op_once_closed():
     assert wait_until(lambda: not alive(started[0]))  # what the rank started died with it
     g.close()
     g.kill()  # closed: nothing to signal, no error
+
+
+def test_a_rank_failing_before_a_collective_is_reported_instead_of_hanging():
+    pytest.importorskip("torch")
+    with ddip.Group(n=2, backend="gloo") as g:
+        with pytest.raises(ddip.RemoteError) as e:
+            g.run("import torch, torch.distributed as dist\n"
+                  "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 broke before all_reduce')\n"
+                  "t = torch.ones(1)\ndist.all_reduce(t)")   # rank 0 waits here for rank 1, for ever
+        root, other = e.value.failures
+        assert (root.rank, root.ename, root.evalue) == (1, "RuntimeError", "rank 1 broke before all_reduce")
+        assert "root cause on rank 1: RuntimeError" in str(e.value)
+        assert other.rank == 0 and other.ename in ("StillRunning", "KeyboardInterrupt")
+        if other.ename == "StillRunning":  # stuck in gloo's C++ wait: busy until restarted
+            with pytest.raises(RuntimeError, match=r"rank\(s\) 0 still busy with an earlier request"):
+                g.run("1", ranks=[0])
+            assert [r.value for r in g.run("'fine'", ranks=[1])] == ["fine"]
+            g.restart()
+        assert [r.value for r in g.run("2")] == [2, 2]
+
+
+def test_a_timeout_is_a_timeout_error_even_when_ranks_ignore_the_interrupt(group2):
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 0 did not stop and are still busy") as e:
+        group2.run("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(8)\n",
+                   ranks=[0], timeout=0.5)
+    assert e.value.results[0].error.ename == "StillRunning"
+    with pytest.raises(RuntimeError, match="still busy"):
+        group2.run("1")  # refused at once, not queued behind the stuck request
+    assert wait_until(lambda: group2.status()[0]["state"] == "idle", 30)
+    assert [r.value for r in group2.run("3")] == [3, 3]
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda g: g.run("1", ranks=[0, 0]), ValueError, r"lists a rank twice"),
+    (lambda g: g.run("1", ranks=[7]), ValueError, r"no rank 7 in this group"),
+    (lambda g: g.run("1", timeout=-1), ValueError, "timeout must be a positive number"),
+    (lambda g: g.run("1", timeout="a"), ValueError, "timeout must be a positive number"),
+    (lambda g: g.run(42), TypeError, "code must be a string"),
+    (lambda g: g.pull(5), TypeError, "pull needs a variable name"),
+    (lambda g: g.push({"class": 3}), ValueError, "push needs variable names"),
+    (lambda g: g.push(lock=__import__("threading").Lock()), TypeError, "can't push lock: it can't be pickled"),
+    (lambda g: g.apply(3), TypeError, "apply needs a callable"),
+])
+def test_bad_calls_are_clear_errors_and_change_nothing(group2, call, error, message):
+    with pytest.raises(error, match=message):
+        call(group2)
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=2, gpus=[0]), "give n= (CPU processes) or gpus= (one rank per GPU), not both"),
+    (dict(n=2, env=["A"]), "env must be a dict of strings to strings"),
+    (dict(n=2, env={"A": 1}), "env must be a dict of strings to strings"),
+])
+def test_conflicting_or_malformed_group_arguments(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        ddip.Group(**kwargs)
+    assert message in str(e.value)

@@ -44,18 +44,26 @@ class RemoteError(Exception):
     def __init__(self, failures: list[RankFailure], results=None, what: str = "code"):
         self.failures = list(failures)
         self.results = results
-        ranks = ", ".join(str(f.rank) for f in self.failures)
+        ranks = ", ".join(str(r) for r in sorted(f.rank for f in self.failures))
         first = self.failures[0]
         lines = [f"{what} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}; "
                  f"root cause on rank {first.rank}: {first.ename}: {first.evalue}"]
+        # Identical failures (the same traceback on every rank, say) are shown once, with their ranks.
+        merged: dict[str, tuple[str, list[int]]] = {}
         for f in self.failures:
+            text = f.describe().split(": ", 1)[1]  # without "rank N"
+            key = re.sub(r"In\[\d+\]", "In[*]", text)  # ranks number their cells alike, mostly
+            merged.setdefault(key, (text, []))[1].append(f.rank)
+        for text, same in merged.values():
+            who = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, sorted(same)))}"
             lines.append("")
-            lines.append("--- " + f.describe())
+            lines.append(f"--- {who}: " + text.rstrip("\n"))
         super().__init__("\n".join(lines))
 
     @property
     def ranks(self) -> list[int]:
-        return [f.rank for f in self.failures]
+        """The failing ranks, in rank order (`failures` is in root-cause order)."""
+        return sorted(f.rank for f in self.failures)
 
 
 class StartError(RuntimeError):

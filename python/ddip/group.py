@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import keyword
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -16,13 +18,16 @@ from typing import Callable, Iterable, Sequence
 
 from . import _core
 from .errors import RankFailure, RemoteError, StartError
-from .messages import dumps_request, loads
+from .messages import dumps, dumps_request, loads
 
 # Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data)
 _OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED = range(5)
 _STREAMS = {1: "stdout", 2: "stderr"}
-# After Ctrl-C (or a timeout) interrupts the ranks, how long they get to report back.
-INTERRUPT_GRACE_S = 10.0
+# After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
+INTERRUPT_GRACE_S = 5.0
+# After one rank fails, how long the others get to finish before they are interrupted: in DDP
+# code they are often waiting for the failed rank in a collective that would never return.
+FAILURE_GRACE_S = 3.0
 
 _open_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()
 
@@ -39,6 +44,7 @@ class RankResult:
     format: tuple | None = None  # (MIME bundle, metadata) of the last expression, as IPython's Out
     displays: list = field(default_factory=list)  # display() calls, when no on_display was given
     execution_count: int | None = None
+    finished_at: float | None = None  # time.monotonic() when its reply (or death) arrived
 
     @property
     def ok(self) -> bool:
@@ -125,14 +131,14 @@ class Group:
                  world_size: int | None = None, rank_ids: Sequence[int] | None = None,
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
         # Everything is checked before anything starts: bad input changes nothing.
+        if n is not None and gpus is not None:
+            raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
         gpu_ids = parse_gpus(gpus) if gpus is not None else None
         if n is None and gpu_ids is None:
             raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
         if n is not None:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"n must be a positive number of processes, got {n!r}")
-            if gpu_ids is not None and n != len(gpu_ids):
-                raise ValueError(f"n={n} but {len(gpu_ids)} GPUs were listed; give one or the other")
         size = len(gpu_ids) if gpu_ids is not None else n
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -143,6 +149,9 @@ class Group:
             raise ValueError(f"rank_ids has {len(self.rank_ids)} entries for {size} processes")
         self.world_size = world_size if world_size is not None else size
         self.timeout = timeout
+        if env is not None and not (isinstance(env, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise ValueError("env must be a dict of strings to strings, e.g. env={'OMP_NUM_THREADS': '1'}")
         self._env = dict(env or {})
         self._master_addr = master_addr
         self._fixed_port = master_port
@@ -287,6 +296,9 @@ class Group:
         Raises RemoteError (with every failing rank's traceback) if any rank raised."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a string, got {type(code).__name__}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds (or None), got {timeout!r}")
         results = self._request({"op": "run", "code": code}, ranks, on_output, on_display, timeout)
         self._raise_failures(results, "code")
         return results
@@ -310,15 +322,24 @@ class Group:
         """Copies variables into each selected rank's namespace: push(x=1) or push({'x': 1})."""
         ns = dict(mapping or {})
         ns.update(values)
-        bad = [k for k in ns if not (isinstance(k, str) and k.isidentifier())]
+        bad = [k for k in ns if not (isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k))]
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
-        results = self._request({"op": "push", "ns": ns}, ranks, None, None, None)
+        try:
+            results = self._request({"op": "push", "ns": ns}, ranks, None, None, None)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            culprits = [k for k, v in ns.items() if not _picklable(v)]
+            if not culprits:
+                raise
+            raise TypeError(f"can't push {', '.join(culprits)}: it can't be pickled "
+                            f"({type(exc).__name__}: {exc})") from exc
         self._raise_failures(results, "push")
 
     def pull(self, names, rank: int = 0):
         """A variable's value from one rank (rank 0 by default); a list of names gives a list."""
         single = isinstance(names, str)
+        if not single and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+            raise TypeError(f"pull needs a variable name or a list of names, got {names!r}")
         name_list = [names] if single else list(names)
         results = self._request({"op": "pull", "names": name_list}, [rank], None, None, None)
         self._raise_failures(results, "pull")
@@ -360,6 +381,8 @@ class Group:
         slots = [self._slot(r) for r in ranks]
         if not slots:
             raise ValueError("no ranks selected")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"ranks={list(ranks)} lists a rank twice")
         return slots
 
     def _death(self, slot, code, sig, tail) -> RankFailure:
@@ -403,6 +426,11 @@ class Group:
         if dead:
             d = dead[0]
             raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
+        busy = [self.rank_ids[s] for s in slots if self._state[s] == "busy"]
+        if busy:
+            raise RuntimeError(f"rank(s) {', '.join(map(str, busy))} still busy with an earlier request "
+                               f"(one that was interrupted but did not stop, or an apply_async not yet "
+                               f"collected); wait, g.interrupt(), or g.restart() (%makedip -r)")
         payload, segments = dumps_request(req, self._coord.put, self._coord.release)
         self._seq += 1
         seq = self._seq
@@ -419,48 +447,63 @@ class Group:
         self._check_open()
         results = {s: RankResult(rank=self.rank_ids[s]) for s in slots}
         pending = set(slots)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        interrupted_at = None
-        timed_out = False
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        why = None  # why the pending ranks were interrupted: "ctrl-c", "timeout" or "failure"
+        interrupted_at = failed_at = None
 
-        def interrupt_pending():
+        def interrupt(reason):
+            nonlocal why, interrupted_at
+            why, interrupted_at = reason, time.monotonic()
             for s in pending:
                 self._coord.signal(s, signal.SIGINT)
-            return time.monotonic()
 
         while pending:
             # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
             # ranks and keeps collecting their replies; a second one stops waiting.
             try:
-                wait = 250.0
+                now = time.monotonic()
                 if interrupted_at is not None:
-                    left = interrupted_at + INTERRUPT_GRACE_S - time.monotonic()
-                    if left <= 0:
+                    wake = interrupted_at + INTERRUPT_GRACE_S
+                    if now >= wake:
                         break
-                    wait = min(wait, left * 1000)
-                elif deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        timed_out = True
-                        interrupted_at = interrupt_pending()
-                        continue
-                    wait = min(wait, left * 1000)
-                ev = self._coord.next_event(wait)
+                else:
+                    if failed_at is None and any(results[s].error for s in slots if s not in pending):
+                        failed_at = now  # the others may be waiting for it in a collective
+                    wake = now + 0.25
+                    if deadline is not None:
+                        if now >= deadline:
+                            interrupt("timeout")
+                            continue
+                        wake = min(wake, deadline)
+                    if failed_at is not None:
+                        if now >= failed_at + FAILURE_GRACE_S:
+                            interrupt("failure")
+                            continue
+                        wake = min(wake, failed_at + FAILURE_GRACE_S)
+                ev = self._coord.next_event(max(0.0, wake - now) * 1000)
                 if ev is not None:
                     self._handle(ev, seq, results, pending, callbacks)
             except KeyboardInterrupt:
-                if interrupted_at is not None:
+                if why == "ctrl-c":
                     raise  # late replies are told apart by their sequence number and dropped
-                interrupted_at = interrupt_pending()
-        if interrupted_at is not None:
-            if pending:
-                ranks_left = ", ".join(str(self.rank_ids[s]) for s in sorted(pending))
-                raise KeyboardInterrupt(f"rank(s) {ranks_left} did not stop within {INTERRUPT_GRACE_S:g} s "
-                                        f"of the interrupt; they are still busy (g.restart() ends them)")
-            if timed_out:
-                raise TimeoutError(f"the request did not finish within {timeout:g} s; "
-                                   f"rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)} were interrupted")
-            raise KeyboardInterrupt(f"interrupted rank(s) {', '.join(str(self.rank_ids[s]) for s in slots)}")
+                interrupt("ctrl-c")
+        for s in pending:  # late replies are dropped by sequence number; the state says busy
+            results[s].error = RankFailure(
+                rank=self.rank_ids[s], ename="StillRunning",
+                evalue=f"did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted (waiting in "
+                       f"C code, or in a collective for a failed rank?); it stays busy until it "
+                       f"finishes: g.restart() (%makedip -r) ends it")
+        ranks = lambda ss: ", ".join(str(self.rank_ids[s]) for s in sorted(ss))  # noqa: E731
+        stuck = f"; rank(s) {ranks(pending)} did not stop and are still busy" if pending else ""
+        if why == "ctrl-c":
+            raise KeyboardInterrupt(f"interrupted rank(s) {ranks(slots)}{stuck}")
+        if why == "timeout":
+            err = TimeoutError(f"the request did not finish within {timeout:g} s, so rank(s) "
+                               f"{ranks(slots)} were interrupted"
+                               + (stuck or f"; they stopped after {time.monotonic() - started:.1f} s"))
+            err.results = [results[s] for s in slots]
+            raise err
         return [results[s] for s in slots]
 
     def _handle(self, ev, seq, results, pending, cb: "_Callbacks"):
@@ -478,6 +521,7 @@ class Group:
             pending.discard(slot)
             self._state[slot] = "idle"
             self._fill(results[slot], loads(data))
+            results[slot].finished_at = time.monotonic()
             if cb.on_done is not None:
                 cb.on_done(results[slot])
         elif kind == _FRAME and a in (_core.DISPLAY, _core.MESSAGE) and b == seq and slot in pending:
@@ -494,6 +538,7 @@ class Group:
             if slot in pending:
                 pending.discard(slot)
                 results[slot].error = f
+                results[slot].finished_at = time.monotonic()
                 if cb.on_done is not None:
                     cb.on_done(results[slot])
         elif kind == _FAILED:
@@ -514,11 +559,16 @@ class Group:
 
     @staticmethod
     def _raise_failures(results: list[RankResult], what: str):
-        failures = [r.error for r in results if r.error is not None]
-        if failures:
-            # A death is the root cause of whatever the other ranks then saw.
-            failures.sort(key=lambda f: (not f.died,))
-            raise RemoteError(failures, results, what)
+        failed = [r for r in results if r.error is not None]
+        if failed:
+            # Root cause first: a death, then exceptions in the order they came; interrupts we
+            # caused, and ranks that never stopped, last.
+            def rank_of(r):
+                kind = 0 if r.error.died else 2 if r.error.ename == "KeyboardInterrupt" else \
+                    3 if r.error.ename == "StillRunning" else 1
+                return kind, r.finished_at if r.finished_at is not None else float("inf")
+            failed.sort(key=rank_of)
+            raise RemoteError([r.error for r in failed], results, what)
 
 
 @dataclass
@@ -552,6 +602,14 @@ class Pending:
         results = self.results(on_output=on_output, timeout=timeout)
         Group._raise_failures(results, self._what)
         return [r.value for r in results]
+
+
+def _picklable(value) -> bool:
+    try:
+        dumps(value, buffer_callback=lambda buffer: False)  # buffers aren't copied for the check
+        return True
+    except Exception:
+        return False
 
 
 def _rss_mb(pid: int) -> float | None:

@@ -81,7 +81,7 @@ def _failure_entries(failures) -> list:
     entries = []
     for f, body, ranks in merged.values():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else \
-            f"ranks {', '.join(map(str, ranks))} (the same traceback on each)"
+            f"ranks {', '.join(map(str, sorted(ranks)))} (the same traceback on each)"
         entries.append((f.ename, f.evalue, [_header(f"[{who}]")] + body))
     return entries
 

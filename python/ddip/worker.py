@@ -101,6 +101,10 @@ class RankShell(InteractiveShell):
     def init_io(self):
         super().init_io()
 
+    def _get_exc_info(self, exc_tuple=None):
+        etype, value, tb = super()._get_exc_info(exc_tuple)
+        return etype, value, _users_frames(tb)
+
     def _showtraceback(self, etype, evalue, stb):
         # Kept for the 'done' reply; the kernel shows it, labelled with the rank.
         self.ddip_error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue),
@@ -110,8 +114,30 @@ class RankShell(InteractiveShell):
         pass
 
 
-def _format_exception(shell, exc):
-    stb = shell.InteractiveTB.structured_traceback(type(exc), exc, exc.__traceback__)
+_DDIP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _users_frames(tb):
+    """The traceback without ddip's own frames around the user's code (the request dispatch
+    before it, the SIGINT handler after it)."""
+    ours = lambda t: t.tb_frame.f_code.co_filename.startswith(_DDIP_DIR)  # noqa: E731
+    while tb is not None and ours(tb) and tb.tb_next is not None:
+        tb = tb.tb_next
+    frames = []
+    t = tb
+    while t is not None:
+        frames.append(t)
+        t = t.tb_next
+    while len(frames) > 1 and ours(frames[-1]):
+        frames.pop()
+    if frames:
+        frames[-1].tb_next = None
+    return tb
+
+
+def _format_exception(shell, exc, with_traceback=True):
+    tb = _users_frames(exc.__traceback__) if with_traceback else None
+    stb = shell.InteractiveTB.structured_traceback(type(exc), exc, tb)
     return {"ename": type(exc).__name__, "evalue": str(exc), "traceback": list(stb), "exception": exc}
 
 
@@ -160,12 +186,11 @@ def _serve(shell, req):
             return {"op": op, "value": None, "error": None}
         if op == "pull":
             rank = os.environ.get("RANK", "?")
-            values = []
-            for name in req["names"]:
-                if name not in shell.user_ns:
-                    raise NameError(f"name '{name}' is not defined on rank {rank}")
-                values.append(shell.user_ns[name])
-            return {"op": op, "value": values, "error": None}
+            missing = [n for n in req["names"] if n not in shell.user_ns]
+            if missing:  # no traceback: the message says it all
+                err = NameError(f"name '{missing[0]}' is not defined on rank {rank}")
+                return {"op": op, "value": None, "error": _format_exception(shell, err, False)}
+            return {"op": op, "value": [shell.user_ns[n] for n in req["names"]], "error": None}
         raise ValueError(f"unknown request {op!r}")
     except KeyboardInterrupt as exc:
         return {"op": op, "value": None, "error": _format_exception(shell, exc)}
@@ -176,7 +201,7 @@ def _serve(shell, req):
 def _on_sigint(signum, frame):
     # Ctrl-C in the notebook is forwarded here: it interrupts running code, never an idle rank.
     if _busy:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("interrupted from the notebook")
 
 
 def _init_torch(backend: str):
