@@ -45,6 +45,7 @@ class RankResult:
     displays: list = field(default_factory=list)  # display() calls, when no on_display was given
     execution_count: int | None = None
     finished_at: float | None = None  # time.monotonic() when its reply (or death) arrived
+    _parts: tuple = field(default_factory=lambda: ([], []), repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -494,6 +495,8 @@ class Group:
                 evalue=f"did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted (waiting in "
                        f"C code, or in a collective for a failed rank?); it stays busy until it "
                        f"finishes: g.restart() (%makedip -r) ends it")
+        for r in results.values():
+            r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
         ranks = lambda ss: ", ".join(str(self.rank_ids[s]) for s in sorted(ss))  # noqa: E731
         stuck = f"; rank(s) {ranks(pending)} did not stop and are still busy" if pending else ""
         if why == "ctrl-c":
@@ -511,10 +514,7 @@ class Group:
         if kind == _OUTPUT and slot in pending:
             text = data.decode(errors="replace")
             r = results[slot]
-            if a == 1:
-                r.stdout += text
-            else:
-                r.stderr += text
+            r._parts[a - 1].append(text)  # joined once at the end: += would be quadratic
             if cb.on_output is not None:
                 cb.on_output(r.rank, _STREAMS[a], text)
         elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:

@@ -319,6 +319,10 @@ class DipMagics(Magics):
             text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
             text += "\n(no group is running; %makedip -r tries again)"
             raise CellError(text, [("StartError", text, [_header("StartError"), text])]) from None
+        except KeyboardInterrupt:
+            # Group() has already stopped whatever it had started.
+            text = "the start was interrupted; no group is running (%makedip -r tries again)"
+            raise CellError(text, [("KeyboardInterrupt", text, [_header("KeyboardInterrupt"), text])]) from None
         self.group = group
         if verbose:
             print(f"ready in {time.monotonic() - t0:.1f} s: pids {group.pids}, backend {group.backend or 'none'}", flush=True)
