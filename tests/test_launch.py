@@ -406,3 +406,9 @@ def test_import_star_honours_all_and_binds_into_the_callers_globals():
     assert inside_a_function() == "x"
     assert "dedent" in globals()
     del globals()["dedent"]
+
+
+def test_failing_imports_code_is_named_as_such():
+    with pytest.raises(ddip.RemoteError, match=r"^ranch's imports= code failed on rank 1; root cause on rank 1: "
+                                               r"ModuleNotFoundError"):
+        ddip.ranch(2, rank_env, imports="import nonexistent_module_for_ddip_tests")

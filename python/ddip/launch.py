@@ -302,7 +302,10 @@ class _Launch:
             port = self.group.master_port
             out = _LabelledOutput()
             if imports.strip():
-                self.group.run(imports, on_output=out)
+                try:
+                    self.group.run(imports, on_output=out)
+                except RemoteError as exc:
+                    raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
             if needed:
                 self.group.push(needed)
             pending = self.group.apply_async(_rank_main, fn, args, kwargs, ctx)
