@@ -482,3 +482,21 @@ def test_conflicting_or_malformed_group_arguments(kwargs, message):
     with pytest.raises(ValueError) as e:
         ddip.Group(**kwargs)
     assert message in str(e.value)
+
+
+def test_large_replies_come_back_through_shared_memory_without_leaking_fds():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    with ddip.Group(n=2, backend=None) as g:
+        g.run("import numpy as np\nbig = np.arange(1 << 20, dtype=np.float64) * (1 + int(__import__('os').environ['RANK']))")
+        fds = lambda pid: len(os.listdir(f"/proc/{pid}/fd"))  # noqa: E731
+        before = (fds(os.getpid()), [fds(p) for p in g.pids])
+        for _ in range(5):
+            big = g.pull("big", rank=1)
+            assert big[-1] == 2.0 * ((1 << 20) - 1) and big.flags.writeable
+            big[0] = -1.0  # the notebook's copy-on-write page; the rank's array is untouched
+        assert g.pull("big", rank=1)[0] == 0.0
+        tensors = g.apply(lambda: __import__("torch").full((512, 1024), 7.0))
+        assert all(torch.equal(t, torch.full((512, 1024), 7.0)) for t in tensors)
+        del big, tensors
+        assert (fds(os.getpid()), [fds(p) for p in g.pids]) == before

@@ -18,9 +18,9 @@ from typing import Callable, Iterable, Sequence
 
 from . import _core
 from .errors import RankFailure, RemoteError, StartError
-from .messages import dumps, dumps_request, loads
+from .messages import dumps, dumps_framed, loads, loads_framed
 
-# Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data)
+# Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
 _OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED = range(5)
 _STREAMS = {1: "stdout", 2: "stderr"}
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
@@ -208,7 +208,7 @@ class Group:
                 ev = self._coord.next_event(min(left, 0.25) * 1000)
                 if ev is None:
                     continue
-                kind, slot, a, b, data = ev
+                kind, slot, a, b, data, _ = ev
                 if kind == _FRAME and a == _core.HELLO:
                     self.info[slot] = loads(data)
                     self._state[slot] = "idle"
@@ -397,7 +397,9 @@ class Group:
 
     def _background(self, ev):
         """Events outside any request: output shows up in the notebook, labelled."""
-        kind, slot, a, b, data = ev
+        kind, slot, a, b, data, fds = ev
+        for fd in fds:  # a late reply's segments
+            os.close(fd)
         if kind == _OUTPUT:
             stream = sys.stdout if a == 1 else sys.stderr
             text = data.decode(errors="replace")
@@ -432,7 +434,8 @@ class Group:
             raise RuntimeError(f"rank(s) {', '.join(map(str, busy))} still busy with an earlier request "
                                f"(one that was interrupted but did not stop, or an apply_async not yet "
                                f"collected); wait, g.interrupt(), or g.restart() (%makedip -r)")
-        payload, segments = dumps_request(req, self._coord.put, self._coord.release)
+        coord = self._coord
+        payload, segments = dumps_framed(req, lambda raw: (coord.put(raw),) * 2, coord.release)
         self._seq += 1
         seq = self._seq
         try:
@@ -510,7 +513,7 @@ class Group:
         return [results[s] for s in slots]
 
     def _handle(self, ev, seq, results, pending, cb: "_Callbacks"):
-        kind, slot, a, b, data = ev
+        kind, slot, a, b, data, fds = ev
         if kind == _OUTPUT and slot in pending:
             text = data.decode(errors="replace")
             r = results[slot]
@@ -520,7 +523,7 @@ class Group:
         elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
             pending.discard(slot)
             self._state[slot] = "idle"
-            self._fill(results[slot], loads(data))
+            self._fill(results[slot], loads_framed(data, fds))
             results[slot].finished_at = time.monotonic()
             if cb.on_done is not None:
                 cb.on_done(results[slot])

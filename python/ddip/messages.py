@@ -3,10 +3,11 @@
 Functions, lambdas and classes defined in the notebook's __main__ are pickled by value
 (cloudpickle's rule for __main__), so they work in ranks without being importable there.
 
-Requests to ranks go out of band for large buffers (numpy arrays, CPU tensors): each buffer of
-at least OOB_THRESHOLD bytes is copied once into a shared-memory segment that every rank maps
-privately — one copy for N ranks, none on the receiving side. A request payload starts with
-the segments' table: u32 count, then (u64 id, u64 length) per segment, in buffer order.
+Requests and replies put large buffers (numpy arrays, CPU tensors) out of band: each buffer of
+at least OOB_THRESHOLD bytes is copied once into shared memory that the receiver maps privately.
+A request's segments come from the kernel's pool (one copy for N ranks); a reply's are fresh
+memfds. Such a payload starts with the segments' table: u32 count, then (u64 id, u64 length) per
+segment, in buffer order; the segments' fds travel with the frame.
 """
 
 from __future__ import annotations
@@ -73,10 +74,12 @@ def loads(data, buffers=None):
     return pickle.loads(data, buffers=buffers)
 
 
-def dumps_request(obj, put, release) -> tuple[bytes, list[int]]:
-    """Pickles a request; large buffers go to segments through put(buffer) -> segment id.
-    Returns the payload and the segment ids (each holding one reference for the caller, given
-    back with release(id))."""
+def dumps_framed(obj, put, discard) -> tuple[bytes, list]:
+    """Pickles obj with every buffer of OOB_THRESHOLD bytes or more out of band:
+    put(buffer) -> (segment id, handle) stores one (the kernel: a pooled segment, whose id is its
+    handle; a rank: a fresh memfd, whose fd is its handle). Returns the payload (the segments'
+    table, then the pickle) and the handles, to travel with it; discard(handle) undoes a put
+    if pickling fails half-way."""
     big = []
 
     def out_of_band(pb: pickle.PickleBuffer) -> bool:
@@ -87,25 +90,26 @@ def dumps_request(obj, put, release) -> tuple[bytes, list[int]]:
         return False
 
     body = dumps(obj, buffer_callback=out_of_band)
-    ids = []
+    stored = []
     try:
         for raw in big:
-            ids.append(put(raw))
+            stored.append(put(raw))
     except BaseException:
-        for i in ids:
-            release(i)
+        for _, handle in stored:
+            discard(handle)
         raise
-    table = struct.pack(f"<I{2 * len(ids)}Q", len(ids), *[x for i, raw in zip(ids, big) for x in (i, raw.nbytes)])
-    return table + body, ids
+    table = struct.pack(f"<I{2 * len(big)}Q", len(big),
+                        *[x for (seg, _), raw in zip(stored, big) for x in (seg, raw.nbytes)])
+    return table + body, [handle for _, handle in stored]
 
 
 class _Mapping(mmap.mmap):
     """A private mapping of a received segment (a subclass, so it can carry a finalizer)."""
 
 
-def loads_request(payload: bytes, fds: list[int], release):
-    """Unpickles a request. Each segment is mapped privately (writable, copy-on-write) and
-    release(segment id) is called once nothing refers to it any more."""
+def loads_framed(payload: bytes, fds: list[int], release=None):
+    """Unpickles what dumps_framed made. Each segment is mapped privately (writable,
+    copy-on-write); release(segment id), if given, is called once nothing refers to it."""
     (count,) = struct.unpack_from("<I", payload)
     table = struct.unpack_from(f"<{2 * count}Q", payload, 4)
     body = memoryview(payload)[4 + 16 * count:]
@@ -114,12 +118,27 @@ def loads_request(payload: bytes, fds: list[int], release):
         for i in range(count):
             seg, nbytes = table[2 * i], table[2 * i + 1]
             m = _Mapping(fds[i], nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            weakref.finalize(m, release, seg)
+            if release is not None:
+                weakref.finalize(m, release, seg)
             buffers.append(memoryview(m))
     finally:
         for fd in fds:
             os.close(fd)
     return pickle.loads(body, buffers=buffers)
+
+
+def memfd_with(raw) -> int:
+    """A fresh memfd holding a copy of `raw` (a rank's reply: no pool, the kernel's private
+    mapping keeps the pages alive after the rank closes its fd)."""
+    fd = os.memfd_create("ddip-reply", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, raw.nbytes)
+        with mmap.mmap(fd, raw.nbytes) as m:
+            m[:] = raw.cast("B")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class RemoteValue:

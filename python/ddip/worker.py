@@ -32,7 +32,7 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
-from ddip.messages import RemoteValue, dumps, loads_request  # noqa: E402
+from ddip.messages import RemoteValue, dumps, dumps_framed, loads_framed, memfd_with  # noqa: E402
 
 _endpoint = None  # set in main(); the display publisher sends through it
 _current_seq = 0
@@ -148,21 +148,26 @@ def _reply(seq, reply):
             dumps(err.get("exception"))
         except Exception:
             err["exception"] = None
+    pack = lambda obj: dumps_framed(obj, lambda raw: (0, memfd_with(raw)), os.close)  # noqa: E731
     try:
-        payload = dumps(reply)
+        payload, fds = pack(reply)
     except Exception as exc:
         if reply.get("op") == "run":
             value = reply.get("value")
             reply["value"] = RemoteValue(type(value).__name__, repr(value))
-            payload = dumps(reply)
+            payload, fds = pack(reply)
         else:
-            payload = dumps({"op": reply.get("op"), "value": None, "error": {
+            payload, fds = pack({"op": reply.get("op"), "value": None, "error": {
                 "ename": "PicklingError",
                 "evalue": f"the result could not be sent back to the notebook: {type(exc).__name__}: {exc}",
                 "traceback": [], "exception": None}})
     sys.stdout.flush()
     sys.stderr.flush()
-    _endpoint.send(_core.DONE, seq, payload)
+    try:
+        _endpoint.send(_core.DONE, seq, payload, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _serve(shell, req):
@@ -262,7 +267,7 @@ def main():
             _current_seq = seq
             try:
                 _busy = True
-                req = loads_request(payload, fds, _release_segment)
+                req = loads_framed(payload, fds, _release_segment)
                 reply = _serve(shell, req)
             except KeyboardInterrupt as exc:
                 reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}

@@ -17,22 +17,25 @@ nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size());
 
 std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 
-// (kind, slot, a, b, data): Output (0, slot, stream, 0, text); Frame (1, slot, frame kind, seq,
-// payload); Exited (2, slot, exit code, signal, stderr tail); Disconnected (3, slot, 0, 0, b"");
-// Failed (4, -1, 0, 0, message).
+// (kind, slot, a, b, data, fds): Output (0, slot, stream, 0, text); Frame (1, slot, frame kind,
+// seq, payload, the fds that came with it: Python's to close); Exited (2, slot, exit code,
+// signal, stderr tail); Disconnected (3, slot, 0, 0, b""); Failed (4, -1, 0, 0, message).
 nb::object event_tuple(ddip::Event& e) {
+  nb::list fds;
   switch (e.kind) {
     case ddip::Event::kOutput:
-      return nb::make_tuple(0, e.slot, e.stream, 0, to_bytes(e.text));
+      return nb::make_tuple(0, e.slot, e.stream, 0, to_bytes(e.text), fds);
     case ddip::Event::kFrame:
+      if (e.frame.fds)
+        for (auto& fd : *e.frame.fds) fds.append(fd.release());
       return nb::make_tuple(1, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
-                            to_bytes(e.frame.data()));
+                            to_bytes(e.frame.data()), fds);
     case ddip::Event::kExited:
-      return nb::make_tuple(2, e.slot, e.status.code, e.status.signal, to_bytes(e.text));
+      return nb::make_tuple(2, e.slot, e.status.code, e.status.signal, to_bytes(e.text), fds);
     case ddip::Event::kDisconnected:
-      return nb::make_tuple(3, e.slot, 0, 0, nb::bytes("", 0));
+      return nb::make_tuple(3, e.slot, 0, 0, nb::bytes("", 0), fds);
     case ddip::Event::kFailed:
-      return nb::make_tuple(4, -1, 0, 0, to_bytes(e.text));
+      return nb::make_tuple(4, -1, 0, 0, to_bytes(e.text), fds);
   }
   return nb::none();
 }

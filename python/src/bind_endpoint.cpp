@@ -1,5 +1,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <fcntl.h>
 
 #include "ddip/endpoint.hpp"
 #include "slices.hpp"
@@ -26,13 +29,21 @@ void init_endpoint(nb::module_& m) {
       .def_prop_ro("closed", &ddip::Endpoint::closed)
       .def(
           "send",
-          [](ddip::Endpoint& e, int kind, uint64_t seq, const nb::bytes& payload) {
+          [](ddip::Endpoint& e, int kind, uint64_t seq, const nb::bytes& payload,
+             const std::vector<int>& fds) {
             ddip::Frame f = ddip::Frame::make(static_cast<uint16_t>(kind), e.rank(), seq,
                                               std::string(payload.c_str(), payload.size()));
+            if (!fds.empty()) {
+              // The frame owns copies; the caller keeps (and closes) its own fds.
+              f.fds = std::make_shared<std::vector<ddip::Fd>>();
+              for (int fd : fds)
+                f.fds->emplace_back(ddip::check(::fcntl(fd, F_DUPFD_CLOEXEC, 0),
+                                                "fcntl(F_DUPFD_CLOEXEC)", "passing an fd to the kernel"));
+            }
             nb::gil_scoped_release release;
             e.send(std::move(f));
           },
-          "kind"_a, "seq"_a, "payload"_a)
+          "kind"_a, "seq"_a, "payload"_a, "fds"_a = std::vector<int>{})
       .def(
           "recv",
           [](ddip::Endpoint& e, double timeout_ms) -> nb::object {
