@@ -500,3 +500,37 @@ def test_large_replies_come_back_through_shared_memory_without_leaking_fds():
         assert all(torch.equal(t, torch.full((512, 1024), 7.0)) for t in tensors)
         del big, tensors
         assert (fds(os.getpid()), [fds(p) for p in g.pids]) == before
+
+
+def test_more_large_buffers_than_a_frame_carries_fds_still_travel(group2):
+    np = pytest.importorskip("numpy")
+    arrays = [np.full(1 << 17, float(i)) for i in range(20)]  # 20 x 1 MiB
+    group2.push(arrays=arrays)
+    assert group2.run("sum(float(a[0]) for a in arrays)")[0].value == float(sum(range(20)))
+    back = group2.pull("arrays", rank=1)
+    assert [float(a[-1]) for a in back] == [float(i) for i in range(20)]
+
+
+def test_an_exception_the_notebook_cannot_rebuild_is_still_reported(group2):
+    code = ("class Picky(Exception):\n    def __init__(self, a, b):\n        super().__init__(f'{a}-{b}')\n"
+            "raise Picky(1, 2)")
+    with pytest.raises(ddip.RemoteError) as e:
+        group2.run(code)
+    assert [(f.ename, f.evalue) for f in e.value.failures] == [("Picky", "1-2")] * 2
+    assert [r.value for r in group2.run("5")] == [5, 5]
+
+
+def test_a_bad_signal_changes_nothing(group2):
+    pids = group2.pids
+    with pytest.raises(ValueError):
+        group2.kill(sig=999)
+    assert group2.pids == pids and [r.value for r in group2.run("6")] == [6, 6]
+
+
+def test_a_pending_request_does_not_survive_a_restart():
+    with ddip.Group(n=1, backend=None) as g:
+        p = g.apply_async(lambda: 1)
+        g.restart()
+        with pytest.raises(RuntimeError, match="restarted or closed since this request was sent"):
+            p.result()
+        assert g.apply(lambda: 2) == [2]

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <future>
 #include <unordered_set>
@@ -107,7 +108,7 @@ void Coordinator::unwatch(int fd) { ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd,
 void Coordinator::post(std::function<void()> fn) {
   {
     std::lock_guard lock(mu_);
-    if (thread_done_) return;
+    if (thread_done_) throw std::runtime_error("the group's runtime has stopped");
     commands_.push_back(std::move(fn));
   }
   uint64_t one = 1;
@@ -161,6 +162,7 @@ void Coordinator::release_segments(size_t slot, const std::string& ids) {
 void Coordinator::signal(int slot, int sig, bool whole_group) {
   if (slot >= static_cast<int>(slots_.size()))
     throw std::out_of_range("no worker slot " + std::to_string(slot));
+  if (sig <= 0 || sig >= NSIG) throw std::invalid_argument("no signal " + std::to_string(sig));
   post([this, slot, sig, whole_group] {
     if (slot < 0)
       supervisor_.signal_all(sig, whole_group);
@@ -198,12 +200,18 @@ bool Coordinator::running() const {
 
 void Coordinator::close(std::chrono::milliseconds grace) {
   if (!thread_.joinable()) return;
-  post([this, grace] {
+  auto begin_shutdown = [this, grace] {
     shutting_down_ = true;
+    close_grace_ = grace;
     shutdown_deadline_ = Clock::now() + grace;
     for (size_t i = 0; i < slots_.size(); ++i)
       if (slots_[i].conn) send_now(i, Frame::make(kShutdown, static_cast<int32_t>(i), 0));
-  });
+  };
+  try {
+    post(begin_shutdown);
+  } catch (const std::runtime_error&) {
+    // The IO thread already stopped (and stopped the workers); just join it.
+  }
   thread_.join();
 }
 
@@ -241,7 +249,13 @@ void Coordinator::loop() {
         std::lock_guard lock(mu_);
         commands.swap(commands_);
       }
-      for (auto& c : commands) c();
+      for (auto& c : commands) {
+        try {
+          c();
+        } catch (const std::exception&) {
+          // A command that fails (a worker that is gone, say) must not take the group down.
+        }
+      }
 
       auto now = Clock::now();
       if (now >= next_heartbeat) {
@@ -258,7 +272,7 @@ void Coordinator::loop() {
         if (all_exited || now >= shutdown_deadline_) break;
       }
     }
-    supervisor_.stop_all(std::max(detail::milliseconds(0), options_.heartbeat_interval));
+    supervisor_.stop_all(close_grace_);
   } catch (const std::exception& e) {
     supervisor_.stop_all(detail::milliseconds(0));
     Event ev;
@@ -342,6 +356,10 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
     try {
       r = s.conn->read_some();
     } catch (const std::system_error&) {
+      r = Channel::ReadResult::kEof;
+    } catch (const std::exception&) {
+      // A corrupt frame: this worker can't be trusted any more, but the others are fine.
+      supervisor_.signal(slot, SIGKILL);
       r = Channel::ReadResult::kEof;
     }
     while (s.conn) {

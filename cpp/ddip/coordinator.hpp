@@ -104,11 +104,13 @@ class Coordinator {
   std::unique_ptr<Listener> listener_;
   bool shutting_down_ = false;
   std::chrono::steady_clock::time_point shutdown_deadline_;
+  std::chrono::milliseconds close_grace_{1000};
   std::thread thread_;
 
   void start_workers();
   void loop();
   void emit(Event e);
+  // Queues fn for the IO thread; throws once that thread has stopped.
   void post(std::function<void()> fn);
   void on_accept();
   void on_connection(size_t slot, uint32_t events);

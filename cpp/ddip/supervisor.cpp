@@ -1,6 +1,7 @@
 #include "ddip/supervisor.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <poll.h>
 #include <sys/prctl.h>
@@ -49,11 +50,17 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
     err = errno, step = "chdir";
   }
   if (!step) {
-    // Signal dispositions and mask are inherited from whichever kernel thread spawned us.
+    // Handlers are the parent's (they would run on its memory): default them all, as
+    // posix_spawn does, before unblocking what the parent blocked around clone.
+    for (int s = 1; s < NSIG; ++s) {
+      struct sigaction sa{};
+      if (::sigaction(s, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN && sa.sa_handler != SIG_DFL)
+        ::signal(s, SIG_DFL);
+    }
+    ::signal(SIGPIPE, SIG_DFL);  // Python ignores it; a worker should not inherit that
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    for (int s : {SIGINT, SIGTERM, SIGPIPE, SIGCHLD, SIGHUP, SIGQUIT}) ::signal(s, SIG_DFL);
     ::execvpe(file, argv, envp);
     err = errno, step = "exec";
   }
@@ -127,14 +134,27 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   // CLONE_VM | CLONE_VFORK, as posix_spawn does: no page-table copy of a multi-GiB notebook
   // process, and the parent resumes once the child has exec'd (or failed to).
   std::vector<char> stack(256 * 1024);
+  // No signal handler may run in the child while it shares our memory.
+  sigset_t all, old;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_BLOCK, &all, &old);
   pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(), CLONE_VM | CLONE_VFORK | SIGCHLD,
                       &args);
+  int clone_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  errno = clone_errno;
   if (pid < 0) throw_errno("clone", "starting a worker process");
-  ::setpgid(pid, pid);  // also from the parent, so signalling the group never races the child
+  // CLONE_VFORK: the child has exec'd (or failed) by now, in its own process group.
   Child c;
   c.pid_ = pid;
   c.pidfd_ = Fd(detail::pidfd_open(pid));
-  if (!c.pidfd_) throw_errno("pidfd_open", "watching a worker process");
+  if (!c.pidfd_) {
+    int err = errno;
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    errno = err;
+    throw_errno("pidfd_open", "watching a worker process");
+  }
   report.write.reset();
   char buf[32] = {};
   ssize_t n;

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 from . import _core
 from .errors import RankFailure, RemoteError, StartError
-from .messages import dumps, dumps_framed, loads, loads_framed
+from .messages import dumps_framed, loads, loads_framed, picklable
 
 # Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
 _OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED = range(5)
@@ -157,6 +157,7 @@ class Group:
         self._master_addr = master_addr
         self._fixed_port = master_port
         self._coord = None
+        self._broken = None  # why the runtime stopped on its own, if it did
         self._seq = 0
         self._state: list[str] = []
         self._exits: dict[int, RankFailure] = {}
@@ -193,6 +194,7 @@ class Group:
         specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"], self._worker_env(slot, self.master_port), os.getcwd())
                  for slot in range(size)]
         self._coord = _core.Coordinator(specs)
+        self._broken = None
         self._state = ["starting"] * size
         self._exits = {}
         self.info: list[dict] = [{} for _ in range(size)]
@@ -329,7 +331,7 @@ class Group:
         try:
             results = self._request({"op": "push", "ns": ns}, ranks, None, None, None)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            culprits = [k for k, v in ns.items() if not _picklable(v)]
+            culprits = [k for k, v in ns.items() if not picklable(v)]
             if not culprits:
                 raise
             raise TypeError(f"can't push {', '.join(culprits)}: it can't be pickled "
@@ -356,6 +358,7 @@ class Group:
     def kill(self, ranks: Iterable[int] | None = None, sig: int = signal.SIGKILL):
         """Sends `sig` to those ranks and everything they started (their process groups).
         A no-op once the group is closed; safe from another thread while a call waits."""
+        sig = signal.Signals(sig)  # ValueError for a number that is no signal
         coord = self._coord
         if coord is None:
             return
@@ -366,7 +369,8 @@ class Group:
 
     def _check_open(self):
         if self._coord is None:
-            raise RuntimeError("this group is closed; create a new one (or call restart())")
+            why = f" after a runtime failure ({self._broken})" if self._broken else ""
+            raise RuntimeError(f"this group is closed{why}; create a new one (or call restart())")
 
     def _slot(self, rank: int) -> int:
         try:
@@ -387,7 +391,7 @@ class Group:
         return slots
 
     def _death(self, slot, code, sig, tail) -> RankFailure:
-        cause = f"killed by {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        cause = f"killed by {_signal_name(sig)}" if sig else f"exit code {code}"
         f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=cause,
                         stderr_tail=tail.decode(errors="replace"), exit_code=None if sig else code,
                         exit_signal=sig or None)
@@ -409,6 +413,9 @@ class Group:
             self._death(slot, a, b, data)
         elif kind == _FRAME and a == _core.DONE:
             self._state[slot] = "idle"  # a reply to a request we stopped waiting for
+        elif kind == _FAILED:
+            self._broken = data.decode(errors="replace")
+            self.close(0)
 
     def _pump(self):
         while self._coord is not None:
@@ -472,7 +479,8 @@ class Group:
                     if now >= wake:
                         break
                 else:
-                    if failed_at is None and any(results[s].error for s in slots if s not in pending):
+                    if failed_at is None and len(pending) < len(slots) and any(
+                            results[s].error for s in slots if s not in pending):
                         failed_at = now  # the others may be waiting for it in a collective
                     wake = now + 0.25
                     if deadline is not None:
@@ -523,7 +531,13 @@ class Group:
         elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
             pending.discard(slot)
             self._state[slot] = "idle"
-            self._fill(results[slot], loads_framed(data, fds))
+            try:
+                self._fill(results[slot], loads_framed(data, fds))
+            except Exception as exc:
+                results[slot].error = RankFailure(
+                    rank=self.rank_ids[slot], ename="UnpicklingError",
+                    evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
+                           f"(is what it returned importable here?)")
             results[slot].finished_at = time.monotonic()
             if cb.on_done is not None:
                 cb.on_done(results[slot])
@@ -545,8 +559,8 @@ class Group:
                 if cb.on_done is not None:
                     cb.on_done(results[slot])
         elif kind == _FAILED:
-            self.close(0)
-            raise RuntimeError(data.decode(errors="replace"))
+            self._background(ev)
+            self._check_open()
         else:
             self._background(ev)
 
@@ -587,6 +601,7 @@ class Pending:
 
     def __init__(self, group: Group, seq: int, slots: list[int], what: str):
         self._group, self._seq, self._slots, self._what = group, seq, slots, what
+        self._coord = group._coord  # the ranks it was sent to
         self._results: list[RankResult] | None = None
 
     def results(self, on_output: Callable | None = None, on_display: Callable | None = None,
@@ -596,6 +611,9 @@ class Pending:
         on_done(result) is called as each rank finishes (or dies), so a caller can act on the
         first failure; on_message(rank, obj) receives ddip.worker.notify(obj) from ranks."""
         if self._results is None:
+            if self._group._coord is not self._coord:
+                raise RuntimeError("the group was restarted or closed since this request was sent; "
+                                   "its ranks are gone, and so is the request")
             cb = _Callbacks(on_output, on_display, on_message, on_done)
             self._results = self._group._collect(self._seq, self._slots, cb, timeout)
         return self._results
@@ -607,12 +625,11 @@ class Pending:
         return [r.value for r in results]
 
 
-def _picklable(value) -> bool:
+def _signal_name(sig: int) -> str:
     try:
-        dumps(value, buffer_callback=lambda buffer: False)  # buffers aren't copied for the check
-        return True
-    except Exception:
-        return False
+        return signal.Signals(sig).name
+    except ValueError:  # real-time signals have no name
+        return f"signal {sig}"
 
 
 def _rss_mb(pid: int) -> float | None:

@@ -22,6 +22,8 @@ import weakref
 
 import cloudpickle
 
+from . import _core
+
 PROTOCOL = 5
 OOB_THRESHOLD = 1 << 20  # smaller buffers stay in the pickle: a segment costs more than a copy
 
@@ -42,8 +44,7 @@ class _Pickler(cloudpickle.CloudPickler):
 
 def _is_get_ipython(obj) -> bool:
     shell = sys.modules.get("IPython.core.interactiveshell")
-    return (shell is not None and getattr(obj, "__func__", None) is shell.InteractiveShell.get_ipython
-            and "IPython" in sys.modules)
+    return shell is not None and getattr(obj, "__func__", None) is shell.InteractiveShell.get_ipython
 
 
 def _whole_cpu_tensor(torch, t) -> bool:
@@ -74,6 +75,9 @@ def loads(data, buffers=None):
     return pickle.loads(data, buffers=buffers)
 
 
+MAX_SEGMENTS = _core.MAX_FDS  # fds one frame can carry
+
+
 def dumps_framed(obj, put, discard) -> tuple[bytes, list]:
     """Pickles obj with every buffer of OOB_THRESHOLD bytes or more out of band:
     put(buffer) -> (segment id, handle) stores one (the kernel: a pooled segment, whose id is its
@@ -84,8 +88,8 @@ def dumps_framed(obj, put, discard) -> tuple[bytes, list]:
 
     def out_of_band(pb: pickle.PickleBuffer) -> bool:
         raw = pb.raw()
-        if raw.nbytes < OOB_THRESHOLD:
-            return True  # in band
+        if raw.nbytes < OOB_THRESHOLD or len(big) == MAX_SEGMENTS:
+            return True  # in band (beyond MAX_SEGMENTS too: a frame carries no more fds)
         big.append(raw)
         return False
 
@@ -110,11 +114,11 @@ class _Mapping(mmap.mmap):
 def loads_framed(payload: bytes, fds: list[int], release=None):
     """Unpickles what dumps_framed made. Each segment is mapped privately (writable,
     copy-on-write); release(segment id), if given, is called once nothing refers to it."""
-    (count,) = struct.unpack_from("<I", payload)
-    table = struct.unpack_from(f"<{2 * count}Q", payload, 4)
-    body = memoryview(payload)[4 + 16 * count:]
     buffers = []
     try:
+        (count,) = struct.unpack_from("<I", payload)
+        table = struct.unpack_from(f"<{2 * count}Q", payload, 4)
+        body = memoryview(payload)[4 + 16 * count:]
         for i in range(count):
             seg, nbytes = table[2 * i], table[2 * i + 1]
             m = _Mapping(fds[i], nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -139,6 +143,15 @@ def memfd_with(raw) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def picklable(value) -> bool:
+    """Whether value can be sent to a rank (large buffers aren't copied for the check)."""
+    try:
+        dumps(value, buffer_callback=lambda buffer: False)
+        return True
+    except Exception:
+        return False
 
 
 class RemoteValue:

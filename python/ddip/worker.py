@@ -32,7 +32,7 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
-from ddip.messages import RemoteValue, dumps, dumps_framed, loads_framed, memfd_with  # noqa: E402
+from ddip.messages import RemoteValue, dumps, dumps_framed, loads, loads_framed, memfd_with  # noqa: E402
 
 _endpoint = None  # set in main(); the display publisher sends through it
 _current_seq = 0
@@ -86,20 +86,17 @@ def _release_segment(segment: int) -> None:
 def _send_display(msg):
     if _endpoint is None:
         return
+    payload = dumps(msg)  # first: a marker without its frame would hold back later output
     sys.stdout.flush()
     sys.stderr.flush()
     # Marks the display's place in the stdout text; the kernel's runtime strips it.
     os.write(1, _core.DISPLAY_MARKER)
-    msg["seq"] = _current_seq
-    _endpoint.send(_core.DISPLAY, _current_seq, dumps(msg))
+    _endpoint.send(_core.DISPLAY, _current_seq, payload)
 
 
 class RankShell(InteractiveShell):
     displayhook_class = RankDisplayHook
     display_pub_class = RankDisplayPublisher
-
-    def init_io(self):
-        super().init_io()
 
     def _get_exc_info(self, exc_tuple=None):
         etype, value, tb = super()._get_exc_info(exc_tuple)
@@ -144,8 +141,8 @@ def _format_exception(shell, exc, with_traceback=True):
 def _reply(seq, reply):
     if "error" in reply and reply["error"] is not None:
         err = reply["error"]
-        try:
-            dumps(err.get("exception"))
+        try:  # the notebook must be able to rebuild it, not only we to pickle it
+            loads(dumps(err.get("exception")))
         except Exception:
             err["exception"] = None
     pack = lambda obj: dumps_framed(obj, lambda raw: (0, memfd_with(raw)), os.close)  # noqa: E731
@@ -276,7 +273,18 @@ def main():
             finally:
                 _busy = False
                 req = None  # drop the request's buffers now, so their segments can be reused
-            _reply(seq, reply)
+            try:
+                _reply(seq, reply)
+            except Exception as exc:  # the reply itself failed: say so rather than go quiet
+                traceback.print_exc()
+                _endpoint.send(_core.DONE, seq, dumps_framed({"op": "?", "value": None, "error": {
+                    "ename": type(exc).__name__, "evalue": f"the reply could not be sent: {exc}",
+                    "traceback": [], "exception": None}}, None, None)[0])
+    except BaseException:
+        traceback.print_exc()  # the last lines of stderr are what the notebook reports
+        exit_code = 1
+    else:
+        exit_code = 0
     finally:
         try:
             _shutdown_torch()
@@ -284,7 +292,7 @@ def main():
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+    os._exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -89,16 +89,14 @@ void init_coordinator(nb::module_& m) {
           "put",
           [](ddip::Coordinator& c, nb::handle obj) {
             // Any C-contiguous buffer (a PickleBuffer's raw view): copied once, GIL released.
-            Py_buffer view;
-            if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0)
+            struct View {
+              Py_buffer b{};
+              ~View() { PyBuffer_Release(&b); }  // also when put() throws
+            } view;
+            if (PyObject_GetBuffer(obj.ptr(), &view.b, PyBUF_C_CONTIGUOUS) != 0)
               throw nb::python_error();
-            uint64_t id;
-            {
-              nb::gil_scoped_release release;
-              id = c.pool().put(view.buf, static_cast<size_t>(view.len));
-            }
-            PyBuffer_Release(&view);
-            return id;
+            nb::gil_scoped_release release;
+            return c.pool().put(view.b.buf, static_cast<size_t>(view.b.len));
           },
           "buffer"_a, "Copies a buffer into a shared-memory segment; returns its id (one reference).")
       .def(

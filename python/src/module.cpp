@@ -29,6 +29,7 @@ NB_MODULE(_core, m) {
   m.attr("SHUTDOWN") = static_cast<int>(ddip::kShutdown);
   m.attr("MESSAGE") = static_cast<int>(ddip::kMessage);
   m.attr("RELEASE") = static_cast<int>(ddip::kRelease);
+  m.attr("MAX_FDS") = ddip::kMaxFdsPerFrame;
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
   init_coordinator(m);
   init_endpoint(m);
