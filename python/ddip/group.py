@@ -158,6 +158,7 @@ class Group:
         self._fixed_port = master_port
         self._coord = None
         self._broken = None  # why the runtime stopped on its own, if it did
+        self._background_output = LabelledOutput()  # output that arrives outside any request
         self._seq = 0
         self._state: list[str] = []
         self._exits: dict[int, RankFailure] = {}
@@ -405,10 +406,7 @@ class Group:
         for fd in fds:  # a late reply's segments
             os.close(fd)
         if kind == _OUTPUT:
-            stream = sys.stdout if a == 1 else sys.stderr
-            text = data.decode(errors="replace")
-            label = f"[rank {self.rank_ids[slot]}] "
-            stream.write("".join(label + line for line in text.splitlines(keepends=True)))
+            self._background_output(self.rank_ids[slot], _STREAMS[a], data.decode(errors="replace"))
         elif kind == _EXITED:
             self._death(slot, a, b, data)
         elif kind == _FRAME and a == _core.DONE:
@@ -586,6 +584,27 @@ class Group:
                 return kind, r.finished_at if r.finished_at is not None else float("inf")
             failed.sort(key=rank_of)
             raise RemoteError([r.error for r in failed], results, what)
+
+
+class LabelledOutput:
+    """An on_output callback: ranks' output written to the notebook live, each line labelled
+    with its rank (a line that arrives in pieces is labelled once)."""
+
+    def __init__(self):
+        self._at_line_start: dict[tuple[int, str], bool] = {}
+
+    def __call__(self, rank, stream, text):
+        key = (rank, stream)
+        label = f"[rank {rank}] "
+        parts = []
+        start = self._at_line_start.get(key, True)
+        for line in text.splitlines(keepends=True):
+            parts.append((label if start else "") + line)
+            start = line.endswith(("\n", "\r"))
+        self._at_line_start[key] = start
+        dest = sys.stdout if stream == "stdout" else sys.stderr
+        dest.write("".join(parts))
+        dest.flush()
 
 
 @dataclass

@@ -25,7 +25,7 @@ import traceback as _traceback
 from typing import Callable
 
 from .errors import RankFailure, RemoteError
-from .group import Group, free_port, parse_gpus
+from .group import LabelledOutput, Group, free_port, parse_gpus
 from .messages import dumps
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
@@ -300,7 +300,7 @@ class _Launch:
             self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
                                rank_ids=self.child_ranks)
             port = self.group.master_port
-            out = _LabelledOutput()
+            out = LabelledOutput()
             if imports.strip():
                 try:
                     self.group.run(imports, on_output=out)
@@ -524,26 +524,6 @@ class _Launch:
         if self.group is not None:
             self.group.close(0.5)
             self.group = None
-
-
-class _LabelledOutput:
-    """Children's output, written to the notebook live, each line labelled with its rank."""
-
-    def __init__(self):
-        self._at_line_start: dict[tuple[int, str], bool] = {}
-
-    def __call__(self, rank, stream, text):
-        key = (rank, stream)
-        label = f"[rank {rank}] "
-        parts = []
-        start = self._at_line_start.get(key, True)
-        for line in text.splitlines(keepends=True):
-            parts.append((label if start else "") + line)
-            start = line.endswith("\n")
-        self._at_line_start[key] = start
-        dest = sys.stdout if stream == "stdout" else sys.stderr
-        dest.write("".join(parts))
-        dest.flush()
 
 
 class _Collector(threading.Thread):
