@@ -38,6 +38,17 @@ class RankFailure:
         return head + ("\n" + body if body else "")
 
 
+def merge_failures(failures) -> list[tuple[RankFailure, list[int]]]:
+    """Failures with the same type, message and traceback (or death), once each, in order,
+    with the ranks that had them."""
+    merged: dict[str, tuple[RankFailure, list[int]]] = {}
+    for f in failures:
+        # Ranks that ran the same code number their cells alike, but don't count on it.
+        key = re.sub(r"In\[\d+\]", "In[*]", f.describe().split(": ", 1)[1])
+        merged.setdefault(key, (f, []))[1].append(f.rank)
+    return [(f, sorted(ranks)) for f, ranks in merged.values()]
+
+
 class RemoteError(Exception):
     """One or more ranks failed. `failures` lists them, root cause (earliest) first."""
 
@@ -48,16 +59,10 @@ class RemoteError(Exception):
         first = self.failures[0]
         lines = [f"{what} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}; "
                  f"root cause on rank {first.rank}: {first.ename}: {first.evalue}"]
-        # Identical failures (the same traceback on every rank, say) are shown once, with their ranks.
-        merged: dict[str, tuple[str, list[int]]] = {}
-        for f in self.failures:
-            text = f.describe().split(": ", 1)[1]  # without "rank N"
-            key = re.sub(r"In\[\d+\]", "In[*]", text)  # ranks number their cells alike, mostly
-            merged.setdefault(key, (text, []))[1].append(f.rank)
-        for text, same in merged.values():
-            who = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, sorted(same)))}"
+        for f, same in merge_failures(self.failures):
+            who = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
             lines.append("")
-            lines.append(f"--- {who}: " + text.rstrip("\n"))
+            lines.append(f"--- {who}: " + f.describe().split(": ", 1)[1].rstrip("\n"))
         super().__init__("\n".join(lines))
 
     @property

@@ -15,7 +15,6 @@ import html
 import importlib
 import importlib.util
 import pkgutil
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -25,7 +24,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import clear_output, publish_display_data
 
-from .errors import RemoteError, StartError, strip_ansi
+from .errors import RemoteError, StartError, merge_failures
 from .group import Group, resolve_backend, parse_gpus
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
@@ -67,21 +66,16 @@ def _header(text: str) -> str:
 
 def _failure_entries(failures) -> list:
     """One entry per distinct traceback, naming every rank that raised it (root cause first)."""
-    merged: dict = {}
-    for f in failures:
+    entries = []
+    for f, ranks in merge_failures(failures):
         if f.died:
             body = [f"{f.ename}: {f.evalue}"]
             if f.stderr_tail:
                 body.append("last lines of its stderr:\n" + f.stderr_tail.rstrip("\n"))
         else:
             body = list(f.traceback) or [f"{f.ename}: {f.evalue}"]
-        # Ranks that ran the same code number their cells alike, but don't count on it.
-        key = (f.ename, f.evalue, tuple(re.sub(r"In\[\d+\]", "In[*]", strip_ansi(l)) for l in body))
-        merged.setdefault(key, (f, body, []))[2].append(f.rank)
-    entries = []
-    for f, body, ranks in merged.values():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else \
-            f"ranks {', '.join(map(str, sorted(ranks)))} (the same traceback on each)"
+            f"ranks {', '.join(map(str, ranks))} (the same traceback on each)"
         entries.append((f.ename, f.evalue, [_header(f"[{who}]")] + body))
     return entries
 
