@@ -310,8 +310,6 @@ class Group:
     def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
         """Calls fn(*args, **kwargs) on each rank; a list of return values in rank order.
         (`ranks=` is taken by apply itself; the rest goes to fn.)"""
-        if not callable(fn):
-            raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
         return self.apply_async(fn, *args, ranks=ranks, **kwargs).result()
 
     def apply_async(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> "Pending":

@@ -38,7 +38,6 @@ INTERRUPT_GRACE_S = 3.0
 # After another rank failed, how long the notebook's fn may take to end by itself before it is
 # interrupted.
 INTERRUPT_DELAY_S = 0.5
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 # -- the public API -----------------------------------------------------------------------------

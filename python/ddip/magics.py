@@ -451,7 +451,7 @@ class DipMagics(Magics):
         except KeyboardInterrupt as exc:
             # Group.run has already interrupted every rank and waited for them; no need for a
             # traceback of our own frames. (Raised again as a CellError so the cell counts as failed.)
-            msg = (str(exc) or "interrupted").replace("g.restart() ends them", "%makedip -r ends them")
+            msg = (str(exc) or "interrupted")
             # A Ctrl-C that lands while we write output escapes Group.run before it interrupts
             # the ranks; make sure none is left running the cell.
             busy = [r["rank"] for r in group.status() if r["state"] == "busy"]
@@ -461,7 +461,7 @@ class DipMagics(Magics):
         except TimeoutError as exc:
             raise CellError(str(exc), [("TimeoutError", str(exc), [_header("TimeoutError"), str(exc)])]) from None
         except RuntimeError as exc:  # a dead rank (or a broken runtime): the group must be restarted
-            text = str(exc).replace("call restart()", "run %makedip -r").replace("call restart", "run %makedip -r")
+            text = str(exc).replace("call restart()", "run %makedip -r")
             ename = "RankDied" if " is dead " in text else type(exc).__name__
             raise CellError(text, [(ename, text, [_header(ename), text])]) from None
         self.last_results = results
