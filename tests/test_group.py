@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 import ddip
+import ddip.gpus
 from conftest import PY, alive, children_of, requires_gpu, wait_until
 
 
@@ -281,15 +282,15 @@ def test_bad_input_is_a_clear_error_and_starts_nothing(kwargs, message):
 def test_gpus_on_a_machine_without_gpus_suggests_cpu_ranks():
     with pytest.raises(ValueError, match=r"no NVIDIA GPU; use n=2 \(for example\)"):
         ddip.Group(gpus="all")
-    with pytest.raises(ValueError, match="GPU 5 does not exist"):
+    with pytest.raises(ValueError, match="GPU 5 is not visible: this machine has no NVIDIA GPU"):
         ddip.Group(gpus=[5])
 
 
 def test_gpu_list_parsing_rejects_duplicates_and_junk():
-    with pytest.raises(ValueError, match="lists a GPU twice"):
-        ddip.group.parse_gpus("0,0")
+    with pytest.raises(ValueError, match="more than once"):
+        ddip.gpus.select("0,0", ["0", "1"])
     with pytest.raises(ValueError, match="is not a GPU list"):
-        ddip.group.parse_gpus("zero")
+        ddip.gpus.select("zero", ["0"])
 
 
 def test_a_rank_that_fails_at_start_is_reported_with_its_stderr(tmp_path):

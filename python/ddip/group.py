@@ -1,33 +1,49 @@
-"""A persistent group of ranked worker processes, driven from the notebook."""
+"""A persistent group of ranked worker processes, driven from the notebook.
+
+Every request (a cell, an apply, a push, a pull) is a `_Request` object: it owns its sequence
+number, its per-rank results and its mailbox. Whoever waits on the group pumps the runtime's
+event stream and delivers each event into the mailbox of the request it belongs to (by the
+rank's current request and the frame's sequence number); each request's own waiter then
+processes its mailbox and calls its callbacks. So no caller can consume another's reply:
+`status()`, a concurrent `run(ranks=[1])`, or a callback that raises never drop a result.
+"""
 
 from __future__ import annotations
 
 import atexit
+import collections
 import importlib.util
 import keyword
 import os
 import pickle
 import signal
 import socket
-import subprocess
 import sys
+import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from . import _core
+from . import _core, gpus as _gpus
 from .errors import RankFailure, RemoteError, StartError
 from .messages import dumps_framed, loads, loads_framed, picklable
 
 # Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
-_OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED = range(5)
+_OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED, _UNRESPONSIVE, _RESPONSIVE, _TRUNCATED = range(8)
 _STREAMS = {1: "stdout", 2: "stderr"}
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
 INTERRUPT_GRACE_S = 5.0
-# After one rank fails, how long the others get to finish before they are interrupted: in DDP
+# After one rank raised, how long the others get to finish before they are interrupted: in DDP
 # code they are often waiting for the failed rank in a collective that would never return.
 FAILURE_GRACE_S = 3.0
+# A death is final: the others are interrupted at once and the death is reported within this.
+DEATH_REPORT_S = 0.8
+# How long an idle rank's output is kept for the next cell (per rank); older output is dropped.
+BACKGROUND_KEEP_BYTES = 64 * 1024
+# The slice in which waiters pump events (they check for Ctrl-C between slices).
+_SLICE_S = 0.05
 
 _open_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()
 
@@ -45,6 +61,7 @@ class RankResult:
     displays: list = field(default_factory=list)  # display() calls, when no on_display was given
     execution_count: int | None = None
     finished_at: float | None = None  # time.monotonic() when its reply (or death) arrived
+    stacks: str | None = None  # where it was, when it did not stop after an interrupt
     _parts: tuple = field(default_factory=lambda: ([], []), repr=False, compare=False)
 
     @property
@@ -59,48 +76,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def gpu_count() -> int:
-    """NVIDIA GPUs on this machine, counted without initializing CUDA in the notebook."""
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        pass
-    try:  # some sandboxes hide /proc/driver; nvidia-smi still knows
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    """GPUs the notebook can see, counted without initializing CUDA in the notebook."""
+    return len(_gpus.inventory()[0])
 
 
-def parse_gpus(gpus) -> list[int]:
-    """'all', '0,3', 2, [3, 2] -> a list of GPU ids, checked against this machine."""
-    available = gpu_count()
-    if isinstance(gpus, str) and gpus.strip().lower() == "all":
-        if available == 0:
-            raise ValueError("gpus='all' but this machine has no NVIDIA GPU; "
-                             "use n=2 (for example) to run 2 CPU processes instead")
-        return list(range(available))
-    if isinstance(gpus, int) and not isinstance(gpus, bool):
-        ids = [gpus]
-    elif isinstance(gpus, str):
-        try:
-            ids = [int(x) for x in gpus.replace(" ", "").split(",") if x != ""]
-        except ValueError:
-            raise ValueError(f"gpus={gpus!r} is not a GPU list; give 'all' or ids like '0,3' or [3, 2]") from None
-    else:
-        try:
-            ids = [int(x) for x in gpus]
-        except (TypeError, ValueError):
-            raise ValueError(f"gpus={gpus!r} is not a GPU list; give 'all' or ids like '0,3' or [3, 2]") from None
-    if not ids:
-        raise ValueError("gpus is empty; give 'all' or ids like '0,3'")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"gpus={ids} lists a GPU twice; each rank needs its own GPU")
-    bad = [i for i in ids if i < 0 or i >= available]
-    if bad:
-        have = f"GPUs 0-{available - 1}" if available else "no NVIDIA GPU"
-        hint = "" if available else "; use n=2 (for example) for CPU processes"
-        raise ValueError(f"GPU {', '.join(map(str, bad))} does not exist: this machine has {have}{hint}")
-    return ids
+def parse_gpus(gpus) -> list[str]:
+    """'all', '0,3', 2, [3, 2], UUIDs -> the CUDA_VISIBLE_DEVICES entries for the ranks, in
+    order, checked against what the notebook can see (see ddip.gpus)."""
+    return [s.entry for s in _gpus.resolve(gpus)]
 
 
 def resolve_backend(backend, gpus) -> str | None:
@@ -119,6 +102,53 @@ def resolve_backend(backend, gpus) -> str | None:
     return backend
 
 
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def omp_threads(local_ranks: int) -> int:
+    """OMP_NUM_THREADS for ranks that did not choose: the notebook's cores divided among the
+    ranks on this host (torchrun sets 1 whenever it runs several; dividing is the same on small
+    machines and leaves CPU work on big ones its share of cores)."""
+    return max(1, cpu_count() // max(1, local_ranks))
+
+
+def _positive_timeout(timeout, what="timeout"):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"{what} must be a positive number of seconds (or None), got {timeout!r}")
+
+
+class _Request:
+    """One request to some ranks: its results, and the events delivered for it."""
+
+    def __init__(self, group: "Group", seq: int, slots: list[int], what: str):
+        self.seq = seq
+        self.slots = slots
+        self.what = what
+        self.results = {s: RankResult(rank=group.rank_ids[s]) for s in slots}
+        self.pending = set(slots)  # ranks whose reply (or death) has not been processed
+        self.mailbox: collections.deque = collections.deque()  # filled by whoever pumps
+        self.started = time.monotonic()
+        self.failed_at = None  # when the first rank raised
+        self.died_at = None  # when the first rank died or stopped answering heartbeats
+        self.interrupted_at = None
+        self.why = None  # why its ranks were interrupted: "ctrl-c", "timeout", "failure", "death"
+        self.cancelled = False
+        self.callback_errors: list[str] = []
+
+
+@dataclass
+class _Callbacks:
+    on_output: Callable | None = None  # (rank, "stdout" | "stderr", text), live
+    on_display: Callable | None = None  # (rank, msg): a display() in the rank
+    on_message: Callable | None = None  # (rank, obj): ddip.worker.notify(obj) in the rank
+    on_done: Callable | None = None  # (RankResult): a rank finished, failed or died
+
+
 class Group:
     """N ranked worker processes (one per GPU, or N CPU processes), each with its own namespace.
 
@@ -130,38 +160,55 @@ class Group:
     def __init__(self, n: int | None = None, gpus=None, backend: str | None = "auto",
                  timeout: float = 60.0, env: dict | None = None, *,
                  world_size: int | None = None, rank_ids: Sequence[int] | None = None,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None):
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 heartbeat_timeout: float = 10.0):
         # Everything is checked before anything starts: bad input changes nothing.
         if n is not None and gpus is not None:
             raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
-        gpu_ids = parse_gpus(gpus) if gpus is not None else None
-        if n is None and gpu_ids is None:
-            raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
-        if n is not None:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"n must be a positive number of processes, got {n!r}")
-        size = len(gpu_ids) if gpu_ids is not None else n
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.backend = resolve_backend(backend, gpu_ids)
-        self.gpus = gpu_ids
-        self.rank_ids = list(rank_ids) if rank_ids is not None else list(range(size))
-        if len(self.rank_ids) != size:
-            raise ValueError(f"rank_ids has {len(self.rank_ids)} entries for {size} processes")
-        self.world_size = world_size if world_size is not None else size
-        self.timeout = timeout
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"n must be a positive number of processes, got {n!r}")
         if env is not None and not (isinstance(env, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise ValueError("env must be a dict of strings to strings, e.g. env={'OMP_NUM_THREADS': '1'}")
         self._env = dict(env or {})
+        gpu_ids = None
+        if gpus is not None:
+            # The user's own CUDA_VISIBLE_DEVICES (in env=) is the list that positions refer to.
+            visible_env = self._env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+            physical = _gpus.physical_gpus()
+            visible = _gpus.visible_entries(visible_env, len(physical))
+            gpu_ids = [s.entry for s in _gpus.select(gpus, visible, visible_env, physical)]
+        if n is None and gpu_ids is None:
+            raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
+        if rank_ids is not None:
+            rank_ids = list(rank_ids)
+            if not rank_ids or len(set(rank_ids)) != len(rank_ids) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank_ids):
+                raise ValueError(f"rank_ids must be distinct ranks (integers >= 0), got {rank_ids!r}")
+        size = n if n is not None else (len(rank_ids) if rank_ids is not None else len(gpu_ids))
+        _positive_timeout(timeout)
+        if timeout is None:
+            raise ValueError("timeout must be a positive number of seconds, got None")
+        _positive_timeout(heartbeat_timeout, "heartbeat_timeout")
+        self.backend = resolve_backend(backend, gpu_ids)
+        self.gpus = gpu_ids
+        self.rank_ids = rank_ids if rank_ids is not None else list(range(size))
+        if len(self.rank_ids) != size:
+            raise ValueError(f"rank_ids has {len(self.rank_ids)} entries for {size} processes")
+        self.world_size = world_size if world_size is not None else size
+        if gpu_ids is not None and max(self.rank_ids) >= len(gpu_ids):
+            raise ValueError(f"{len(gpu_ids)} GPUs for ranks {self.rank_ids}: rank r uses the r-th GPU")
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self._master_addr = master_addr
         self._fixed_port = master_port
         self._coord = None
+        self._generation = 0  # counts starts; a Pending belongs to one
         self._broken = None  # why the runtime stopped on its own, if it did
-        self._background_output = LabelledOutput()  # output that arrives outside any request
         self._seq = 0
-        self._state: list[str] = []
-        self._exits: dict[int, RankFailure] = {}
+        self._mu = threading.RLock()  # guards the state below; never held while waiting
+        self._pumping = False  # one thread at a time takes events from the runtime
+        self._cv = threading.Condition(self._mu)
         self._start()
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -176,11 +223,12 @@ class Group:
             "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "DDIP_SLOT": str(slot),
             "DDIP_SYS_PATH": os.pathsep.join(p for p in sys.path if p),
         })
+        if "OMP_NUM_THREADS" not in self._env and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(omp_threads(self.world_size))
         if self.gpus is not None:
-            # Every rank sees the group's GPUs in the order given; rank i uses device i.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ids mean what nvidia-smi shows
-        else:
+            # Every rank sees the group's GPUs in the order given; rank r uses device r.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
+        elif "CUDA_VISIBLE_DEVICES" not in self._env:
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: keep them off the GPUs
         if self.backend:
             env["DDIP_BACKEND"] = self.backend
@@ -189,15 +237,34 @@ class Group:
         env.pop("DDIP_SOCKET", None)
         return [f"{k}={v}" for k, v in env.items()]
 
+    @property
+    def omp_num_threads(self) -> tuple[str, str]:
+        """(OMP_NUM_THREADS the ranks get, who chose it)."""
+        if "OMP_NUM_THREADS" in self._env:
+            return self._env["OMP_NUM_THREADS"], "env="
+        if "OMP_NUM_THREADS" in os.environ:
+            return os.environ["OMP_NUM_THREADS"], "the notebook's environment"
+        return str(omp_threads(self.world_size)), f"ddip: {cpu_count()} cores / {self.world_size} ranks"
+
     def _start(self):
         self.master_port = self._fixed_port or free_port()
         size = len(self.rank_ids)
-        specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"], self._worker_env(slot, self.master_port), os.getcwd())
-                 for slot in range(size)]
-        self._coord = _core.Coordinator(specs)
+        specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"],
+                  self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
+        try:
+            self._coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000))
+        except TypeError:  # TEMP until the runtime branch lands
+            self._coord = _core.Coordinator(specs)
+        self._generation += 1
         self._broken = None
         self._state = ["starting"] * size
-        self._exits = {}
+        self._exits: dict[int, RankFailure] = {}
+        self._running: dict[int, _Request] = {}  # slot -> the request it is busy with
+        self._unresponsive: dict[int, float] = {}  # slot -> seconds without a heartbeat
+        self._background = {s: collections.deque() for s in range(size)}  # idle ranks' output
+        self._background_bytes = [0] * size
+        self._background_dropped = [0] * size
+        self._stack_replies: dict[int, dict[int, str]] = {}  # seq -> slot -> text
         self.info: list[dict] = [{} for _ in range(size)]
         deadline = time.monotonic() + self.timeout
         try:
@@ -211,7 +278,7 @@ class Group:
                 ev = self._coord.next_event(min(left, 0.25) * 1000)
                 if ev is None:
                     continue
-                kind, slot, a, b, data, _ = ev
+                kind, slot, a, b, data, fds = ev
                 if kind == _FRAME and a == _core.HELLO:
                     self.info[slot] = loads(data)
                     self._state[slot] = "idle"
@@ -223,19 +290,27 @@ class Group:
                 elif kind == _FAILED:
                     raise StartError(data.decode(errors="replace"))
                 else:
-                    self._background(ev)
+                    with self._mu:
+                        self._dispatch(ev)
         except BaseException:
-            self._coord.close(0)
-            self._coord = None
+            coord, self._coord = self._coord, None
+            coord.close(0)
             raise
         _open_groups.add(self)
 
     def close(self, grace: float = 2.0):
         """Stops every rank (shutdown, then SIGTERM, then SIGKILL after `grace` s). Idempotent."""
-        coord, self._coord = self._coord, None
+        with self._mu:
+            coord, self._coord = self._coord, None
+            if coord is not None:
+                self._state = ["closed"] * len(self._state)
+                for req in set(self._running.values()):
+                    for s in list(req.pending):
+                        req.mailbox.append(("closed", s))
+                self._running = {}
+                self._cv.notify_all()
         if coord is not None:
             coord.close(int(grace * 1000))
-            self._state = ["closed"] * len(self._state)
         _open_groups.discard(self)
 
     def restart(self):
@@ -277,33 +352,51 @@ class Group:
 
     def device(self, rank: int) -> str:
         slot = self._slot(rank)
-        return f"cuda:{slot} (GPU {self.gpus[slot]})" if self.gpus is not None else "cpu"
+        if self.gpus is None:
+            return "cpu"
+        r = self.rank_ids[slot]
+        return f"cuda:{r} (GPU {self.gpus[r]})"
 
     def status(self) -> list[dict]:
-        """Per rank: pid, device, state (idle / busy / dead), resident memory, heartbeat age."""
+        """Per rank: pid, device, state (idle / busy / dead / unresponsive), resident memory,
+        heartbeat age, how long it has been busy with its current request, and its GPU use."""
         self._check_open()
-        self._pump()
+        self._pump(0)
+        gpu_use = _gpus.usage(self._coord.pids) if self.gpus is not None else {}
         rows = []
-        for slot, pid in enumerate(self._coord.pids):
-            rows.append({"rank": self.rank_ids[slot], "pid": pid, "device": self.device(self.rank_ids[slot]),
-                         "state": self._state[slot], "rss_mb": _rss_mb(pid),
-                         "heartbeat_ms": self._coord.heartbeat_age_ms(slot)})
+        now = time.monotonic()
+        with self._mu:
+            for slot, pid in enumerate(self._coord.pids):
+                req = self._running.get(slot)
+                state = self._state[slot]
+                if slot in self._unresponsive and state != "dead":
+                    state = "unresponsive"
+                rows.append({"rank": self.rank_ids[slot], "pid": pid, "device": self.device(self.rank_ids[slot]),
+                             "state": state, "rss_mb": _rss_mb(pid),
+                             "heartbeat_ms": self._coord.heartbeat_age_ms(slot),
+                             "busy_s": (now - req.started) if req is not None else None,
+                             "gpu": gpu_use.get(pid)})
         return rows
 
     # -- requests -----------------------------------------------------------------------------
 
     def run(self, code: str, ranks: Iterable[int] | None = None, *, on_output: Callable | None = None,
-            on_display: Callable | None = None, timeout: float | None = None) -> list[RankResult]:
+            on_display: Callable | None = None, timeout: float | None = None,
+            values: bool = True) -> list[RankResult]:
         """Runs `code` in each selected rank's __main__ through IPython; one RankResult per rank.
 
         on_output(rank, stream, text) is called live; on_display(rank, msg) for display() calls.
+        timeout: interrupt the ranks after that many seconds (TimeoutError; the stacks of ranks
+        that did not stop are in its results). values=False brings back only the display form
+        of the last expression (RankResult.format), never the object itself.
         Raises RemoteError (with every failing rank's traceback) if any rank raised."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a string, got {type(code).__name__}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout <= 0):
-            raise ValueError(f"timeout must be a positive number of seconds (or None), got {timeout!r}")
-        results = self._request({"op": "run", "code": code}, ranks, on_output, on_display, timeout)
+        _positive_timeout(timeout)
+        if not isinstance(values, bool):
+            raise TypeError(f"values must be True or False, got {values!r}")
+        req = self._send({"op": "run", "code": code, "values": values}, ranks, "code")
+        results = self._collect(req, _Callbacks(on_output, on_display), timeout, interrupt=True)
         self._raise_failures(results, "code")
         return results
 
@@ -314,28 +407,33 @@ class Group:
 
     def apply_async(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> "Pending":
         """Starts fn(*args, **kwargs) on each rank and returns at once; Pending.result() waits.
-        Until then the group is busy: one request at a time."""
+        Until then those ranks are busy: one request at a time per rank."""
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
-        seq, slots = self._send({"op": "apply", "fn": fn, "args": args, "kwargs": kwargs}, ranks)
-        return Pending(self, seq, slots, f"{getattr(fn, '__name__', 'function')}()")
+        what = f"{getattr(fn, '__name__', 'function')}()"
+        req = self._send({"op": "apply", "fn": fn, "args": args, "kwargs": kwargs}, ranks, what)
+        return Pending(self, req)
 
     def push(self, mapping: dict | None = None, /, ranks: Iterable[int] | None = None, **values):
         """Copies variables into each selected rank's namespace: push(x=1) or push({'x': 1})."""
+        if mapping is not None and not isinstance(mapping, dict):
+            raise TypeError(f"push takes a dict of names to values (or name=value), got {type(mapping).__name__}")
         ns = dict(mapping or {})
         ns.update(values)
+        if not ns:
+            raise ValueError("push needs something to push: push(x=1) or push({'x': 1})")
         bad = [k for k in ns if not (isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k))]
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
         try:
-            results = self._request({"op": "push", "ns": ns}, ranks, None, None, None)
+            req = self._send({"op": "push", "ns": ns}, ranks, "push")
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             culprits = [k for k, v in ns.items() if not picklable(v)]
             if not culprits:
                 raise
             raise TypeError(f"can't push {', '.join(culprits)}: it can't be pickled "
-                            f"({type(exc).__name__}: {exc})") from exc
-        self._raise_failures(results, "push")
+                            f"({type(exc).__name__}: {exc}); nothing was pushed") from None
+        self._raise_failures(self._collect(req, _Callbacks(), None), "push")
 
     def pull(self, names, rank: int = 0):
         """A variable's value from one rank (rank 0 by default); a list of names gives a list."""
@@ -343,7 +441,15 @@ class Group:
         if not single and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
             raise TypeError(f"pull needs a variable name or a list of names, got {names!r}")
         name_list = [names] if single else list(names)
-        results = self._request({"op": "pull", "names": name_list}, [rank], None, None, None)
+        if not name_list:
+            raise ValueError("pull needs at least one variable name")
+        bad = [n for n in name_list if not n.isidentifier()]
+        if bad:
+            raise ValueError(f"pull needs variable names, got {bad!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be a rank number, got {rank!r}")
+        req = self._send({"op": "pull", "names": name_list}, [rank], "pull")
+        results = self._collect(req, _Callbacks(), None)
         self._raise_failures(results, "pull")
         values = results[0].value
         return values[0] if single else values
@@ -364,6 +470,45 @@ class Group:
         for slot in self._slots(ranks):
             coord.signal(slot, sig, True)
 
+    def stacks(self, ranks: Iterable[int] | None = None, timeout: float = 3.0) -> dict[int, str]:
+        """Every selected rank's Python stack (all threads), without stopping it: answered by
+        the rank's runtime thread, so a rank busy in Python or stuck in C code answers too."""
+        _positive_timeout(timeout)
+        self._check_open()
+        slots = self._slots(ranks)
+        return {self.rank_ids[s]: text for s, text in self._stacks(slots, timeout).items()}
+
+    def _stacks(self, slots, timeout) -> dict[int, str]:
+        with self._mu:
+            self._seq += 1
+            seq = self._seq
+            self._stack_replies[seq] = {}
+            coord = self._coord
+        live = [s for s in slots if s not in self._exits]
+        try:
+            if live and coord is not None and hasattr(_core, "STACK_REQUEST"):
+                coord.send(live, _core.STACK_REQUEST, seq, b"")
+            deadline = time.monotonic() + timeout
+            while True:
+                with self._mu:
+                    got = self._stack_replies.get(seq, {})
+                    if all(s in got for s in live) or self._coord is None:
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._pump(min(left, _SLICE_S))
+        finally:
+            with self._mu:
+                got = self._stack_replies.pop(seq, {})
+        out = {}
+        for s in slots:
+            if s in self._exits:
+                out[s] = f"(rank {self.rank_ids[s]} is dead: {self._exits[s].evalue})"
+            else:
+                out[s] = got.get(s, f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)")
+        return out
+
     # -- internals ----------------------------------------------------------------------------
 
     def _check_open(self):
@@ -382,6 +527,10 @@ class Group:
             return list(range(self.size))
         if isinstance(ranks, int):
             ranks = [ranks]
+        try:
+            ranks = list(ranks)
+        except TypeError:
+            raise TypeError(f"ranks must be a rank or a list of ranks, got {ranks!r}") from None
         slots = [self._slot(r) for r in ranks]
         if not slots:
             raise ValueError("no ranks selected")
@@ -390,7 +539,10 @@ class Group:
         return slots
 
     def _death(self, slot, code, sig, tail) -> RankFailure:
-        cause = f"killed by {_signal_name(sig)}" if sig else f"exit code {code}"
+        if code < 0:
+            cause = "exit status unknown (something else in the notebook's process reaped it)"
+        else:
+            cause = f"killed by {_signal_name(sig)}" if sig else f"exit code {code}"
         f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=cause,
                         stderr_tail=tail.decode(errors="replace"), exit_code=None if sig else code,
                         exit_signal=sig or None)
@@ -398,167 +550,333 @@ class Group:
         self._exits[slot] = f
         return f
 
-    def _background(self, ev):
-        """Events outside any request: output shows up in the notebook, labelled."""
+    # Pumping: one thread at a time takes events from the runtime and delivers them; the others
+    # wait on the condition. Callbacks never run here (they run in their request's waiter).
+
+    def _pump(self, timeout: float):
+        """Delivers the events that arrive within `timeout` seconds (at least those already
+        there) into their requests' mailboxes. Returns early once something was delivered."""
+        with self._mu:
+            if self._pumping:
+                # Another thread pumps; it wakes us when it delivers something.
+                if timeout > 0:
+                    self._cv.wait(timeout)
+                return
+            coord = self._coord
+            if coord is None:
+                return
+            self._pumping = True
+        try:
+            ev = coord.next_event(timeout * 1000 if timeout > 0 else 0)
+            while ev is not None:
+                with self._mu:
+                    self._dispatch(ev)
+                ev = coord.next_event(0)
+        finally:
+            with self._mu:
+                self._pumping = False
+                self._cv.notify_all()
+
+    def _dispatch(self, ev):
+        """Puts one event where it belongs. Called with self._mu held; never raises."""
         kind, slot, a, b, data, fds = ev
-        for fd in fds:  # a late reply's segments
-            os.close(fd)
+        req = self._running.get(slot) if slot >= 0 else None
         if kind == _OUTPUT:
-            self._background_output(self.rank_ids[slot], _STREAMS[a], data.decode(errors="replace"))
+            if req is not None:
+                req.mailbox.append(("output", slot, a, data))
+            else:
+                self._keep_background(slot, a, data)
+        elif kind == _FRAME and a == getattr(_core, "STACKS", -1):
+            replies = self._stack_replies.get(b)
+            if replies is not None:
+                replies[slot] = data.decode(errors="replace")
+        elif kind in (_FRAME, _TRUNCATED) and a in (_core.DONE, _core.DISPLAY, _core.MESSAGE):
+            if req is None or req.seq != b:
+                _close_fds(fds)  # a reply to a request its rank no longer runs (cannot happen)
+                return
+            if kind == _TRUNCATED:
+                _close_fds(fds)
+                if a != _core.DONE:
+                    return  # a display whose buffers were lost; the reply says the rest
+                req.mailbox.append(("truncated", slot))
+            else:
+                req.mailbox.append(("frame", slot, a, data, fds))
+            if a == _core.DONE:
+                del self._running[slot]
+                if self._state[slot] == "busy":
+                    self._state[slot] = "idle"
+        elif kind == _FRAME:
+            _close_fds(fds)
         elif kind == _EXITED:
-            self._death(slot, a, b, data)
-        elif kind == _FRAME and a == _core.DONE:
-            self._state[slot] = "idle"  # a reply to a request we stopped waiting for
+            f = self._death(slot, a, b, data)
+            self._unresponsive.pop(slot, None)
+            if req is not None:
+                del self._running[slot]
+                req.mailbox.append(("died", slot, f))
+        elif kind == _UNRESPONSIVE:
+            self._unresponsive[slot] = a / 1000
+            if req is not None:
+                req.mailbox.append(("unresponsive", slot, a / 1000))
+        elif kind == _RESPONSIVE:
+            self._unresponsive.pop(slot, None)
         elif kind == _FAILED:
             self._broken = data.decode(errors="replace")
-            self.close(0)
+            for r in set(self._running.values()):
+                for s in list(r.pending):
+                    r.mailbox.append(("broken", s, self._broken))
+            self._running = {}
+        self._cv.notify_all()
 
-    def _pump(self):
-        while self._coord is not None:
-            ev = self._coord.next_event(0)
-            if ev is None:
-                return
-            self._background(ev)
+    def _keep_background(self, slot, stream, data):
+        q = self._background[slot]
+        q.append((stream, data))
+        self._background_bytes[slot] += len(data)
+        while self._background_bytes[slot] > BACKGROUND_KEEP_BYTES and len(q) > 1:
+            _, old = q.popleft()
+            self._background_bytes[slot] -= len(old)
+            self._background_dropped[slot] += len(old)
 
-    def _request(self, req, ranks, on_output, on_display, timeout) -> list[RankResult]:
-        seq, slots = self._send(req, ranks)
-        return self._collect(seq, slots, _Callbacks(on_output, on_display), timeout)
+    def _show_background(self):
+        """Output ranks wrote while no request ran (a thread they started, say): shown, labelled,
+        before the next request's output; only the last BACKGROUND_KEEP_BYTES per rank are kept."""
+        with self._mu:
+            pending = []
+            for slot, q in self._background.items():
+                if q or self._background_dropped[slot]:
+                    pending.append((slot, list(q), self._background_dropped[slot]))
+                    q.clear()
+                    self._background_bytes[slot] = 0
+                    self._background_dropped[slot] = 0
+        out = LabelledOutput()
+        for slot, items, dropped in pending:
+            rank = self.rank_ids[slot]
+            if dropped:
+                out(rank, "stderr", f"[ddip: {dropped} bytes of earlier output from rank {rank} "
+                                    f"were dropped while no cell was running]\n")
+            for stream, data in items:
+                out(rank, _STREAMS[stream], data.decode(errors="replace"))
 
-    def _send(self, req, ranks) -> tuple[int, list[int]]:
+    def _send(self, req, ranks, what) -> _Request:
         self._check_open()
         slots = self._slots(ranks)
-        self._pump()
-        dead = [self._exits[s] for s in slots if s in self._exits]
-        if dead:
-            d = dead[0]
-            raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
-        busy = [self.rank_ids[s] for s in slots if self._state[s] == "busy"]
-        if busy:
-            raise RuntimeError(f"rank(s) {', '.join(map(str, busy))} still busy with an earlier request "
-                               f"(one that was interrupted but did not stop, or an apply_async not yet "
-                               f"collected); wait, g.interrupt(), or g.restart() (%makedip -r)")
-        coord = self._coord
-        payload, segments = dumps_framed(req, lambda raw: (coord.put(raw),) * 2, coord.release)
-        self._seq += 1
-        seq = self._seq
-        try:
-            self._coord.send(slots, _core.REQUEST, seq, payload, segments)
-        finally:
-            for segment in segments:  # the frames hold their own references now
-                self._coord.release(segment)
-        for s in slots:
-            self._state[s] = "busy"
-        return seq, slots
+        self._pump(0)
+        self._show_background()
+        with self._mu:
+            self._check_open()
+            dead = [self._exits[s] for s in slots if s in self._exits]
+            if dead:
+                d = dead[0]
+                raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
+            busy = [self.rank_ids[s] for s in slots if s in self._running]
+            if busy:
+                raise RuntimeError(f"rank(s) {', '.join(map(str, busy))} still busy with an earlier request "
+                                   f"(one that was interrupted but did not stop, or an apply_async not yet "
+                                   f"collected); wait, g.interrupt(), or g.restart() (%makedip -r)")
+            coord = self._coord
+            # Pickled before anything is sent: a value that can't be pickled changes nothing.
+            payload, segments = dumps_framed(req, lambda raw: (coord.put(raw),) * 2, coord.release)
+            self._seq += 1
+            request = _Request(self, self._seq, slots, what)
+            try:
+                coord.send(slots, _core.REQUEST, request.seq, payload, segments)
+            finally:
+                for segment in segments:  # the frames hold their own references now
+                    coord.release(segment)
+            for s in slots:
+                self._running[s] = request
+                self._state[s] = "busy"
+        return request
 
-    def _collect(self, seq, slots, callbacks: "_Callbacks", timeout) -> list[RankResult]:
-        self._check_open()
-        results = {s: RankResult(rank=self.rank_ids[s]) for s in slots}
-        pending = set(slots)
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        why = None  # why the pending ranks were interrupted: "ctrl-c", "timeout" or "failure"
-        interrupted_at = failed_at = None
+    def _collect(self, req: _Request, cb: _Callbacks, timeout, *, interrupt: bool = True,
+                 stop_waiting_at: float | None = None, on_failure: bool = True) -> list[RankResult]:
+        """Waits for every rank of `req`. timeout (with interrupt=True): interrupt the ranks
+        then, and raise TimeoutError. stop_waiting_at: a deadline after which we stop waiting
+        (TimeoutError) and leave the request running. on_failure: interrupt the other ranks
+        when one fails (False: the caller handles failures itself, as ranch does)."""
+        deadline = None if timeout is None else req.started + timeout
 
-        def interrupt(reason):
-            nonlocal why, interrupted_at
-            why, interrupted_at = reason, time.monotonic()
-            for s in pending:
-                self._coord.signal(s, signal.SIGINT)
+        def interrupt_pending(reason):
+            req.why, req.interrupted_at = reason, time.monotonic()
+            coord = self._coord
+            if coord is not None:
+                for s in req.pending:
+                    coord.signal(s, signal.SIGINT)
 
-        while pending:
+        while True:
             # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
             # ranks and keeps collecting their replies; a second one stops waiting.
             try:
+                self._drain_mailbox(req, cb)
+                if not req.pending:
+                    break
                 now = time.monotonic()
-                if interrupted_at is not None:
-                    wake = interrupted_at + INTERRUPT_GRACE_S
+                if req.interrupted_at is not None:
+                    grace = DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S
+                    wake = req.interrupted_at + grace
                     if now >= wake:
                         break
                 else:
-                    if failed_at is None and len(pending) < len(slots) and any(
-                            results[s].error for s in slots if s not in pending):
-                        failed_at = now  # the others may be waiting for it in a collective
                     wake = now + 0.25
-                    if deadline is not None:
+                    if req.died_at is not None and on_failure:
+                        interrupt_pending("death")  # final: the others can't finish without it
+                        continue
+                    if req.failed_at is not None and on_failure:
+                        if now >= req.failed_at + FAILURE_GRACE_S:
+                            interrupt_pending("failure")
+                            continue
+                        wake = min(wake, req.failed_at + FAILURE_GRACE_S)
+                    if deadline is not None and interrupt:
                         if now >= deadline:
-                            interrupt("timeout")
+                            interrupt_pending("timeout")
                             continue
                         wake = min(wake, deadline)
-                    if failed_at is not None:
-                        if now >= failed_at + FAILURE_GRACE_S:
-                            interrupt("failure")
-                            continue
-                        wake = min(wake, failed_at + FAILURE_GRACE_S)
-                ev = self._coord.next_event(max(0.0, wake - now) * 1000)
-                if ev is not None:
-                    self._handle(ev, seq, results, pending, callbacks)
+                if stop_waiting_at is not None:
+                    if now >= stop_waiting_at:
+                        err = TimeoutError(
+                            f"{req.what}: stopped waiting after {stop_waiting_at - now + (now - req.started):.1f} s; "
+                            f"rank(s) {self._ranks(req.pending)} are still running it (result() again to "
+                            f"wait more, cancel() to interrupt them)")
+                        err.results = [req.results[s] for s in req.slots]
+                        raise err
+                    wake = min(wake, stop_waiting_at)
+                if self._coord is None and not req.mailbox:
+                    for s in list(req.pending):  # closed under us (another thread)
+                        req.mailbox.append(("closed", s))
+                    continue
+                self._pump(max(0.0, min(wake - now, _SLICE_S)))
             except KeyboardInterrupt:
-                if why == "ctrl-c":
-                    raise  # late replies are told apart by their sequence number and dropped
-                interrupt("ctrl-c")
-        for s in pending:  # late replies are dropped by sequence number; the state says busy
-            results[s].error = RankFailure(
-                rank=self.rank_ids[s], ename="StillRunning",
-                evalue=f"did not stop within {INTERRUPT_GRACE_S:g} s of being interrupted (waiting in "
-                       f"C code, or in a collective for a failed rank?); it stays busy until it "
-                       f"finishes: g.restart() (%makedip -r) ends it")
-        for r in results.values():
+                if req.why == "ctrl-c":
+                    raise  # the request stays registered: its late replies still free the ranks
+                interrupt_pending("ctrl-c")
+        stuck = set(req.pending)
+        if stuck:
+            stacks = self._stacks(sorted(stuck), 2.0) if self._coord is not None else {}
+            for s in stuck:
+                r = req.results[s]
+                r.stacks = stacks.get(s)
+                if s in self._unresponsive:
+                    r.error = self._unresponsive_failure(s, self._unresponsive[s])
+                else:
+                    r.error = RankFailure(
+                        rank=self.rank_ids[s], ename="StillRunning",
+                        evalue=f"did not stop within {DEATH_REPORT_S if req.why == 'death' else INTERRUPT_GRACE_S:g} s "
+                               f"of being interrupted (waiting in C code, or in a collective for a failed "
+                               f"rank?); it stays busy until it finishes: g.restart() (%makedip -r) ends it",
+                        traceback=(["where it was:"] + r.stacks.splitlines()) if r.stacks else [])
+            req.pending.clear()
+        for r in req.results.values():
             r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
-        ranks = lambda ss: ", ".join(str(self.rank_ids[s]) for s in sorted(ss))  # noqa: E731
-        stuck = f"; rank(s) {ranks(pending)} did not stop and are still busy" if pending else ""
-        if why == "ctrl-c":
-            raise KeyboardInterrupt(f"interrupted rank(s) {ranks(slots)}{stuck}")
-        if why == "timeout":
+        for msg in req.callback_errors:
+            sys.stderr.write(msg)
+        if req.why == "ctrl-c":
+            still = f"; rank(s) {self._ranks(stuck)} did not stop and are still busy" if stuck else ""
+            raise KeyboardInterrupt(f"interrupted rank(s) {self._ranks(req.slots)}{still}")
+        if req.why == "timeout":
             err = TimeoutError(f"the request did not finish within {timeout:g} s, so rank(s) "
-                               f"{ranks(slots)} were interrupted"
-                               + (stuck or f"; they stopped after {time.monotonic() - started:.1f} s"))
-            err.results = [results[s] for s in slots]
+                               f"{self._ranks(req.slots)} were interrupted"
+                               + (f"; rank(s) {self._ranks(stuck)} did not stop and are still busy "
+                                  f"(their stacks are in .results[i].stacks)" if stuck else
+                                  f"; they stopped after {time.monotonic() - req.started:.1f} s"))
+            err.results = [req.results[s] for s in req.slots]
             raise err
-        return [results[s] for s in slots]
+        return [req.results[s] for s in req.slots]
 
-    def _handle(self, ev, seq, results, pending, cb: "_Callbacks"):
-        kind, slot, a, b, data, fds = ev
-        if kind == _OUTPUT and slot in pending:
-            text = data.decode(errors="replace")
-            r = results[slot]
-            r._parts[a - 1].append(text)  # joined once at the end: += would be quadratic
-            if cb.on_output is not None:
-                cb.on_output(r.rank, _STREAMS[a], text)
-        elif kind == _FRAME and a == _core.DONE and b == seq and slot in pending:
-            pending.discard(slot)
-            self._state[slot] = "idle"
-            try:
-                self._fill(results[slot], loads_framed(data, fds))
-            except Exception as exc:
-                results[slot].error = RankFailure(
-                    rank=self.rank_ids[slot], ename="UnpicklingError",
-                    evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
-                           f"(is what it returned importable here?)")
-            results[slot].finished_at = time.monotonic()
-            if cb.on_done is not None:
-                cb.on_done(results[slot])
-        elif kind == _FRAME and a in (_core.DISPLAY, _core.MESSAGE) and b == seq and slot in pending:
-            msg = loads(data)
-            if a == _core.MESSAGE:
-                if cb.on_message is not None:
-                    cb.on_message(self.rank_ids[slot], msg)
-            elif cb.on_display is not None:
-                cb.on_display(self.rank_ids[slot], msg)
+    def _ranks(self, slots) -> str:
+        return ", ".join(str(self.rank_ids[s]) for s in sorted(slots))
+
+    def _unresponsive_failure(self, slot, age) -> RankFailure:
+        return RankFailure(rank=self.rank_ids[slot], ename="Unresponsive",
+                           evalue=f"no heartbeat for {age:.1f} s (stopped, swapped out, or its host is "
+                                  f"unreachable); %makedip -r / g.restart() replaces it")
+
+    def _drain_mailbox(self, req: _Request, cb: _Callbacks):
+        while True:
+            with self._mu:
+                if not req.mailbox:
+                    return
+                item = req.mailbox.popleft()
+            self._handle(req, item, cb)
+
+    def _call(self, req: _Request, cb: _Callbacks, name: str, *args):
+        """A callback that raises is reported (once per callback) and switched off; the request
+        goes on."""
+        fn = getattr(cb, name)
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except KeyboardInterrupt:
+            raise
+        except Exception:
+            setattr(cb, name, None)
+            req.callback_errors.append(f"ddip: the {name} callback raised, so it was switched off for "
+                                       f"this request (which went on):\n{traceback.format_exc()}")
+
+    def _handle(self, req: _Request, item, cb: _Callbacks):
+        tag, slot = item[0], item[1]
+        if slot not in req.pending:
+            if tag == "frame":
+                _close_fds(item[4])
+            return
+        r = req.results[slot]
+        if tag == "output":
+            text = item[3].decode(errors="replace")
+            r._parts[item[2] - 1].append(text)  # joined once at the end: += would be quadratic
+            self._call(req, cb, "on_output", r.rank, _STREAMS[item[2]], text)
+            return
+        if tag == "frame":
+            _, _, kind, data, fds = item
+            if kind == _core.DONE:
+                try:
+                    self._fill(r, loads_framed(data, fds))
+                except Exception as exc:
+                    r.error = RankFailure(
+                        rank=r.rank, ename="UnpicklingError",
+                        evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
+                               f"(is what it returned importable here?)")
+                self._finish(req, slot, cb)
             else:
-                results[slot].displays.append(msg)
-        elif kind == _EXITED:
-            f = self._death(slot, a, b, data)
-            if slot in pending:
-                pending.discard(slot)
-                results[slot].error = f
-                results[slot].finished_at = time.monotonic()
-                if cb.on_done is not None:
-                    cb.on_done(results[slot])
-        elif kind == _FAILED:
-            self._background(ev)
-            self._check_open()
-        else:
-            self._background(ev)
+                _close_fds(fds)
+                try:
+                    msg = loads(data)
+                except Exception:
+                    return
+                if kind == _core.MESSAGE:
+                    self._call(req, cb, "on_message", r.rank, msg)
+                elif cb.on_display is not None:
+                    self._call(req, cb, "on_display", r.rank, msg)
+                else:
+                    r.displays.append(msg)
+            return
+        if tag == "truncated":
+            r.error = RankFailure(rank=r.rank, ename="OSError",
+                                  evalue="out of file descriptors: the notebook could not receive this rank's "
+                                         "reply buffers (raise `ulimit -n`, or close files and DataLoader "
+                                         "workers in the notebook)")
+            self._finish(req, slot, cb)
+        elif tag == "died":
+            r.error = item[2]
+            req.died_at = req.died_at or time.monotonic()
+            self._finish(req, slot, cb)
+        elif tag == "unresponsive":
+            r.error = self._unresponsive_failure(slot, item[2])
+            req.died_at = req.died_at or time.monotonic()
+            self._finish(req, slot, cb)
+        elif tag == "broken":
+            r.error = RankFailure(rank=r.rank, ename="RuntimeFailure", evalue=item[2])
+            self._finish(req, slot, cb)
+        elif tag == "closed":
+            r.error = RankFailure(rank=r.rank, ename="Closed", evalue="the group was closed while it ran")
+            self._finish(req, slot, cb)
+
+    def _finish(self, req: _Request, slot: int, cb: _Callbacks):
+        r = req.results[slot]
+        req.pending.discard(slot)
+        r.finished_at = time.monotonic()
+        if r.error is not None and not r.error.died and r.error.ename not in ("Unresponsive", "Closed") \
+                and req.failed_at is None:
+            req.failed_at = r.finished_at  # the others may be waiting for it in a collective
+        self._call(req, cb, "on_done", r)
 
     @staticmethod
     def _fill(result: RankResult, reply: dict):
@@ -577,11 +895,20 @@ class Group:
             # Root cause first: a death, then exceptions in the order they came; interrupts we
             # caused, and ranks that never stopped, last.
             def rank_of(r):
-                kind = 0 if r.error.died else 2 if r.error.ename == "KeyboardInterrupt" else \
-                    3 if r.error.ename == "StillRunning" else 1
+                e = r.error
+                kind = 0 if (e.died or e.ename == "Unresponsive") else 2 if e.ename == "KeyboardInterrupt" else \
+                    3 if e.ename == "StillRunning" else 1
                 return kind, r.finished_at if r.finished_at is not None else float("inf")
             failed.sort(key=rank_of)
             raise RemoteError([r.error for r in failed], results, what)
+
+
+def _close_fds(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class LabelledOutput:
@@ -605,41 +932,69 @@ class LabelledOutput:
         dest.flush()
 
 
-@dataclass
-class _Callbacks:
-    on_output: Callable | None = None  # (rank, "stdout" | "stderr", text), live
-    on_display: Callable | None = None  # (rank, msg): a display() in the rank
-    on_message: Callable | None = None  # (rank, obj): ddip.worker.notify(obj) in the rank
-    on_done: Callable | None = None  # (RankResult): a rank finished, failed or died
-
-
 class Pending:
-    """A request sent with apply_async; result() collects it (once)."""
+    """A request sent with apply_async. results()/result() wait for it; with timeout= they stop
+    waiting (TimeoutError) and leave it running, so they can be called again; cancel()
+    interrupts it. It holds no runtime resources: a closed group's sockets are not pinned."""
 
-    def __init__(self, group: Group, seq: int, slots: list[int], what: str):
-        self._group, self._seq, self._slots, self._what = group, seq, slots, what
-        self._coord = group._coord  # the ranks it was sent to
+    def __init__(self, group: Group, req: _Request):
+        self._group_ref = weakref.ref(group)
+        self._generation = group._generation
+        self._req = req
+        self._what = req.what
+        self._cb = _Callbacks()
         self._results: list[RankResult] | None = None
+        self._on_failure = True  # interrupt the other ranks when one fails (ranch does its own)
+
+    @property
+    def done(self) -> bool:
+        """Whether every rank has replied (or died); does not wait."""
+        if self._results is not None:
+            return True
+        group = self._live_group()
+        group._pump(0)
+        group._drain_mailbox(self._req, self._cb)
+        return not self._req.pending
+
+    def _live_group(self) -> Group:
+        group = self._group_ref()
+        if group is None or group._generation != self._generation or group._coord is None:
+            raise RuntimeError("the group was restarted or closed since this request was sent; "
+                               "its ranks are gone, and so is the request")
+        return group
 
     def results(self, on_output: Callable | None = None, on_display: Callable | None = None,
                 timeout: float | None = None, *, on_message: Callable | None = None,
                 on_done: Callable | None = None) -> list[RankResult]:
         """Waits for every rank; per-rank RankResults, errors included (nothing is raised).
         on_done(result) is called as each rank finishes (or dies), so a caller can act on the
-        first failure; on_message(rank, obj) receives ddip.worker.notify(obj) from ranks."""
+        first failure; on_message(rank, obj) receives ddip.worker.notify(obj) from ranks.
+        timeout: stop waiting after that many seconds (TimeoutError); the request goes on."""
+        _positive_timeout(timeout)
         if self._results is None:
-            if self._group._coord is not self._coord:
-                raise RuntimeError("the group was restarted or closed since this request was sent; "
-                                   "its ranks are gone, and so is the request")
-            cb = _Callbacks(on_output, on_display, on_message, on_done)
-            self._results = self._group._collect(self._seq, self._slots, cb, timeout)
+            group = self._live_group()
+            self._cb = _Callbacks(on_output, on_display, on_message, on_done)
+            stop = None if timeout is None else time.monotonic() + timeout
+            self._results = group._collect(self._req, self._cb, None, stop_waiting_at=stop,
+                                           on_failure=self._on_failure)
+            self._req = None  # nothing of the runtime is kept once collected
         return self._results
 
     def result(self, on_output: Callable | None = None, timeout: float | None = None) -> list:
-        """Waits for every rank; their return values in rank order, or RemoteError."""
+        """Waits for every rank; their return values in rank order, or RemoteError.
+        timeout: stop waiting after that many seconds (TimeoutError); the request goes on."""
         results = self.results(on_output=on_output, timeout=timeout)
         Group._raise_failures(results, self._what)
         return [r.value for r in results]
+
+    def cancel(self):
+        """Interrupts the request's ranks (KeyboardInterrupt in their code); result() then
+        reports how each one ended."""
+        if self._results is not None:
+            return
+        group = self._live_group()
+        for s in list(self._req.pending):
+            group._coord.signal(s, signal.SIGINT)
 
 
 def _signal_name(sig: int) -> str:

@@ -308,6 +308,7 @@ class _Launch:
             if needed:
                 self.group.push(needed)
             pending = self.group.apply_async(_rank_main, fn, args, kwargs, ctx)
+            pending._on_failure = False  # failure() below stops the right ranks at the right time
         if self.caller_rank is None:
             results = self._collect(pending, out)
             own = None

@@ -102,6 +102,11 @@ class RankShell(InteractiveShell):
         etype, value, tb = super()._get_exc_info(exc_tuple)
         return etype, value, _users_frames(tb)
 
+    def showtraceback(self, *args, **kwargs):
+        global _busy
+        _busy = False  # the user's code is over: an interrupt now must not replace its error
+        super().showtraceback(*args, **kwargs)
+
     def _showtraceback(self, etype, evalue, stb):
         # Kept for the 'done' reply; the kernel shows it, labelled with the rank.
         self.ddip_error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue),
@@ -178,7 +183,9 @@ def _serve(shell, req):
         if failed:
             error = shell.ddip_error or _format_exception(shell, result.error_before_exec or result.error_in_exec)
         fmt = shell.ddip_format
-        return {"op": op, "value": None if failed else result.result,
+        # values=False (%%dip): only the display form travels; the object stays in the rank.
+        keep = not failed and req.get("values", True)
+        return {"op": op, "value": result.result if keep else None,
                 "format": fmt, "error": error, "execution_count": shell.execution_count - 1}
     try:
         if op == "apply":
@@ -194,9 +201,11 @@ def _serve(shell, req):
                 return {"op": op, "value": None, "error": _format_exception(shell, err, False)}
             return {"op": op, "value": [shell.user_ns[n] for n in req["names"]], "error": None}
         raise ValueError(f"unknown request {op!r}")
-    except KeyboardInterrupt as exc:
-        return {"op": op, "value": None, "error": _format_exception(shell, exc)}
-    except Exception as exc:
+    except BaseException as exc:
+        global _busy
+        _busy = False  # the user's code is over: an interrupt now must not replace its error
+        if not isinstance(exc, (Exception, KeyboardInterrupt)):
+            raise
         return {"op": op, "value": None, "error": _format_exception(shell, exc)}
 
 
