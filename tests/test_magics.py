@@ -390,7 +390,7 @@ def test_dipstatus_table(k):
     [table] = cell.of_type("display_data")
     text = table["data"]["text/plain"]
     lines = text.splitlines()
-    assert lines[0].split()[:5] == ["rank", "pid", "device", "state", "memory"]
+    assert lines[0].split()[:7] == ["rank", "pid", "device", "state", "busy", "for", "memory"]
     pids = k.pids()
     for r, pid in enumerate(pids):
         row = lines[1 + r].split()

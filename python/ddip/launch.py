@@ -24,8 +24,9 @@ import time
 import traceback as _traceback
 from typing import Callable
 
+from . import gpus as _gpus, torchdist
 from .errors import RankFailure, RemoteError
-from .group import LabelledOutput, Group, free_port, parse_gpus
+from .group import LabelledOutput, Group, free_port
 from .messages import dumps
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
@@ -44,7 +45,7 @@ INTERRUPT_DELAY_S = 0.5
 
 
 def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather: bool = True,
-          ctx=None, need="", imports: str = "", **kwargs):
+          ctx=None, need="", imports: str = "", gpus=None, **kwargs):
     """Runs fn(*args, **kwargs) on `nprocs` ranked processes and returns the results.
 
     caller_rank: the rank the notebook itself plays (0 by default), or None for all children.
@@ -53,10 +54,12 @@ def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather:
         e.g. TorchDDPCtx().
     need: notebook globals copied into each child's __main__ ("model data" or "model, data").
     imports: code run in each child's __main__ first ("import numpy as np").
+    gpus: one GPU per rank, in any order (see TorchDDPCtx); each child gets its GPU in its
+        environment before Python starts. Taken from ctx when it is a TorchDDPCtx with gpus.
 
     Raises RemoteError naming the first failing rank (the root cause), then the others."""
     return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
-                  need=need, imports=imports, caller_globals=sys._getframe(1).f_globals)
+                  need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals)
 
 
 def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
@@ -66,7 +69,8 @@ def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
         if reserved in kwargs:
             raise TypeError(f"torchddp_launch sets {reserved}= itself; call ranch() to choose it")
     opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports") if k in kwargs}
-    return _ranch(nprocs, fn, args, kwargs, ctx=TorchDDPCtx(), gather=False,
+    gpus = kwargs.pop("gpus", None)
+    return _ranch(nprocs, fn, args, kwargs, ctx=TorchDDPCtx(gpus=gpus), gather=False,
                   caller_globals=sys._getframe(1).f_globals, **opts)
 
 
@@ -93,36 +97,46 @@ class TorchDDPCtx:
     """Sets up torch.distributed in each rank around the launched function, and tears it down.
 
     backend: 'gloo' or 'nccl' (default: nccl with GPUs, gloo without).
-    gpus: GPU ids, in any order ([3, 2]: rank 0 on GPU 3, rank 1 on GPU 2), 'all', or None for CPU.
-    port: MASTER_PORT (default: the launch's free port). timeout: collective timeout in seconds.
-
-    Child ranks see CUDA_VISIBLE_DEVICES set to the GPU list and use device LOCAL_RANK, so code
-    that does model.to(rank) lands on the listed GPU. The notebook can't change its CUDA view once
-    CUDA has started, so as a rank it selects its GPU by physical id; there use
-    torch.cuda.current_device() (or `ctx.device`), not the rank number, as the device."""
+    gpus: GPUs in any order, as positions in the notebook's visible list ([3, 2]: rank 0 on the
+        notebook's cuda:3, rank 1 on its cuda:2), UUIDs, 'all', or None for CPU. ranch() gives
+        each child rank its GPU in its environment before Python starts (CUDA_VISIBLE_DEVICES =
+        the list, device LOCAL_RANK), so code that does model.to(rank) lands on the listed GPU.
+        The notebook, as a rank, can't change its CUDA view: it uses its own device index, so
+        there use torch.cuda.current_device() (or `ctx.device`) rather than the rank number.
+    port: MASTER_PORT (default: the launch's free port). timeout: collective timeout in seconds
+    (torch's default, 30 min). rendezvous_timeout: how long ranks wait for each other in
+    init_process_group (60 s); a rank that never arrives is named."""
 
     def __init__(self, backend: str | None = None, gpus=None, port: int | None = None, *,
-                 timeout: float | None = None):
+                 timeout: float | None = None, rendezvous_timeout: float = torchdist.RENDEZVOUS_TIMEOUT_S):
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={backend!r} is not one of 'gloo', 'nccl' or None (automatic)")
-        self.gpus = parse_gpus(gpus) if gpus is not None else None
+        self.selected = _gpus.resolve(gpus) if gpus is not None else None
+        self.gpus = [s.entry for s in self.selected] if self.selected is not None else None
         if backend == "nccl" and not self.gpus:
             raise ValueError("backend='nccl' needs GPUs: pass gpus=[...] (or use backend='gloo' on CPU)")
-        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+        if port is not None and not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
             raise ValueError(f"port must be a TCP port number, got {port!r}")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        for name, value in (("timeout", timeout), ("rendezvous_timeout", rendezvous_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.backend = backend or ("nccl" if self.gpus else "gloo")
         self.port = port
         self.timeout = timeout
+        self.rendezvous_timeout = rendezvous_timeout
         self.device = None
+        self._abort = None  # set by ranch in the notebook: why to give up the rendezvous
 
     def __repr__(self):
         return f"TorchDDPCtx(backend={self.backend!r}, gpus={self.gpus}, port={self.port})"
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_abort"] = None  # the notebook's hook stays in the notebook
+        return state
+
     def __enter__(self):
         import torch
-        import torch.distributed as dist
 
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
@@ -134,24 +148,12 @@ class TorchDDPCtx:
                 raise RuntimeError("MASTER_PORT is not set: run under ddip.ranch(), or pass port=")
             os.environ["MASTER_PORT"] = str(free_port())
         self.device = self._select_device(torch, rank)
-        kw = {}
-        if self.timeout is not None:
-            from datetime import timedelta
-
-            kw["timeout"] = timedelta(seconds=self.timeout)
-        dist.init_process_group(self.backend, rank=rank, world_size=world, **kw)
+        torchdist.init(self.backend, rank, world, collective_timeout=self.timeout,
+                       rendezvous_timeout=self.rendezvous_timeout, abort=self._abort)
         return self
 
     def __exit__(self, *exc):
-        import torch
-        import torch.distributed as dist
-
-        try:
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            if self.gpus and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
+        torchdist.shutdown()
         return False
 
     def _select_device(self, torch, rank: int):
@@ -160,26 +162,15 @@ class TorchDDPCtx:
         if rank >= len(self.gpus):
             raise RuntimeError(f"rank {rank} has no GPU: only {len(self.gpus)} listed ({self.gpus})")
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        if "DDIP_SLOT" in os.environ and not torch.cuda.is_initialized():
-            # A fresh ddip worker: CUDA hasn't started, so its view can still be set.
-            os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+        if "DDIP_SLOT" in os.environ:
+            # A ddip rank: its CUDA_VISIBLE_DEVICES lists the launch's GPUs; its own is LOCAL_RANK.
             index = local_rank
         else:
-            # The notebook (or a process whose CUDA has started): pick the GPU by physical id.
-            gpu = self.gpus[local_rank]
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            index = gpu
-            if visible is not None and visible.strip() != "":
-                try:
-                    ids = [int(v) for v in visible.split(",") if v.strip()]
-                except ValueError:
-                    ids = None  # UUIDs: indices are all we can go by
-                if ids is not None:
-                    if gpu not in ids:
-                        raise RuntimeError(f"GPU {gpu} is hidden from this process "
-                                           f"(CUDA_VISIBLE_DEVICES={visible})")
-                    index = ids.index(gpu)
+            # The notebook: its view can't change once CUDA started; use its own device index.
+            index = self.selected[local_rank].position
+            if index is None:
+                raise RuntimeError(f"the notebook can't select GPU {self.gpus[local_rank]} by its index; "
+                                   f"give the notebook's GPUs as positions (0, 1, ...) in gpus=")
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
@@ -237,17 +228,29 @@ def _check_picklable(what, obj):
                         f"{type(exc).__name__}: {exc})") from exc
 
 
+def _select_gpus(nprocs, gpus, ctx):
+    ctx_sel = getattr(ctx, "selected", None) if isinstance(ctx, TorchDDPCtx) else None
+    sel = _gpus.resolve(gpus) if gpus is not None else ctx_sel
+    if gpus is not None and ctx_sel is not None and [s.entry for s in sel] != [s.entry for s in ctx_sel]:
+        raise ValueError(f"gpus={gpus!r} and the ctx's gpus={ctx.gpus} differ; give the GPUs once")
+    if sel is not None and len(sel) != nprocs:
+        raise ValueError(f"{len(sel)} GPUs ({', '.join(s.entry for s in sel)}) for {nprocs} ranks: "
+                         f"give one GPU per rank")
+    return sel
+
+
 def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, need="", imports="",
-           caller_globals=None):
+           gpus=None, caller_globals=None):
     # Everything is checked, and everything that travels is pickled, before anything starts.
     needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
+    selected = _select_gpus(nprocs, gpus, ctx)
     child_ranks = [r for r in range(nprocs) if r != caller_rank]
     if child_ranks:
         _check_picklable("fn, its arguments or ctx", (fn, args, kwargs, ctx))
     if needed and child_ranks:
         for name, value in needed.items():
             _check_picklable(f"need={name!r}", value)
-    launch = _Launch(nprocs, caller_rank, child_ranks)
+    launch = _Launch(nprocs, caller_rank, child_ranks, selected)
     try:
         return launch.run(fn, args, kwargs, ctx, needed, imports, gather)
     finally:
@@ -261,8 +264,9 @@ class _Launch:
     "failed" the moment fn (or ctx) raises, before ctx exits. Their replies and deaths come as
     on_done from the Group's Pending. All of it arrives in the collecting thread, as it happens."""
 
-    def __init__(self, nprocs, caller_rank, child_ranks):
+    def __init__(self, nprocs, caller_rank, child_ranks, selected=None):
         self.nprocs = nprocs
+        self.selected = selected  # one ddip.gpus.Selected per rank, or None for CPU
         self.caller_rank = caller_rank
         self.child_ranks = child_ranks
         self.group: Group | None = None
@@ -296,8 +300,12 @@ class _Launch:
     def run(self, fn, args, kwargs, ctx, needed, imports, gather):
         port = None
         if self.child_ranks:
-            self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
-                               rank_ids=self.child_ranks)
+            if self.selected is not None:
+                gpus = [s.position if s.position is not None else s.entry for s in self.selected]
+                self.group = Group(gpus=gpus, backend=None, world_size=self.nprocs, rank_ids=self.child_ranks)
+            else:
+                self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
+                                   rank_ids=self.child_ranks)
             port = self.group.master_port
             out = LabelledOutput()
             if imports.strip():
@@ -368,6 +376,8 @@ class _Launch:
                 return  # ours: another rank failed first
             self.failure(self.caller_rank)
 
+        if isinstance(ctx, TorchDDPCtx):
+            ctx._abort = self._abort_reason  # a child that fails ends the notebook's rendezvous
         try:
             return ("ok", _call(body, args, kwargs, ctx, on_error))
         except BaseException as exc:
@@ -375,6 +385,14 @@ class _Launch:
             while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
                 tb = tb.tb_next  # start at the user's code, not at ours
             return ("error", exc, _traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+        finally:
+            if isinstance(ctx, TorchDDPCtx):
+                ctx._abort = None
+
+    def _abort_reason(self):
+        with self.lock:
+            failed = sorted(r for r in self.failed_at if r != self.caller_rank)
+        return f"rank {failed[0]} failed before it arrived" if failed else None
 
     def _interrupt_main(self):
         """Gives the notebook control back when its fn waits, in Python, for a rank that failed.

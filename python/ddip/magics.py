@@ -1,4 +1,4 @@
-"""IPython magics: %makedip, %%dip, %autodip, %dipush, %dipull, %dipstatus.
+"""IPython magics: %makedip, %%dip, %autodip, %dipush, %dipull, %dipstatus, %dipstack.
 
     %load_ext ddip
     %makedip -n 3
@@ -270,7 +270,8 @@ class DipMagics(Magics):
             gpus = None
             if args.gpus is not None:
                 try:
-                    gpus = tuple(parse_gpus(args.gpus))
+                    parse_gpus(args.gpus)  # checked now; kept as given (positions stay positions)
+                    gpus = tuple(x.strip() for x in _unquote(args.gpus).split(",") if x.strip())
                 except ValueError as exc:
                     raise self._usage_error(fn, f"-g {args.gpus}: {exc}") from None
             n = args.nprocs
@@ -299,7 +300,8 @@ class DipMagics(Magics):
         return spec
 
     def _start(self, spec: GroupSpec, verbose: bool):
-        what = f"{len(spec.gpus)} GPU ranks" if spec.gpus is not None else f"{spec.n} CPU rank(s)"
+        what = (f"{len(parse_gpus(list(spec.gpus) if spec.gpus != ('all',) else 'all'))} GPU rank(s)"
+                if spec.gpus is not None else f"{spec.n} CPU rank(s)")
         if verbose:
             print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
         t0 = time.monotonic()
@@ -307,7 +309,8 @@ class DipMagics(Magics):
         # Remembered even if the start fails, so `%makedip -r` (perhaps with -t) tries it again.
         self.spec = replace(spec, app=None)
         try:
-            group = Group(n=spec.n, gpus=list(spec.gpus) if spec.gpus is not None else None,
+            group = Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
+                          if spec.gpus is not None else None,
                           backend=backend, timeout=spec.timeout)
         except StartError as exc:
             text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
@@ -323,11 +326,30 @@ class DipMagics(Magics):
         if spec.app is not None:
             if verbose:
                 print(f"setting the group up for {spec.app} ...", flush=True)
-            module = importlib.import_module(f"ddip.apps.{spec.app}")
-            setup = getattr(module, "setup_group", None)
-            if setup is None:
-                raise UsageError(f"ddip.apps.{spec.app} has no setup_group(group); the group runs without it")
-            setup(group)
+            try:
+                module = importlib.import_module(f"ddip.apps.{spec.app}")
+                setup = getattr(module, "setup_group", None)
+                if setup is None:
+                    raise UsageError(f"ddip.apps.{spec.app} has no setup_group(group)")
+                setup(group)
+            except BaseException as exc:
+                # No group half set up: the ranks would run without the app the user asked for.
+                group.close()
+                self.group = None
+                if isinstance(exc, RemoteError):
+                    first = exc.failures[0]
+                    text = (f"-a {spec.app}: the app's setup failed on rank {first.rank} "
+                            f"({first.ename}: {first.evalue}); the group was stopped. Fix the cause "
+                            f"(is {spec.app} installed where the ranks run?) and run %makedip -r, or "
+                            f"start without -a")
+                    raise CellError(text, [("AppSetupError", text, [_header("AppSetupError"), text]
+                                            + _failure_entries(exc.failures)[0][2][1:])]) from None
+                if isinstance(exc, KeyboardInterrupt):
+                    text = f"the {spec.app} setup was interrupted; no group is running (%makedip -r tries again)"
+                    raise CellError(text, [("KeyboardInterrupt", text, [_header("KeyboardInterrupt"), text])]) from None
+                text = (f"-a {spec.app}: the app's setup failed in the notebook ({type(exc).__name__}: {exc}); "
+                        f"the group was stopped (%makedip -r tries again, or start without -a)")
+                raise CellError(text, [("AppSetupError", text, [_header("AppSetupError"), text])]) from None
             self.spec = spec  # the app counts only once its setup succeeded
         if not verbose:
             print(f"{what} ready: pids {group.pids}, backend {group.backend or 'none'}" +
@@ -360,6 +382,8 @@ class DipMagics(Magics):
         print(f"pids: {g.pids}")
         for rank in g.rank_ids:
             print(f"  rank {rank} -> {g.device(rank)}")
+        threads, who = g.omp_num_threads
+        print(f"threads per rank: OMP_NUM_THREADS={threads} (set by {who})")
         print(self._autodip_state())
 
     # -- %%dip ------------------------------------------------------------------------------
@@ -445,7 +469,10 @@ class DipMagics(Magics):
         out = _RankOutput(shown)
         error = None
         try:
-            results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout)
+            # Only the display form of the last value travels (values=False): the object stays in
+            # the rank, so a CUDA tensor never starts CUDA here and nothing big is copied back.
+            results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout,
+                                values=False)
         except RemoteError as exc:
             results, error = exc.results or [], exc
         except KeyboardInterrupt as exc:
@@ -459,7 +486,11 @@ class DipMagics(Magics):
                 group.interrupt(busy)
             raise CellError(msg, [("KeyboardInterrupt", msg, [_header("KeyboardInterrupt"), msg])]) from None
         except TimeoutError as exc:
-            raise CellError(str(exc), [("TimeoutError", str(exc), [_header("TimeoutError"), str(exc)])]) from None
+            body = [_header("TimeoutError"), str(exc)]
+            for r in getattr(exc, "results", None) or []:
+                if r.stacks:
+                    body += [_header(f"[rank {r.rank}] did not stop; where it was:"), r.stacks.rstrip("\n")]
+            raise CellError(str(exc), [("TimeoutError", str(exc), body)]) from None
         except RuntimeError as exc:  # a dead rank (or a broken runtime): the group must be restarted
             text = str(exc).replace("call restart()", "run %makedip -r")
             ename = "RankDied" if " is dead " in text else type(exc).__name__
@@ -570,18 +601,54 @@ class DipMagics(Magics):
         """A table of the ranks: pid, device, state (idle / busy / dead), memory, heartbeat."""
         if line.strip():
             raise UsageError(f"%dipstatus takes no arguments (got {line.strip()!r})")
-        rows = self._group().status()
-        header = ["rank", "pid", "device", "state", "memory", "heartbeat"]
-        table = [[str(r["rank"]), str(r["pid"]), r["device"], r["state"],
-                  "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f} MiB",
-                  "-" if r["heartbeat_ms"] is None or r["heartbeat_ms"] < 0 else f"{r['heartbeat_ms'] / 1000:.1f} s ago"]
-                 for r in rows]
+        group = self._group()
+        rows = group.status()
+        header = ["rank", "pid", "device", "state", "busy for", "memory", "heartbeat"]
+        if group.gpus is not None:
+            header.append("GPU")
+        table = []
+        for r in rows:
+            row = [str(r["rank"]), str(r["pid"]), r["device"], r["state"],
+                   "-" if r["busy_s"] is None else f"{r['busy_s']:.1f} s",
+                   "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f} MiB",
+                   "-" if r["heartbeat_ms"] is None or r["heartbeat_ms"] < 0 else f"{r['heartbeat_ms'] / 1000:.1f} s ago"]
+            if group.gpus is not None:
+                g = r.get("gpu")
+                row.append("- (CUDA not started)" if not g else
+                           f"GPU {g['index']} {g['name']}, {g['used_mib']} MiB used")
+            table.append(row)
         widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
         text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + table)
         cells = lambda tag, row: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
         markup = ("<table><thead><tr>" + cells("th", header) + "</tr></thead><tbody>"
                   + "".join("<tr>" + cells("td", row) + "</tr>" for row in table) + "</tbody></table>")
         publish_display_data({"text/plain": text, "text/html": markup})
+
+    @magic_arguments()
+    @argument("-r", "--ranks", metavar="RANKS", help="ranks like 0,2 (default: all)")
+    @argument("-t", "--timeout", type=float, default=3.0, metavar="SECONDS",
+              help="how long to wait for the ranks to answer (3)")
+    @line_magic
+    def dipstack(self, line=""):
+        """Print every selected rank's Python stack (all threads) without stopping it."""
+        fn = self.dipstack
+        args = self._parse(fn, line)
+        group = self._group()
+        ranks = None
+        if args.ranks is not None:
+            try:
+                ranks = [int(r) for r in _unquote(args.ranks).split(",") if r.strip()]
+            except ValueError:
+                raise self._usage_error(fn, f"-r {args.ranks}: give ranks like 0,2") from None
+            bad = [r for r in ranks if r not in group.rank_ids]
+            if bad or not ranks:
+                raise self._usage_error(fn, f"-r {args.ranks}: the group's ranks are "
+                                            f"{', '.join(map(str, group.rank_ids))}")
+        if not args.timeout > 0:
+            raise self._usage_error(fn, f"-t {args.timeout:g}: give a positive number of seconds")
+        for rank, text in group.stacks(ranks, timeout=args.timeout).items():
+            print(f"[rank {rank}]")
+            print(text.rstrip("\n"))
 
     def close(self):
         self._set_autodip(None)
@@ -626,6 +693,6 @@ def unload_ipython_extension(ip):
         ip.custom_exceptions, ip.CustomTB = _previous_exc
         _previous_exc = None
     for kind in ("line", "cell"):
-        for name in ("makedip", "dip", "autodip", "dipush", "dipull", "dipstatus"):
+        for name in ("makedip", "dip", "autodip", "dipush", "dipull", "dipstatus", "dipstack"):
             ip.magics_manager.magics[kind].pop(name, None)
     _magics = None

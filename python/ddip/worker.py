@@ -217,25 +217,19 @@ def _on_sigint(signum, frame):
 
 def _init_torch(backend: str):
     import torch
-    import torch.distributed as dist
 
-    local_rank = int(os.environ["LOCAL_RANK"])
+    from ddip import torchdist
+
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torchdist.init(backend, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                   rendezvous_timeout=float(os.environ.get("DDIP_RENDEZVOUS_TIMEOUT", "60")))
 
 
 def _shutdown_torch():
-    if "torch.distributed" not in sys.modules:
-        return
-    import torch.distributed as dist
+    from ddip import torchdist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    torchdist.shutdown()
 
 
 def main():

@@ -1,0 +1,85 @@
+"""torch.distributed set-up and teardown, shared by group ranks and one-shot launches.
+
+The rendezvous is bounded on its own (default 60 s), apart from the collectives' timeout
+(torch's default: 30 minutes): a rank that dies before it arrives must not leave its peers, or
+the notebook as rank 0, waiting half an hour. Every rank waits for the others in Python, in
+short polls of the TCPStore, so Ctrl-C works, an abort hook is honoured, and the rank that
+never arrived is named.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+RENDEZVOUS_TIMEOUT_S = 60.0
+_POLL_S = 0.01
+
+
+class RendezvousError(RuntimeError):
+    """torch.distributed's rendezvous did not complete: names the ranks that never arrived."""
+
+
+def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = RENDEZVOUS_TIMEOUT_S,
+               abort=None):
+    """A TCPStore on which every rank has arrived (rank 0 hosts it). abort(), polled while
+    waiting, returns a reason to give up (e.g. "rank 2 died") or None."""
+    from torch.distributed import TCPStore
+
+    deadline = time.monotonic() + timeout
+    store = TCPStore(addr, port, world, rank == 0, timedelta(seconds=timeout), wait_for_workers=False)
+    store.set(f"ddip/arrived/{rank}", "1")
+    while True:
+        if store.check(["ddip/abort"]):
+            raise RendezvousError(f"rank {rank}: the rendezvous was abandoned: {store.get('ddip/abort').decode()}")
+        if rank == 0:
+            missing = [r for r in range(world) if not store.check([f"ddip/arrived/{r}"])]
+            if not missing:
+                store.set("ddip/go", "1")
+                return store
+        elif store.check(["ddip/go"]):
+            return store
+        why = abort() if abort is not None else None
+        if why is None and time.monotonic() >= deadline:
+            if rank == 0:
+                why = (f"rank(s) {', '.join(map(str, missing))} never arrived within {timeout:g} s "
+                       f"(crashed before init_process_group, or MASTER_ADDR/MASTER_PORT differ?)")
+            else:
+                why = f"rank 0 did not complete the rendezvous within {timeout:g} s"
+        if why is not None:
+            try:
+                store.set("ddip/abort", why)  # the others stop waiting too
+            except Exception:
+                pass
+            raise RendezvousError(f"torch.distributed rendezvous failed on rank {rank}: {why}")
+        time.sleep(_POLL_S)
+
+
+def init(backend: str, rank: int, world: int, *, collective_timeout: float | None = None,
+         rendezvous_timeout: float = RENDEZVOUS_TIMEOUT_S, abort=None):
+    """init_process_group after a bounded rendezvous, on MASTER_ADDR/MASTER_PORT."""
+    import torch.distributed as dist
+
+    store = rendezvous(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                       int(os.environ["MASTER_PORT"]), rendezvous_timeout, abort)
+    kw = {}
+    if collective_timeout is not None:
+        kw["timeout"] = timedelta(seconds=collective_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+
+
+def shutdown():
+    """Tears torch.distributed down, if it was set up, and gives cached GPU memory back."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
