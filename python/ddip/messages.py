@@ -12,6 +12,7 @@ segment, in buffer order; the segments' fds travel with the frame.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import mmap
 import os
@@ -35,6 +36,12 @@ class _Pickler(cloudpickle.CloudPickler):
             # kernel's (which can't be pickled): send IPython's function by reference.
             return getattr, (sys.modules["IPython"], "get_ipython")
         torch = sys.modules.get("torch")
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and _cuda_tensor(obj):
+            # Bytes through the CPU; rebuilt on the receiver's own device (see _rebuild_cuda_tensor).
+            cpu = obj.detach().to("cpu").contiguous()
+            flat = cpu.reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_cuda_tensor, (flat, obj.dtype, tuple(obj.shape), obj.requires_grad,
+                                          type(obj) is torch.nn.Parameter)
         if torch is not None and type(obj) is torch.Tensor and _whole_cpu_tensor(torch, obj):
             # torch's own pickling copies the bytes in band; as a uint8 array they go out of band.
             flat = obj.detach().reshape(-1).view(torch.uint8).numpy()
@@ -56,6 +63,38 @@ def _whole_cpu_tensor(torch, t) -> bool:
                 and t.untyped_storage().nbytes() == t.nbytes)
     except (AttributeError, RuntimeError, TypeError):
         return False
+
+
+def _cuda_tensor(t) -> bool:
+    try:
+        return t.device.type == "cuda" and str(t.layout) == "torch.strided"
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def _own_cuda_device(torch):
+    """Where a CUDA tensor lands when it arrives, like torch.load's map_location: in a rank,
+    its own GPU (device LOCAL_RANK); in the notebook, its current device if the notebook's own
+    code started CUDA, else the CPU (ddip never starts CUDA in the notebook)."""
+    if "DDIP_SLOT" in os.environ:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return None
+    if torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _rebuild_cuda_tensor(flat, dtype, shape, requires_grad, parameter=False):
+    import torch
+
+    t = torch.from_numpy(flat).view(dtype).reshape(shape)
+    device = _own_cuda_device(torch)
+    if device is not None:
+        t = t.to(device)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def _rebuild_tensor(flat, dtype, shape, requires_grad):
@@ -134,11 +173,13 @@ def loads_framed(payload: bytes, fds: list[int], release=None):
 def memfd_with(raw) -> int:
     """A fresh memfd holding a copy of `raw` (a rank's reply: no pool, the kernel's private
     mapping keeps the pages alive after the rank closes its fd)."""
-    fd = os.memfd_create("ddip-reply", os.MFD_CLOEXEC)
+    fd = os.memfd_create("ddip-reply", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, raw.nbytes)
         with mmap.mmap(fd, raw.nbytes) as m:
             m[:] = raw.cast("B")
+        # Its size is final: a receiver's mapping can never be cut short under it (SIGBUS).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     except BaseException:
         os.close(fd)
         raise
