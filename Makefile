@@ -53,6 +53,11 @@ cpp-test: $(STAMPS)/system $(STAMPS)/build-deps
 py-test: setup
 	$(VPY) -m pytest -q --timeout=300 tests
 
+# The GPU suite (skipped without an NVIDIA GPU) and GPU selection's unit tests.
+.PHONY: test-gpu
+test-gpu: setup
+	$(VPY) -m pytest -q --timeout=300 tests/test_gpu.py tests/test_gpus.py
+
 test: setup cpp-test py-test
 
 demo: setup
