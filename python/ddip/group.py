@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from . import _core
+from . import template as _template
 from .errors import RankFailure, RemoteError, StartError
 from .messages import dumps_framed, loads, loads_framed, picklable
 
@@ -130,7 +131,8 @@ class Group:
     def __init__(self, n: int | None = None, gpus=None, backend: str | None = "auto",
                  timeout: float = 60.0, env: dict | None = None, *,
                  world_size: int | None = None, rank_ids: Sequence[int] | None = None,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None):
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 warm: bool | None = None):
         # Everything is checked before anything starts: bad input changes nothing.
         if n is not None and gpus is not None:
             raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
@@ -156,6 +158,7 @@ class Group:
         self._env = dict(env or {})
         self._master_addr = master_addr
         self._fixed_port = master_port
+        self._warm = warm  # None/True: fork ranks from the kernel's rank template; False: cold
         self._coord = None
         self._broken = None  # why the runtime stopped on its own, if it did
         self._background_output = LabelledOutput()  # output that arrives outside any request
@@ -194,7 +197,10 @@ class Group:
         size = len(self.rank_ids)
         specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"], self._worker_env(slot, self.master_port), os.getcwd())
                  for slot in range(size)]
-        self._coord = _core.Coordinator(specs)
+        tmpl = _template.choose(specs, self._warm, self.timeout)
+        refusals = tmpl.refusals if tmpl is not None else 0
+        self._coord = _core.Coordinator(specs, rank_template=tmpl)
+        _template.after_start(tmpl, refusals)
         self._broken = None
         self._state = ["starting"] * size
         self._exits = {}
