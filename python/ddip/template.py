@@ -32,7 +32,7 @@ DEFAULT_MODULES = ("torch",) if importlib.util.find_spec("torch") is not None el
 MAX_WAIT_S = 60.0
 # Python reads these once at start-up: a rank whose environment sets them differently from the
 # template's can't be a fork of it, so it starts cold.
-_STARTUP_VARS_IGNORED = {"PYTHONUNBUFFERED", "PYTHONPATH"}
+_STARTUP_VARS_IGNORED = {"PYTHONUNBUFFERED"}
 
 forked = False  # True in a rank forked from a template (for tests and `%makedip -v`)
 serving = False  # True in the template once it waits for fork requests
