@@ -157,7 +157,8 @@ def test_a_template_whose_cuda_got_initialized_is_never_forked(capfd):
     with ddip.Group(n=2, backend=None) as g:
         assert [r.value for r in g.run("import ddip.template; ddip.template.forked")] == [False, False]
     err = capfd.readouterr().err
-    assert "some ranks started cold: CUDA is initialized in the rank template; it was discarded" in err
+    assert ("some ranks started cold: the rank template refused to fork: "
+            "CUDA is initialized in the rank template; it was discarded") in err
     assert template._handle.status()[0] == "dead"
     assert "CUDA was found initialized" in template.status()
     with ddip.Group(n=1, backend=None) as g:  # not tried again until ddip.prewarm()

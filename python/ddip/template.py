@@ -147,7 +147,9 @@ def after_start(template, refusals_before: int) -> None:
     if template is None or template.refusals == refusals_before:
         return
     global _disabled
-    why = template.last_error
+    state, _pid, detail = template.status()
+    # The first refusal is the cause; later ones only say the template was gone by then.
+    why = _reason(state, detail) if state in ("dead", "failed") else template.last_error
     if "CUDA" in why:
         with _lock:
             _disabled = "CUDA was found initialized in the rank template; ddip.prewarm() tries again"
@@ -306,6 +308,7 @@ def _become_rank(argv, env, cwd) -> None:
     # The rank's own environment, in os.environ and (through putenv/unsetenv) the C environ, so
     # CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS are in place before anything reads them.
     new = dict(e.split("=", 1) for e in env if "=" in e)
+    env_at_start = dict(os.environ)
     for k in [k for k in os.environ if k not in new]:
         del os.environ[k]
     for k, v in new.items():
@@ -319,6 +322,7 @@ def _become_rank(argv, env, cwd) -> None:
         if p and p not in sys.path:
             sys.path.append(p)
     _reseed()
+    _apply_thread_counts(env_at_start)
     import builtins
     import types
 
@@ -355,3 +359,38 @@ def _reseed() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _apply_thread_counts(template_env: dict) -> None:
+    """Thread pools size themselves from the environment when loaded, which happened in the
+    template: where the rank's OMP_NUM_THREADS (or MKL_/OPENBLAS_) differs from the template's,
+    resize them as a cold start with the rank's environment would have sized them."""
+    changed = [k for k in _THREAD_VARS if os.environ.get(k) != template_env.get(k)]
+    if not changed:
+        return
+
+    def count(*names):
+        for name in names:
+            try:
+                n = int(os.environ.get(name, ""))
+            except ValueError:
+                continue
+            if n > 0:
+                return n
+        return None
+
+    torch = sys.modules.get("torch")
+    n = count("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    if torch is not None and n is not None:
+        torch.set_num_threads(n)
+    n = count("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+    if n is not None and "numpy" in sys.modules:
+        try:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(n, user_api="blas")
+        except Exception:  # threadpoolctl missing: numpy's BLAS keeps the template's count
+            pass
