@@ -70,6 +70,9 @@ def prewarm(modules=None) -> None:
         return
     with _lock:
         _disabled = None
+        same = tuple(m for m in modules if m not in _excluded) == _modules
+        if same and _handle is not None and _handle.status()[0] in ("starting", "ready"):
+            return  # already there (or on its way): %load_ext after prewarm() restarts nothing
         _start(modules)
 
 
