@@ -18,9 +18,18 @@ def children_of(pid: int) -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
+        if fields[0] != "Z" and int(fields[1]) == pid and not _is_rank_template(entry):
             out.add(int(entry))
     return out
+
+
+def _is_rank_template(pid: str) -> bool:
+    # The kernel's warm rank template (ddip.template) lives as long as the kernel, by design.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ddip.template.main()" in f.read()
+    except OSError:
+        return False
 
 
 def alive(pid: int) -> bool:

@@ -84,7 +84,11 @@ void Coordinator::start_workers() {
   watch(listener_->fd(), detail::tag(detail::kListenerTag, 0), EPOLLIN);
   watch(wake_.get(), detail::tag(detail::kWakeTag, 0), EPOLLIN);
   for (size_t i = 0; i < options_.workers.size(); ++i) {
-    size_t idx = supervisor_.spawn(options_.workers[i]);
+    std::optional<ForkedRank> forked;
+    if (options_.rank_template) forked = options_.rank_template->fork(options_.workers[i]);
+    size_t idx = forked ? supervisor_.adopt(forked->pid, std::move(forked->pidfd),
+                                            std::move(forked->out), std::move(forked->err))
+                        : supervisor_.spawn(options_.workers[i]);
     Child& c = supervisor_.child(idx);
     pids_.push_back(c.pid());
     Slot& s = slots_[i];

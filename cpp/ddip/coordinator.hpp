@@ -18,6 +18,7 @@
 
 #include "ddip/channel.hpp"
 #include "ddip/output.hpp"
+#include "ddip/rank_template.hpp"
 #include "ddip/shm.hpp"
 #include "ddip/supervisor.hpp"
 
@@ -45,6 +46,9 @@ struct CoordinatorOptions {
   std::chrono::milliseconds heartbeat_interval{1000};
   // How long a partial line (no '\n' or '\r' yet) waits before it is delivered anyway.
   std::chrono::milliseconds partial_line_delay{50};
+  // When set, workers are forked from this warm template (not owned; used only while the
+  // constructor starts them); a worker it can't fork is spawned cold.
+  RankTemplate* rank_template = nullptr;
 };
 
 class Coordinator {

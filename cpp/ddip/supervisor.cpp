@@ -178,6 +178,16 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   return children_.size() - 1;
 }
 
+size_t Supervisor::adopt(pid_t pid, Fd pidfd, Fd out, Fd err) {
+  Child c;
+  c.pid_ = pid;
+  c.pidfd_ = std::move(pidfd);
+  c.out_ = std::move(out);
+  c.err_ = std::move(err);
+  children_.push_back(std::move(c));
+  return children_.size() - 1;
+}
+
 std::optional<ExitStatus> Supervisor::poll(size_t i) {
   Child& c = children_.at(i);
   if (c.status_) return c.status_;

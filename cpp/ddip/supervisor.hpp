@@ -59,6 +59,9 @@ class Supervisor {
   // Starts a child; returns its index. Throws std::system_error when exec fails (the child's
   // errno, e.g. "No such file or directory"), after reaping it.
   size_t spawn(const SpawnSpec& spec);
+  // Supervises a child started elsewhere (forked by a RankTemplate, as a child of this process)
+  // exactly like a spawned one; returns its index. `out`/`err`: read ends of its output pipes.
+  size_t adopt(pid_t pid, Fd pidfd, Fd out, Fd err);
   size_t size() const { return children_.size(); }
   Child& child(size_t i) { return children_.at(i); }
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from . import _core, gpus as _gpus
+from . import template as _template
 from .errors import RankFailure, RemoteError, StartError
 from .messages import dumps_framed, loads, loads_framed, picklable
 
@@ -161,7 +162,7 @@ class Group:
                  timeout: float = 60.0, env: dict | None = None, *,
                  world_size: int | None = None, rank_ids: Sequence[int] | None = None,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 heartbeat_timeout: float = 10.0):
+                 heartbeat_timeout: float = 10.0, warm: bool | None = None):
         # Everything is checked before anything starts: bad input changes nothing.
         if n is not None and gpus is not None:
             raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
@@ -202,6 +203,7 @@ class Group:
         self.heartbeat_timeout = heartbeat_timeout
         self._master_addr = master_addr
         self._fixed_port = master_port
+        self._warm = warm  # None/True: fork ranks from the kernel's rank template; False: cold
         self._coord = None
         self._generation = 0  # counts starts; a Pending belongs to one
         self._broken = None  # why the runtime stopped on its own, if it did
@@ -251,10 +253,14 @@ class Group:
         size = len(self.rank_ids)
         specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"],
                   self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
+        tmpl = _template.choose(specs, self._warm, self.timeout)
+        refusals = tmpl.refusals if tmpl is not None else 0
         try:
-            self._coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000))
+            self._coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
+                                            rank_template=tmpl)
         except TypeError:  # TEMP until the runtime branch lands
-            self._coord = _core.Coordinator(specs)
+            self._coord = _core.Coordinator(specs, rank_template=tmpl)
+        _template.after_start(tmpl, refusals)
         self._generation += 1
         self._broken = None
         self._state = ["starting"] * size

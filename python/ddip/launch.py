@@ -45,7 +45,7 @@ INTERRUPT_DELAY_S = 0.5
 
 
 def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather: bool = True,
-          ctx=None, need="", imports: str = "", gpus=None, **kwargs):
+          ctx=None, need="", imports: str = "", gpus=None, warm: bool | None = None, **kwargs):
     """Runs fn(*args, **kwargs) on `nprocs` ranked processes and returns the results.
 
     caller_rank: the rank the notebook itself plays (0 by default), or None for all children.
@@ -56,10 +56,13 @@ def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather:
     imports: code run in each child's __main__ first ("import numpy as np").
     gpus: one GPU per rank, in any order (see TorchDDPCtx); each child gets its GPU in its
         environment before Python starts. Taken from ctx when it is a TorchDDPCtx with gpus.
+    warm: None/True forks the children from the kernel's rank template (ddip.prewarm());
+        False starts them cold.
 
     Raises RemoteError naming the first failing rank (the root cause), then the others."""
     return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
-                  need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals)
+                  need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals,
+                  warm=warm)
 
 
 def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
@@ -68,7 +71,7 @@ def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
     for reserved in ("ctx", "gather"):
         if reserved in kwargs:
             raise TypeError(f"torchddp_launch sets {reserved}= itself; call ranch() to choose it")
-    opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports", "warm") if k in kwargs}
     gpus = kwargs.pop("gpus", None)
     return _ranch(nprocs, fn, args, kwargs, ctx=TorchDDPCtx(gpus=gpus), gather=False,
                   caller_globals=sys._getframe(1).f_globals, **opts)
@@ -240,7 +243,7 @@ def _select_gpus(nprocs, gpus, ctx):
 
 
 def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, need="", imports="",
-           gpus=None, caller_globals=None):
+           gpus=None, caller_globals=None, warm=None):
     # Everything is checked, and everything that travels is pickled, before anything starts.
     needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
     selected = _select_gpus(nprocs, gpus, ctx)
@@ -251,6 +254,7 @@ def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, ne
         for name, value in needed.items():
             _check_picklable(f"need={name!r}", value)
     launch = _Launch(nprocs, caller_rank, child_ranks, selected)
+    launch.warm = warm
     try:
         return launch.run(fn, args, kwargs, ctx, needed, imports, gather)
     finally:
@@ -279,6 +283,7 @@ class _Launch:
         self.interrupt_seen = False
         self.main_ident = None
         self.saved_env: dict[str, str] | None = None
+        self.warm = None  # Group(warm=...) for the children
 
     # The notebook's environment is restored exactly, whatever fn or ctx did to it.
     def _set_env(self, rank, port):
@@ -302,10 +307,11 @@ class _Launch:
         if self.child_ranks:
             if self.selected is not None:
                 gpus = [s.position if s.position is not None else s.entry for s in self.selected]
-                self.group = Group(gpus=gpus, backend=None, world_size=self.nprocs, rank_ids=self.child_ranks)
+                self.group = Group(gpus=gpus, backend=None, world_size=self.nprocs, rank_ids=self.child_ranks,
+                                   warm=self.warm)
             else:
                 self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
-                                   rank_ids=self.child_ranks)
+                                   rank_ids=self.child_ranks, warm=self.warm)
             port = self.group.master_port
             out = LabelledOutput()
             if imports.strip():

@@ -26,6 +26,7 @@ from IPython.display import clear_output, publish_display_data
 
 from .errors import RemoteError, StartError, merge_failures
 from .group import Group, resolve_backend, parse_gpus
+from . import template as _template
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
 _WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
@@ -681,6 +682,7 @@ def load_ipython_extension(ip):
         return
     _magics = DipMagics(ip)
     ip.register_magics(_magics)
+    _template.prewarm()  # in the background: the first %makedip forks its ranks from it
     _install_exc_handler(ip)
 
 

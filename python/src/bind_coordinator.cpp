@@ -49,7 +49,7 @@ void init_coordinator(nb::module_& m) {
       .def(
           "__init__",
           [](ddip::Coordinator* self, const std::vector<WorkerSpec>& workers, int heartbeat_ms,
-             int partial_line_ms) {
+             int partial_line_ms, ddip::RankTemplate* rank_template) {
             ddip::CoordinatorOptions o;
             for (const auto& [argv, env, cwd] : workers) {
               ddip::SpawnSpec s;
@@ -60,10 +60,12 @@ void init_coordinator(nb::module_& m) {
             }
             o.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
             o.partial_line_delay = std::chrono::milliseconds(partial_line_ms);
+            o.rank_template = rank_template;  // used only while starting, inside this call
             nb::gil_scoped_release release;
             new (self) ddip::Coordinator(std::move(o));
           },
-          "workers"_a, "heartbeat_ms"_a = 1000, "partial_line_ms"_a = 50)
+          "workers"_a, "heartbeat_ms"_a = 1000, "partial_line_ms"_a = 50,
+          nb::arg("rank_template").none() = nb::none())
       .def_prop_ro("pids", [](const ddip::Coordinator& c) {
         return std::vector<int>(c.pids().begin(), c.pids().end());
       })

@@ -10,6 +10,7 @@ namespace nb = nanobind;
 
 void init_coordinator(nb::module_& m);
 void init_endpoint(nb::module_& m);
+void init_rank_template(nb::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "ddip's C++ runtime: process supervision, framed messaging, output capture";
@@ -31,6 +32,7 @@ NB_MODULE(_core, m) {
   m.attr("RELEASE") = static_cast<int>(ddip::kRelease);
   m.attr("MAX_FDS") = ddip::kMaxFdsPerFrame;
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
+  init_rank_template(m);
   init_coordinator(m);
   init_endpoint(m);
 }
