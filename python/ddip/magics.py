@@ -339,7 +339,9 @@ class DipMagics(Magics):
                 self.group = None
                 if isinstance(exc, RemoteError):
                     first = exc.failures[0]
-                    text = (f"-a {spec.app}: the app's setup failed on rank {first.rank} "
+                    ranks = exc.ranks
+                    text = (f"-a {spec.app}: the app's setup failed on rank{'s' if len(ranks) > 1 else ''} "
+                            f"{', '.join(map(str, ranks))} "
                             f"({first.ename}: {first.evalue}); the group was stopped. Fix the cause "
                             f"(is {spec.app} installed where the ranks run?) and run %makedip -r, or "
                             f"start without -a")

@@ -93,7 +93,7 @@ def test_an_app_whose_setup_fails_stops_the_group_and_says_why(kernel, tmp_path)
     cell = kernel.run("%makedip -n 2 --backend none -a brokenapp")
     text = _errors(cell)
     assert not cell.ok
-    assert "-a brokenapp: the app's setup failed on rank 0 (ModuleNotFoundError" in text
+    assert "-a brokenapp: the app's setup failed on ranks 0, 1 (ModuleNotFoundError" in text
     assert "the group was stopped" in text and "not_installed_module_xyz" in text
     assert "no group is running" in kernel.run("%makedip -i").stream()
 
