@@ -55,8 +55,8 @@ void Channel::queue(Frame f) {
   size_t nfds = f.fds ? f.fds->size() : 0;
   if (nfds > kMaxFdsPerFrame) throw std::invalid_argument("too many fds in one frame");
   Outgoing o;
-  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind, static_cast<uint16_t>(nfds),
-                       f.rank};
+  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind,
+                       static_cast<uint16_t>(nfds), f.rank};
   std::memcpy(o.header, &h, sizeof h);
   o.frame = std::move(f);
   out_.push_back(std::move(o));
@@ -186,7 +186,8 @@ std::optional<Frame> Channel::recv() {
   while (complete_.empty()) {
     ReadResult r = read_some();
     if (r == ReadResult::kEof) return std::nullopt;
-    if (r == ReadResult::kWouldBlock) throw std::logic_error("Channel::recv on a non-blocking socket");
+    if (r == ReadResult::kWouldBlock)
+      throw std::logic_error("Channel::recv on a non-blocking socket");
   }
   return next();
 }
@@ -238,7 +239,8 @@ Listener::Listener(const std::string& path) {
 Fd Listener::accept() {
   int fd = ::accept4(sock_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
   if (fd < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return Fd();
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+      return Fd();
     throw_errno("accept4", "accepting a worker connection");
   }
   return Fd(fd);

@@ -1,7 +1,8 @@
 // Framed messages over Unix stream sockets, with file descriptors passed out of band (SCM_RIGHTS).
 //
 // A frame on the wire is a fixed 24-byte header (payload length, sequence number, kind, number of
-// fds, rank) followed by the payload. The fds of a frame ride on the sendmsg that carries its header.
+// fds, rank) followed by the payload. The fds of a frame ride on the sendmsg that carries its
+// header.
 #pragma once
 
 #include <sys/types.h>
@@ -19,10 +20,10 @@ namespace ddip {
 
 // Frame kinds the runtime itself acts on; any other kind is passed through untouched.
 enum FrameKind : uint16_t {
-  kHello = 1,         // worker -> kernel, first frame: "rank N is up" (payload: opaque)
-  kRequest = 2,       // kernel -> worker: work to do (payload: opaque)
-  kDone = 3,          // worker -> kernel: a request finished; the kernel drains that rank's output first
-  kDisplay = 4,       // worker -> kernel: rich output (payload: opaque)
+  kHello = 1,    // worker -> kernel, first frame: "rank N is up" (payload: opaque)
+  kRequest = 2,  // kernel -> worker: work to do (payload: opaque)
+  kDone = 3,     // worker -> kernel: a request finished; the kernel drains that rank's output first
+  kDisplay = 4,  // worker -> kernel: rich output (payload: opaque)
   kHeartbeat = 5,     // kernel -> worker, answered by the worker's watchdog thread
   kHeartbeatAck = 6,  // worker -> kernel
   kShutdown = 7,      // kernel -> worker: leave the worker loop and exit

@@ -9,8 +9,8 @@
 #include <csignal>
 #include <cstring>
 #include <future>
-#include <unordered_set>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace ddip {
 namespace detail {
@@ -185,7 +185,8 @@ std::optional<Event> Coordinator::next_event(std::chrono::milliseconds timeout) 
 long long Coordinator::heartbeat_age_ms(int slot) const {
   std::lock_guard lock(mu_);
   if (!connected_.at(slot)) return -1;
-  return std::chrono::duration_cast<detail::milliseconds>(Clock::now() - last_ack_.at(slot)).count();
+  return std::chrono::duration_cast<detail::milliseconds>(Clock::now() - last_ack_.at(slot))
+      .count();
 }
 
 bool Coordinator::connected(int slot) const {
@@ -231,17 +232,27 @@ void Coordinator::loop() {
         auto type = static_cast<detail::Tag>(evs[k].data.u64 >> 32);
         size_t slot = evs[k].data.u64 & 0xffffffffu;
         switch (type) {
-          case detail::kListenerTag: on_accept(); break;
+          case detail::kListenerTag:
+            on_accept();
+            break;
           case detail::kWakeTag: {
             uint64_t count;
             ssize_t ignored = ::read(wake_.get(), &count, sizeof count);
             (void)ignored;
             break;
           }
-          case detail::kPidTag: on_exit(slot); break;
-          case detail::kStdoutTag: on_pipe(slot, RankOutput::kStdout, false); break;
-          case detail::kStderrTag: on_pipe(slot, RankOutput::kStderr, false); break;
-          case detail::kConnTag: on_connection(slot, evs[k].events); break;
+          case detail::kPidTag:
+            on_exit(slot);
+            break;
+          case detail::kStdoutTag:
+            on_pipe(slot, RankOutput::kStdout, false);
+            break;
+          case detail::kStderrTag:
+            on_pipe(slot, RankOutput::kStderr, false);
+            break;
+          case detail::kConnTag:
+            on_connection(slot, evs[k].events);
+            break;
         }
       }
       std::deque<std::function<void()>> commands;
@@ -268,7 +279,8 @@ void Coordinator::loop() {
             now - slots_[i].last_output >= options_.partial_line_delay)
           flush_partial(i);
       if (shutting_down_) {
-        bool all_exited = std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; });
+        bool all_exited =
+            std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; });
         if (all_exited || now >= shutdown_deadline_) break;
       }
     }

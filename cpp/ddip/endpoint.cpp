@@ -30,7 +30,8 @@ void Endpoint::send(Frame f) {
 
 std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  if (timeout.count() > 0) cv_.wait_for(lock, timeout, [this] { return !inbox_.empty() || closed_; });
+  if (timeout.count() > 0)
+    cv_.wait_for(lock, timeout, [this] { return !inbox_.empty() || closed_; });
   if (!inbox_.empty()) {
     Frame f = std::move(inbox_.front());
     inbox_.pop_front();

@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <bit>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 

@@ -1,9 +1,9 @@
 #include "ddip/supervisor.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
-#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -31,7 +31,8 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
   return out;
 }
 
-// Runs in the clone(CLONE_VM | CLONE_VFORK) child: only async-signal-safe calls, no allocation, no writes but `err`.
+// Runs in the clone(CLONE_VM | CLONE_VFORK) child: only async-signal-safe calls, no allocation, no
+// writes but `err`.
 [[noreturn]] void exec_child(pid_t parent, const char* file, char* const* argv, char* const* envp,
                              const char* cwd, int out_fd, int err_fd, int report_fd) {
   int err = 0;
@@ -128,9 +129,14 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
     out = make_pipe(true);
     err = make_pipe(true);
   }
-  detail::ExecArgs args{::getpid(),       argv[0],        argv.data(),
-                        envp.data(),       spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
-                        out.write.get(),   err.write.get(), report.write.get()};
+  detail::ExecArgs args{::getpid(),
+                        argv[0],
+                        argv.data(),
+                        envp.data(),
+                        spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
+                        out.write.get(),
+                        err.write.get(),
+                        report.write.get()};
   // CLONE_VM | CLONE_VFORK, as posix_spawn does: no page-table copy of a multi-GiB notebook
   // process, and the parent resumes once the child has exec'd (or failed to).
   std::vector<char> stack(256 * 1024);
@@ -138,8 +144,8 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   sigset_t all, old;
   sigfillset(&all);
   ::pthread_sigmask(SIG_BLOCK, &all, &old);
-  pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(), CLONE_VM | CLONE_VFORK | SIGCHLD,
-                      &args);
+  pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(),
+                      CLONE_VM | CLONE_VFORK | SIGCHLD, &args);
   int clone_errno = errno;
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
   errno = clone_errno;

@@ -1,5 +1,3 @@
-#include "ddip/channel.hpp"
-
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -7,6 +5,8 @@
 
 #include <filesystem>
 #include <thread>
+
+#include "ddip/channel.hpp"
 
 using namespace ddip;
 
@@ -61,13 +61,17 @@ TEST(Channel, PassesFileDescriptors) {
 
 TEST(Channel, EofWhenThePeerCloses) {
   auto pair = channel_pair();
-  { Channel gone = std::move(pair.first); }
+  {
+    Channel gone = std::move(pair.first);
+  }
   EXPECT_FALSE(pair.second.recv());
 }
 
 TEST(Channel, FlushToAClosedPeerThrows) {
   auto pair = channel_pair();
-  { Channel gone = std::move(pair.second); }
+  {
+    Channel gone = std::move(pair.second);
+  }
   EXPECT_THROW(pair.first.send(Frame::make(kRequest, 0, 0, "x")), std::system_error);
 }
 

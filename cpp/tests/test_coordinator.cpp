@@ -1,7 +1,5 @@
 // The coordinator against real worker processes: this test binary re-executes itself as a
 // worker (DDIP_TEST_WORKER=1) that speaks through an Endpoint.
-#include "ddip/coordinator.hpp"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -11,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include "ddip/coordinator.hpp"
 #include "ddip/endpoint.hpp"
 
 using namespace ddip;

@@ -1,10 +1,10 @@
-#include "ddip/endpoint.hpp"
-
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <thread>
+
+#include "ddip/endpoint.hpp"
 
 using namespace ddip;
 using namespace std::chrono_literals;
@@ -95,7 +95,9 @@ TEST(Endpoint, BusyProcessExitsWhenTheKernelGoesAway) {
     ::pause();  // "stuck in user code": never calls recv
     ::_exit(0);
   }
-  { Channel server = accept_one(l); }  // the kernel hangs up
+  {
+    Channel server = accept_one(l);
+  }  // the kernel hangs up
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status));

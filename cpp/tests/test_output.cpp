@@ -1,6 +1,6 @@
-#include "ddip/output.hpp"
-
 #include <gtest/gtest.h>
+
+#include "ddip/output.hpp"
 
 using namespace ddip;
 

@@ -1,11 +1,11 @@
-#include "ddip/shm.hpp"
-
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <cstring>
 #include <string>
+
+#include "ddip/shm.hpp"
 
 using namespace ddip;
 

@@ -1,5 +1,3 @@
-#include "ddip/supervisor.hpp"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -8,6 +6,8 @@
 #include <string>
 #include <system_error>
 #include <thread>
+
+#include "ddip/supervisor.hpp"
 
 using namespace ddip;
 using namespace std::chrono_literals;

@@ -64,9 +64,10 @@ void init_coordinator(nb::module_& m) {
             new (self) ddip::Coordinator(std::move(o));
           },
           "workers"_a, "heartbeat_ms"_a = 1000, "partial_line_ms"_a = 50)
-      .def_prop_ro("pids", [](const ddip::Coordinator& c) {
-        return std::vector<int>(c.pids().begin(), c.pids().end());
-      })
+      .def_prop_ro("pids",
+                   [](const ddip::Coordinator& c) {
+                     return std::vector<int>(c.pids().begin(), c.pids().end());
+                   })
       .def_prop_ro("socket_path", &ddip::Coordinator::socket_path)
       .def_prop_ro("running", &ddip::Coordinator::running)
       .def(
@@ -98,7 +99,8 @@ void init_coordinator(nb::module_& m) {
             nb::gil_scoped_release release;
             return c.pool().put(view.b.buf, static_cast<size_t>(view.b.len));
           },
-          "buffer"_a, "Copies a buffer into a shared-memory segment; returns its id (one reference).")
+          "buffer"_a,
+          "Copies a buffer into a shared-memory segment; returns its id (one reference).")
       .def(
           "release", [](ddip::Coordinator& c, uint64_t id) { c.pool().release(id); }, "segment"_a)
       .def("pool_stats",

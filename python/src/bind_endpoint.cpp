@@ -1,8 +1,7 @@
+#include <fcntl.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-
-#include <fcntl.h>
 
 #include "ddip/endpoint.hpp"
 #include "slices.hpp"
@@ -21,8 +20,8 @@ void init_endpoint(nb::module_& m) {
              int exit_grace_ms) {
             std::string h(hello.c_str(), hello.size());
             nb::gil_scoped_release release;
-            new (self) ddip::Endpoint(path, rank, std::move(h),
-                                      std::chrono::milliseconds(exit_grace_ms));
+            new (self)
+                ddip::Endpoint(path, rank, std::move(h), std::chrono::milliseconds(exit_grace_ms));
           },
           "socket_path"_a, "rank"_a, "hello"_a, "exit_grace_ms"_a = 3000)
       .def_prop_ro("rank", &ddip::Endpoint::rank)
@@ -38,7 +37,8 @@ void init_endpoint(nb::module_& m) {
               f.fds = std::make_shared<std::vector<ddip::Fd>>();
               for (int fd : fds)
                 f.fds->emplace_back(ddip::check(::fcntl(fd, F_DUPFD_CLOEXEC, 0),
-                                                "fcntl(F_DUPFD_CLOEXEC)", "passing an fd to the kernel"));
+                                                "fcntl(F_DUPFD_CLOEXEC)",
+                                                "passing an fd to the kernel"));
             }
             nb::gil_scoped_release release;
             e.send(std::move(f));

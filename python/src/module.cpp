@@ -18,8 +18,7 @@ NB_MODULE(_core, m) {
     try {
       std::rethrow_exception(p);
     } catch (const std::system_error& e) {
-      PyErr_SetObject(PyExc_OSError,
-                      nb::make_tuple(e.code().value(), e.what()).ptr());
+      PyErr_SetObject(PyExc_OSError, nb::make_tuple(e.code().value(), e.what()).ptr());
     }
   });
   m.attr("HELLO") = static_cast<int>(ddip::kHello);
