@@ -135,6 +135,10 @@ Channel::ReadResult Channel::read_some() {
     const int* in = reinterpret_cast<const int*>(CMSG_DATA(c));
     for (size_t i = 0; i < count; ++i) received_fds_.emplace_back(in[i]);
   }
+  // The kernel drops fds it cannot install here (EMFILE, or RLIMIT_NOFILE): the frame whose
+  // header this read belongs to is delivered marked, with the fds that did arrive. Our control
+  // buffer fits kMaxFdsPerFrame, the most a sender may attach, so that is the only cause.
+  if (msg.msg_flags & MSG_CTRUNC) reading_truncated_ = true;
   if (n == 0) return ReadResult::kEof;
   if (reading_payload_) {
     payload_filled_ += static_cast<size_t>(n);
@@ -161,15 +165,20 @@ Channel::ReadResult Channel::read_some() {
 void Channel::finish_frame() {
   Frame f = std::move(*reading_);
   f.payload = std::move(reading_payload_);
-  if (reading_nfds_ > 0) {
-    if (received_fds_.size() < reading_nfds_)
-      throw std::runtime_error("frame announced fds that did not arrive");
+  size_t nfds = reading_nfds_;
+  if (received_fds_.size() < nfds) {
+    if (!reading_truncated_) throw std::runtime_error("frame announced fds that did not arrive");
+    nfds = received_fds_.size();
+  }
+  if (nfds > 0) {
     f.fds = std::make_shared<std::vector<Fd>>();
-    for (uint16_t i = 0; i < reading_nfds_; ++i) {
+    for (size_t i = 0; i < nfds; ++i) {
       f.fds->push_back(std::move(received_fds_.front()));
       received_fds_.pop_front();
     }
   }
+  f.truncated = reading_truncated_;
+  reading_truncated_ = false;
   reading_.reset();
   reading_payload_.reset();
   complete_.push_back(std::move(f));
@@ -238,8 +247,11 @@ Listener::Listener(const std::string& path) {
 
 Fd Listener::accept() {
   int fd = ::accept4(sock_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  // Out of fds: the connection stays in the backlog for a later try, and the caller is told.
+  starved_ = fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM);
   if (fd < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
+        starved_)
       return Fd();
     throw_errno("accept4", "accepting a worker connection");
   }
