@@ -55,8 +55,8 @@ void Channel::queue(Frame f) {
   size_t nfds = f.fds ? f.fds->size() : 0;
   if (nfds > kMaxFdsPerFrame) throw std::invalid_argument("too many fds in one frame");
   Outgoing o;
-  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind, static_cast<uint16_t>(nfds),
-                       f.rank};
+  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind,
+                       static_cast<uint16_t>(nfds), f.rank};
   std::memcpy(o.header, &h, sizeof h);
   o.frame = std::move(f);
   out_.push_back(std::move(o));
@@ -135,6 +135,10 @@ Channel::ReadResult Channel::read_some() {
     const int* in = reinterpret_cast<const int*>(CMSG_DATA(c));
     for (size_t i = 0; i < count; ++i) received_fds_.emplace_back(in[i]);
   }
+  // The kernel drops fds it cannot install here (EMFILE, or RLIMIT_NOFILE): the frame whose
+  // header this read belongs to is delivered marked, with the fds that did arrive. Our control
+  // buffer fits kMaxFdsPerFrame, the most a sender may attach, so that is the only cause.
+  if (msg.msg_flags & MSG_CTRUNC) reading_truncated_ = true;
   if (n == 0) return ReadResult::kEof;
   if (reading_payload_) {
     payload_filled_ += static_cast<size_t>(n);
@@ -161,15 +165,20 @@ Channel::ReadResult Channel::read_some() {
 void Channel::finish_frame() {
   Frame f = std::move(*reading_);
   f.payload = std::move(reading_payload_);
-  if (reading_nfds_ > 0) {
-    if (received_fds_.size() < reading_nfds_)
-      throw std::runtime_error("frame announced fds that did not arrive");
+  size_t nfds = reading_nfds_;
+  if (received_fds_.size() < nfds) {
+    if (!reading_truncated_) throw std::runtime_error("frame announced fds that did not arrive");
+    nfds = received_fds_.size();
+  }
+  if (nfds > 0) {
     f.fds = std::make_shared<std::vector<Fd>>();
-    for (uint16_t i = 0; i < reading_nfds_; ++i) {
+    for (size_t i = 0; i < nfds; ++i) {
       f.fds->push_back(std::move(received_fds_.front()));
       received_fds_.pop_front();
     }
   }
+  f.truncated = reading_truncated_;
+  reading_truncated_ = false;
   reading_.reset();
   reading_payload_.reset();
   complete_.push_back(std::move(f));
@@ -186,7 +195,8 @@ std::optional<Frame> Channel::recv() {
   while (complete_.empty()) {
     ReadResult r = read_some();
     if (r == ReadResult::kEof) return std::nullopt;
-    if (r == ReadResult::kWouldBlock) throw std::logic_error("Channel::recv on a non-blocking socket");
+    if (r == ReadResult::kWouldBlock)
+      throw std::logic_error("Channel::recv on a non-blocking socket");
   }
   return next();
 }
@@ -237,8 +247,12 @@ Listener::Listener(const std::string& path) {
 
 Fd Listener::accept() {
   int fd = ::accept4(sock_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  // Out of fds: the connection stays in the backlog for a later try, and the caller is told.
+  starved_ = fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM);
   if (fd < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return Fd();
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
+        starved_)
+      return Fd();
     throw_errno("accept4", "accepting a worker connection");
   }
   return Fd(fd);

@@ -1,7 +1,8 @@
 // Framed messages over Unix stream sockets, with file descriptors passed out of band (SCM_RIGHTS).
 //
 // A frame on the wire is a fixed 24-byte header (payload length, sequence number, kind, number of
-// fds, rank) followed by the payload. The fds of a frame ride on the sendmsg that carries its header.
+// fds, rank) followed by the payload. The fds of a frame ride on the sendmsg that carries its
+// header.
 #pragma once
 
 #include <sys/types.h>
@@ -19,15 +20,17 @@ namespace ddip {
 
 // Frame kinds the runtime itself acts on; any other kind is passed through untouched.
 enum FrameKind : uint16_t {
-  kHello = 1,         // worker -> kernel, first frame: "rank N is up" (payload: opaque)
-  kRequest = 2,       // kernel -> worker: work to do (payload: opaque)
-  kDone = 3,          // worker -> kernel: a request finished; the kernel drains that rank's output first
-  kDisplay = 4,       // worker -> kernel: rich output (payload: opaque)
-  kHeartbeat = 5,     // kernel -> worker, answered by the worker's watchdog thread
-  kHeartbeatAck = 6,  // worker -> kernel
-  kShutdown = 7,      // kernel -> worker: leave the worker loop and exit
-  kMessage = 8,       // worker -> kernel: a note for whoever waits on the request (opaque)
-  kRelease = 9,       // worker -> kernel: shared-memory segments it no longer uses (u64 ids)
+  kHello = 1,    // worker -> kernel, first frame: "rank N is up" (payload: opaque)
+  kRequest = 2,  // kernel -> worker: work to do (payload: opaque)
+  kDone = 3,     // worker -> kernel: a request finished; the kernel drains that rank's output first
+  kDisplay = 4,  // worker -> kernel: rich output (payload: opaque)
+  kHeartbeat = 5,      // kernel -> worker, answered by the worker's watchdog thread
+  kHeartbeatAck = 6,   // worker -> kernel
+  kShutdown = 7,       // kernel -> worker: leave the worker loop and exit
+  kMessage = 8,        // worker -> kernel: a note for whoever waits on the request (opaque)
+  kRelease = 9,        // worker -> kernel: shared-memory segments it no longer uses (u64 ids)
+  kStackRequest = 10,  // kernel -> worker: dump every thread's stack, answered by the watchdog
+  kStacks = 11,        // worker -> kernel: the dump (text), with the request's seq
 };
 
 inline constexpr size_t kMaxFdsPerFrame = 16;
@@ -39,6 +42,9 @@ struct Frame {
   // Shared so that one request can be queued to N ranks without N copies.
   std::shared_ptr<const std::string> payload;
   std::shared_ptr<std::vector<Fd>> fds;
+  // Received with fewer fds than it was sent with: the receiver was out of file descriptors
+  // (recvmsg's MSG_CTRUNC). `fds` holds those that arrived.
+  bool truncated = false;
 
   static Frame make(uint16_t kind, int32_t rank, uint64_t seq, std::string payload = {});
   const std::string& data() const;
@@ -90,6 +96,7 @@ class Channel {
   std::shared_ptr<std::string> reading_payload_;
   size_t payload_filled_ = 0;
   uint16_t reading_nfds_ = 0;
+  bool reading_truncated_ = false;
   std::deque<Fd> received_fds_;
   std::deque<Frame> complete_;
 
@@ -117,11 +124,14 @@ class Listener {
  public:
   explicit Listener(const std::string& path);  // non-blocking listening socket
   int fd() const { return sock_.get(); }
-  // A new connection (non-blocking), or an empty Fd when none is pending.
+  // A new connection (non-blocking), or an empty Fd when none is pending or when this process is
+  // out of file descriptors: then starved() is true and the connection waits in the backlog.
   Fd accept();
+  bool starved() const { return starved_; }
 
  private:
   Fd sock_;
+  bool starved_ = false;
 };
 
 // A blocking connection to a listening socket.

@@ -9,8 +9,8 @@
 #include <csignal>
 #include <cstring>
 #include <future>
-#include <unordered_set>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace ddip {
 namespace detail {
@@ -38,17 +38,30 @@ struct Coordinator::Slot {
   Fd out, err;
   Clock::time_point last_output;
   bool exited = false;
+  // Exited but not reapable yet (a zombie held by a tracer): its pidfd stays readable, so it is
+  // unwatched and looked at again on each tick.
+  bool exit_pending = false;
+  bool unresponsive = false;
   // stdout read after a display marker whose frame has not arrived yet, one batch per marker.
   std::deque<std::vector<Event>> held;
   // Shared-memory segments this worker was sent and has not released.
   std::unordered_multiset<uint64_t> segments;
 };
 
-Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
+Coordinator::Coordinator(CoordinatorOptions options)
+    : options_(std::move(options)), supervisor_(options_.kill_wait) {
   if (options_.workers.empty()) throw std::invalid_argument("a group needs at least one worker");
   dir_ = std::make_unique<RuntimeDir>();
   socket_path_ = dir_->socket_path();
-  for (auto& w : options_.workers) w.env.push_back("DDIP_SOCKET=" + socket_path_);
+  for (auto& w : options_.workers) {
+    // getenv() finds the first of duplicates: ours must be the only ones (a group started inside
+    // a rank inherits that rank's).
+    std::erase_if(w.env, [](const std::string& kv) {
+      return kv.starts_with("DDIP_SOCKET=") || kv.starts_with("DDIP_KERNEL_PID=");
+    });
+    w.env.push_back("DDIP_SOCKET=" + socket_path_);
+    w.env.push_back("DDIP_KERNEL_PID=" + std::to_string(::getpid()));
+  }
   size_t n = options_.workers.size();
   slots_.resize(n);
   last_ack_.resize(n);
@@ -78,7 +91,13 @@ Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(option
   }
 }
 
-Coordinator::~Coordinator() { close(std::chrono::milliseconds(1000)); }
+Coordinator::~Coordinator() {
+  try {
+    close(std::chrono::milliseconds(1000));
+  } catch (const std::exception&) {
+    // Nothing a destructor could do; the IO thread stops the workers on its own.
+  }
+}
 
 void Coordinator::start_workers() {
   watch(listener_->fd(), detail::tag(detail::kListenerTag, 0), EPOLLIN);
@@ -189,7 +208,8 @@ std::optional<Event> Coordinator::next_event(std::chrono::milliseconds timeout) 
 long long Coordinator::heartbeat_age_ms(int slot) const {
   std::lock_guard lock(mu_);
   if (!connected_.at(slot)) return -1;
-  return std::chrono::duration_cast<detail::milliseconds>(Clock::now() - last_ack_.at(slot)).count();
+  return std::chrono::duration_cast<detail::milliseconds>(Clock::now() - last_ack_.at(slot))
+      .count();
 }
 
 bool Coordinator::connected(int slot) const {
@@ -202,50 +222,118 @@ bool Coordinator::running() const {
   return !thread_done_;
 }
 
-void Coordinator::close(std::chrono::milliseconds grace) {
-  if (!thread_.joinable()) return;
-  auto begin_shutdown = [this, grace] {
-    shutting_down_ = true;
-    close_grace_ = grace;
-    shutdown_deadline_ = Clock::now() + grace;
-    for (size_t i = 0; i < slots_.size(); ++i)
-      if (slots_[i].conn) send_now(i, Frame::make(kShutdown, static_cast<int32_t>(i), 0));
-  };
+void Coordinator::begin_close(std::chrono::milliseconds grace) {
   try {
-    post(begin_shutdown);
+    post([this, grace] { begin_stop(grace); });
   } catch (const std::runtime_error&) {
-    // The IO thread already stopped (and stopped the workers); just join it.
+    // The IO thread already stopped (and stopped the workers).
   }
-  thread_.join();
+}
+
+std::optional<std::vector<pid_t>> Coordinator::wait_closed(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (timeout.count() < 0)
+    cv_.wait(lock, [this] { return thread_done_; });
+  else if (timeout.count() > 0)
+    cv_.wait_for(lock, timeout, [this] { return thread_done_; });
+  if (!thread_done_) return std::nullopt;
+  return unreaped_;
+}
+
+std::vector<pid_t> Coordinator::close(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard lock(join_mu_);
+    if (thread_.joinable()) {
+      begin_close(grace);
+      thread_.join();
+    }
+  }
+  std::lock_guard lock(mu_);
+  return unreaped_;
+}
+
+void Coordinator::begin_stop(std::chrono::milliseconds grace) {
+  auto now = Clock::now();
+  if (stop_ == Stop::kRunning) {
+    stop_ = Stop::kAsked;
+    close_grace_ = grace;
+    stop_deadline_ = now + grace;
+    // A worker not connected yet gets it when it connects, instead of waiting out the grace.
+    for (size_t i = 0; i < slots_.size(); ++i)
+      send_now(i, Frame::make(kShutdown, static_cast<int32_t>(i), 0));
+    return;
+  }
+  if (grace < close_grace_) {  // e.g. `%makedip -k` after an interrupted close
+    close_grace_ = grace;
+    if (stop_ != Stop::kKilled) stop_deadline_ = std::min(stop_deadline_, now + grace);
+  }
+}
+
+// True once stopping is over: every worker reaped, or the last deadline passed.
+bool Coordinator::advance_stop(Clock::time_point now) {
+  if (std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; })) return true;
+  if (now < stop_deadline_) return false;
+  auto signal_running = [this](int sig) {
+    for (size_t i = 0; i < slots_.size(); ++i) try {
+        if (!slots_[i].exited) supervisor_.signal(i, sig);
+      } catch (const std::exception&) {
+        // One worker we could not signal does not stop the others from being stopped.
+      }
+  };
+  switch (stop_) {
+    case Stop::kAsked:
+      signal_running(SIGTERM);
+      stop_ = Stop::kTerminated;
+      stop_deadline_ = now + close_grace_;
+      return false;
+    case Stop::kTerminated:
+      signal_running(SIGKILL);
+      stop_ = Stop::kKilled;
+      stop_deadline_ = now + options_.kill_wait;
+      return false;
+    default:
+      return true;  // SIGKILLed and still there (uninterruptible sleep): left behind
+  }
 }
 
 void Coordinator::loop() {
-  auto next_heartbeat = Clock::now() + options_.heartbeat_interval;
+  auto next_tick = Clock::now() + options_.heartbeat_interval;
   epoll_event evs[64];
   try {
     while (true) {
-      auto wake_at = next_heartbeat;
+      auto wake_at = next_tick;
       for (auto& s : slots_)
         if (s.output.has_pending())
           wake_at = std::min(wake_at, s.last_output + options_.partial_line_delay);
-      if (shutting_down_) wake_at = std::min(wake_at, shutdown_deadline_);
+      if (stop_ != Stop::kRunning) wake_at = std::min(wake_at, stop_deadline_);
+      if (listener_paused_) wake_at = std::min(wake_at, listener_retry_);
       int n = ::epoll_wait(epoll_.get(), evs, 64, detail::ms_until(wake_at));
       if (n < 0 && errno != EINTR) throw_errno("epoll_wait", "waiting for worker activity");
       for (int k = 0; k < n; ++k) {
         auto type = static_cast<detail::Tag>(evs[k].data.u64 >> 32);
         size_t slot = evs[k].data.u64 & 0xffffffffu;
         switch (type) {
-          case detail::kListenerTag: on_accept(); break;
+          case detail::kListenerTag:
+            on_accept();
+            break;
           case detail::kWakeTag: {
             uint64_t count;
             ssize_t ignored = ::read(wake_.get(), &count, sizeof count);
             (void)ignored;
             break;
           }
-          case detail::kPidTag: on_exit(slot); break;
-          case detail::kStdoutTag: on_pipe(slot, RankOutput::kStdout, false); break;
-          case detail::kStderrTag: on_pipe(slot, RankOutput::kStderr, false); break;
-          case detail::kConnTag: on_connection(slot, evs[k].events); break;
+          case detail::kPidTag:
+            on_exit(slot);
+            break;
+          case detail::kStdoutTag:
+            on_pipe(slot, RankOutput::kStdout, false);
+            break;
+          case detail::kStderrTag:
+            on_pipe(slot, RankOutput::kStderr, false);
+            break;
+          case detail::kConnTag:
+            on_connection(slot, evs[k].events);
+            break;
         }
       }
       std::deque<std::function<void()>> commands;
@@ -262,49 +350,131 @@ void Coordinator::loop() {
       }
 
       auto now = Clock::now();
-      if (now >= next_heartbeat) {
-        for (size_t i = 0; i < slots_.size(); ++i)
-          if (slots_[i].conn) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
-        next_heartbeat = now + options_.heartbeat_interval;
+      if (now >= next_tick) {
+        tick();
+        next_tick = now + options_.heartbeat_interval;
       }
-      for (size_t i = 0; i < slots_.size(); ++i)
-        if (slots_[i].output.has_pending() &&
-            now - slots_[i].last_output >= options_.partial_line_delay)
-          flush_partial(i);
-      if (shutting_down_) {
-        bool all_exited = std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; });
-        if (all_exited || now >= shutdown_deadline_) break;
+      check_responsive(now);
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        Slot& s = slots_[i];
+        if (!s.output.has_pending() || now - s.last_output < options_.partial_line_delay) continue;
+        flush_partial(i, false);
+        // Kept back (half a UTF-8 character): one more delay for the rest, then it goes anyway.
+        if (s.output.has_pending()) s.last_output = now;
       }
+      if (listener_paused_ && now >= listener_retry_) {
+        listener_paused_ = false;
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.u64 = detail::tag(detail::kListenerTag, 0);
+        check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, listener_->fd(), &ev), "epoll_ctl(MOD)",
+              "watching the listening socket again");
+      }
+      if (stop_ != Stop::kRunning && advance_stop(now)) break;
     }
-    supervisor_.stop_all(close_grace_);
   } catch (const std::exception& e) {
-    supervisor_.stop_all(detail::milliseconds(0));
+    fail(e.what());
+  } catch (...) {
+    fail("unknown error");
+  }
+  finish();
+}
+
+// The IO thread can't go on: stop the workers and say why. Runs on an error path, so it may
+// not throw (that would be std::terminate, and the notebook's kernel with it).
+void Coordinator::fail(const std::string& why) noexcept {
+  supervisor_.stop_all(detail::milliseconds(0));
+  try {
     Event ev;
     ev.kind = Event::kFailed;
-    ev.text = std::string("ddip runtime error: ") + e.what();
+    ev.slot = -1;
+    ev.text = "ddip runtime error: " + why;
     emit(std::move(ev));
+  } catch (...) {
+    // Out of memory for the message: the stopped runtime (running() is false) still tells.
+  }
+}
+
+void Coordinator::finish() noexcept {
+  std::vector<pid_t> unreaped;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    try {
+      if (!slots_[i].exited) on_exit(i);  // it may have just gone
+    } catch (...) {
+    }
+    if (!slots_[i].exited) unreaped.push_back(pids_[i]);
   }
   {
     std::lock_guard lock(mu_);
     thread_done_ = true;
+    unreaped_ = std::move(unreaped);
     commands_.clear();
   }
   cv_.notify_all();
 }
 
+void Coordinator::tick() {
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].conn) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
+    if (slots_[i].exit_pending) on_exit(i);
+  }
+  if (options_.pool_idle.count() > 0) pool_.trim(options_.pool_idle);
+}
+
+void Coordinator::check_responsive(Clock::time_point now) {
+  if (options_.heartbeat_timeout.count() <= 0) return;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    if (!s.conn || s.unresponsive) continue;
+    Clock::time_point last;
+    {
+      std::lock_guard lock(mu_);
+      last = last_ack_[i];
+    }
+    if (now - last <= options_.heartbeat_timeout) continue;
+    s.unresponsive = true;
+    Event e;
+    e.kind = Event::kUnresponsive;
+    e.slot = static_cast<int>(i);
+    e.age_ms = std::chrono::duration_cast<detail::milliseconds>(now - last).count();
+    emit(std::move(e));
+  }
+}
+
+// Out of fds (EMFILE / ENFILE): a worker's connection waits in the backlog and the listener is
+// tried again in 100 ms, so the IO thread neither spins on a level-triggered fd nor dies.
+void Coordinator::pause_listener() {
+  epoll_event ev{};
+  ev.data.u64 = detail::tag(detail::kListenerTag, 0);
+  check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, listener_->fd(), &ev), "epoll_ctl(MOD)",
+        "pausing the listening socket");
+  listener_paused_ = true;
+  listener_retry_ = Clock::now() + detail::milliseconds(100);
+}
+
 void Coordinator::on_accept() {
   while (true) {
     Fd fd = listener_->accept();
-    if (!fd) return;
-    Channel ch(std::move(fd));
-    pid_t pid = ch.peer_pid();
+    if (!fd) {
+      if (listener_->starved()) pause_listener();
+      return;
+    }
+    std::optional<Channel> ch;
+    pid_t pid;
+    try {
+      ch.emplace(std::move(fd));
+      pid = ch->peer_pid();
+    } catch (const std::system_error&) {
+      continue;  // that one connection is dropped; its worker sees EOF
+    }
     auto it = std::find(pids_.begin(), pids_.end(), pid);
     if (it == pids_.end()) continue;  // not one of our workers: drop it
     size_t slot = static_cast<size_t>(it - pids_.begin());
     Slot& s = slots_[slot];
-    if (s.conn) continue;
-    watch(ch.fd(), detail::tag(detail::kConnTag, slot), EPOLLIN);
-    s.conn.emplace(std::move(ch));
+    // An exited worker's pid may be someone else's by now: never let it attach.
+    if (s.conn || s.exited) continue;
+    watch(ch->fd(), detail::tag(detail::kConnTag, slot), EPOLLIN);
+    s.conn.emplace(std::move(*ch));
     {
       std::lock_guard lock(mu_);
       connected_[slot] = true;
@@ -363,15 +533,41 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
       r = Channel::ReadResult::kEof;
     } catch (const std::exception&) {
       // A corrupt frame: this worker can't be trusted any more, but the others are fine.
-      supervisor_.signal(slot, SIGKILL);
+      try {
+        supervisor_.signal(slot, SIGKILL);
+      } catch (const std::exception&) {
+        // Then it is gone already; dropping the connection is all that is left.
+      }
       r = Channel::ReadResult::kEof;
     }
     while (s.conn) {
       auto f = s.conn->next();
       if (!f) break;
+      if (f->truncated) {
+        if (f->kind == kDone) {  // still the end of the request: its output goes first
+          drain_output(slot, false);
+          flush_partial(slot, true);
+          release_held(slot, true);
+        }
+        Event e;
+        e.kind = Event::kTruncated;
+        e.slot = static_cast<int>(slot);
+        e.frame = std::move(*f);
+        emit(std::move(e));
+        continue;
+      }
       if (f->kind == kHeartbeatAck) {
-        std::lock_guard lock(mu_);
-        last_ack_[slot] = Clock::now();
+        {
+          std::lock_guard lock(mu_);
+          last_ack_[slot] = Clock::now();
+        }
+        if (s.unresponsive) {
+          s.unresponsive = false;
+          Event e;
+          e.kind = Event::kResponsive;
+          e.slot = static_cast<int>(slot);
+          emit(std::move(e));
+        }
         continue;
       }
       if (f->kind == kDisplay) {
@@ -385,7 +581,7 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
       if (f->kind == kDone) {
         // Everything the cell printed was written to the pipes before "done" was sent.
         drain_output(slot, false);
-        flush_partial(slot);
+        flush_partial(slot, true);
         release_held(slot, true);
       }
       Event e;
@@ -446,10 +642,10 @@ void Coordinator::drain_output(size_t slot, bool final) {
   on_pipe(slot, RankOutput::kStderr, final);
 }
 
-void Coordinator::flush_partial(size_t slot) {
+void Coordinator::flush_partial(size_t slot, bool force) {
   Slot& s = slots_[slot];
   for (auto stream : {RankOutput::kStdout, RankOutput::kStderr})
-    emit_output(slot, stream, s.output.flush(stream));
+    emit_output(slot, stream, s.output.flush(stream, force));
 }
 
 void Coordinator::emit_output(size_t slot, int stream, std::string text) {
@@ -494,12 +690,20 @@ void Coordinator::on_exit(size_t slot) {
   // Report in the order things happened: its last frames and output, then its death.
   if (s.conn) on_connection(slot, EPOLLIN);
   drain_output(slot, true);
-  flush_partial(slot);
+  flush_partial(slot, true);
   release_held(slot, true);
   auto status = supervisor_.poll(slot);
-  if (!status) return;
+  if (!status) {
+    if (!s.exit_pending) {
+      // Its pidfd says it exited, yet it can't be reaped: a tracer holds the zombie. Level-
+      // triggered, that fd would wake us forever; the tick looks again instead.
+      s.exit_pending = true;
+      unwatch(supervisor_.child(slot).pidfd());
+    }
+    return;
+  }
   s.exited = true;
-  unwatch(supervisor_.child(slot).pidfd());
+  if (!s.exit_pending) unwatch(supervisor_.child(slot).pidfd());
   s.waiting.clear();
   for (uint64_t id : s.segments) pool_.release(id);  // a dead worker's mappings are gone
   s.segments.clear();

@@ -31,24 +31,37 @@ struct Event {
     kExited = 2,        // worker `slot` exited: `status`, `text` = last lines of its stderr
     kDisconnected = 3,  // worker `slot` closed its connection
     kFailed = 4,        // the IO thread hit an error it cannot recover from (`text`)
+    kUnresponsive = 5,  // worker `slot` has answered no heartbeat for `age_ms` (said once)
+    kResponsive = 6,    // worker `slot`, unresponsive before, answers again
+    kTruncated = 7,     // `frame` from worker `slot` came without all its fds: out of fds here
   };
   Kind kind = kOutput;
   int slot = 0;
   int stream = 0;
+  long long age_ms = 0;
   std::string text;
   Frame frame;
   ExitStatus status;
 };
 
 struct CoordinatorOptions {
-  // One spec per worker; each gets DDIP_SOCKET=<socket path> added to its environment.
+  // One spec per worker; each gets DDIP_SOCKET=<socket path> and DDIP_KERNEL_PID=<our pid>
+  // added to its environment.
   std::vector<SpawnSpec> workers;
   std::chrono::milliseconds heartbeat_interval{1000};
+  // A connected worker that answers no heartbeat for this long is reported unresponsive (a
+  // stopped or swapping process, a hung machine); 0: never.
+  std::chrono::milliseconds heartbeat_timeout{10000};
   // How long a partial line (no '\n' or '\r' yet) waits before it is delivered anyway.
   std::chrono::milliseconds partial_line_delay{50};
   // When set, workers are forked from this warm template (not owned; used only while the
   // constructor starts them); a worker it can't fork is spawned cold.
   RankTemplate* rank_template = nullptr;
+  // After SIGKILL, how long a worker gets to be reaped before it is given up on.
+  std::chrono::milliseconds kill_wait = Supervisor::kKillWait;
+  // Pooled shared-memory segments unused this long are freed (a 3 GiB push must not pin 3 GiB
+  // for the group's life); 0: kept until the pool's own limit.
+  std::chrono::milliseconds pool_idle{5000};
 };
 
 class Coordinator {
@@ -79,8 +92,15 @@ class Coordinator {
   bool running() const;
 
   // Asks workers to shut down, waits up to `grace` for them to exit, then SIGTERM, `grace`
-  // again, SIGKILL. Returns when every worker is reaped. Idempotent.
-  void close(std::chrono::milliseconds grace = std::chrono::milliseconds(2000));
+  // again, SIGKILL and up to `kill_wait`; output keeps being read all along. Returns the pids of
+  // workers that could not be reaped even then (left behind). Idempotent; a later call with a
+  // shorter grace hastens a stop under way.
+  std::vector<pid_t> close(std::chrono::milliseconds grace = std::chrono::milliseconds(2000));
+  // close() in two halves, for callers that wait in slices: start stopping (returns at once),
+  // then wait up to `timeout` (negative: forever) for the IO thread to finish; nullopt if it has
+  // not yet, else what close() returns.
+  void begin_close(std::chrono::milliseconds grace);
+  std::optional<std::vector<pid_t>> wait_closed(std::chrono::milliseconds timeout);
 
  private:
   struct Slot;
@@ -97,7 +117,9 @@ class Coordinator {
   std::vector<std::chrono::steady_clock::time_point> last_ack_;
   std::vector<bool> connected_;
   bool thread_done_ = false;
+  std::vector<pid_t> unreaped_;
   Fd wake_;  // eventfd: commands queued
+  std::mutex join_mu_;
 
   SegmentPool pool_;  // thread-safe
 
@@ -106,13 +128,24 @@ class Coordinator {
   std::vector<Slot> slots_;
   Fd epoll_;
   std::unique_ptr<Listener> listener_;
-  bool shutting_down_ = false;
-  std::chrono::steady_clock::time_point shutdown_deadline_;
+  bool listener_paused_ = false;
+  std::chrono::steady_clock::time_point listener_retry_;
+  // Stopping: shutdown frames sent, then SIGTERM, then SIGKILL; each step has a deadline.
+  enum class Stop { kRunning, kAsked, kTerminated, kKilled };
+  Stop stop_ = Stop::kRunning;
+  std::chrono::steady_clock::time_point stop_deadline_;
   std::chrono::milliseconds close_grace_{1000};
   std::thread thread_;
 
   void start_workers();
   void loop();
+  void fail(const std::string& why) noexcept;
+  void begin_stop(std::chrono::milliseconds grace);
+  bool advance_stop(std::chrono::steady_clock::time_point now);
+  void finish() noexcept;
+  void tick();
+  void check_responsive(std::chrono::steady_clock::time_point now);
+  void pause_listener();
   void emit(Event e);
   // Queues fn for the IO thread; throws once that thread has stopped.
   void post(std::function<void()> fn);
@@ -121,7 +154,8 @@ class Coordinator {
   void on_pipe(size_t slot, int stream, bool final);
   void on_exit(size_t slot);
   void drain_output(size_t slot, bool final);
-  void flush_partial(size_t slot);
+  // `force`: also text held back as the start of an incomplete UTF-8 character.
+  void flush_partial(size_t slot, bool force);
   void emit_output(size_t slot, int stream, std::string text);
   void on_display(size_t slot, Frame f);
   void release_held(size_t slot, bool all);

@@ -1,15 +1,84 @@
 #include "ddip/endpoint.hpp"
 
+#include <poll.h>
+#include <pthread.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+
 namespace ddip {
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// Runs in a signal handler: kill() is async-signal-safe. Group 0 is ours, this process included.
+void kill_own_group(int) { ::kill(0, SIGKILL); }
+
+long long env_count(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  errno = 0;
+  long long n = std::strtoll(v, &end, 10);
+  if (*end || errno || n < 0)
+    throw std::invalid_argument(std::string(name) + " must be a whole number >= 0, not '" + v +
+                                "'");
+  return n;
+}
+
+int ms_until(Clock::time_point t) {
+  auto d = std::chrono::duration_cast<milliseconds>(t - Clock::now()).count();
+  return static_cast<int>(std::clamp<long long>(d, 0, 60'000));
+}
+
+// A dump is read until it has been quiet this long (faulthandler writes it in many small
+// writes), but never longer than kDumpMax in all, nor more than kDumpBytes.
+constexpr milliseconds kDumpQuiet{200};
+constexpr milliseconds kDumpMax{2000};
+constexpr size_t kDumpBytes = size_t(4) << 20;
+
+}  // namespace
+}  // namespace detail
+
+int kernel_death_signal() { return SIGRTMAX; }
+
+EndpointOptions EndpointOptions::from_environment() {
+  EndpointOptions o;
+  o.kernel_pid = static_cast<pid_t>(detail::env_count("DDIP_KERNEL_PID"));
+  o.kernel_timeout = std::chrono::milliseconds(detail::env_count("DDIP_KERNEL_TIMEOUT_MS"));
+  return o;
+}
 
 Endpoint::Endpoint(const std::string& socket_path, int rank, std::string hello,
-                   std::chrono::milliseconds exit_grace)
-    : rank_(rank), exit_grace_(exit_grace), channel_(connect_unix(socket_path)) {
+                   EndpointOptions options)
+    : rank_(rank), options_(options), channel_(connect_unix(socket_path)) {
   channel_.send(Frame::make(kHello, rank, 0, std::move(hello)));
+  // Only a process that leads its own group may kill the group: otherwise it is someone else's
+  // (a test runner's, a batch job's).
+  if (options_.kernel_pid > 0 && ::getpgrp() == ::getpid()) tie_group_to_kernel();
   watchdog_ = std::thread([this] { watch(); });
+}
+
+void Endpoint::tie_group_to_kernel() {
+  // PR_SET_PDEATHSIG was SIGKILL since before exec: that kills the rank alone, and what it
+  // started lives on, holding GPU memory. A handler turns the kernel's death into the group's.
+  struct sigaction sa{};
+  sa.sa_handler = detail::kill_own_group;
+  sigemptyset(&sa.sa_mask);
+  check(::sigaction(kernel_death_signal(), &sa, nullptr), "sigaction",
+        "preparing for the kernel's death");
+  check(::prctl(PR_SET_PDEATHSIG, kernel_death_signal()), "prctl(PR_SET_PDEATHSIG)",
+        "tying the rank's process group to the kernel");
+  // The kernel may have died before the switch: then no signal is coming.
+  if (::getppid() != options_.kernel_pid) ::kill(0, SIGKILL);
 }
 
 Endpoint::~Endpoint() {
@@ -18,7 +87,7 @@ Endpoint::~Endpoint() {
     stopping_ = true;
   }
   cv_.notify_all();
-  ::shutdown(channel_.fd(), SHUT_RDWR);  // wakes the watchdog out of recvmsg
+  ::shutdown(channel_.fd(), SHUT_RDWR);  // wakes the watchdog out of poll
   if (watchdog_.joinable()) watchdog_.join();
 }
 
@@ -30,7 +99,8 @@ void Endpoint::send(Frame f) {
 
 std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
-  if (timeout.count() > 0) cv_.wait_for(lock, timeout, [this] { return !inbox_.empty() || closed_; });
+  if (timeout.count() > 0)
+    cv_.wait_for(lock, timeout, [this] { return !inbox_.empty() || closed_; });
   if (!inbox_.empty()) {
     Frame f = std::move(inbox_.front());
     inbox_.pop_front();
@@ -45,22 +115,86 @@ bool Endpoint::closed() const {
   return closed_;
 }
 
+void Endpoint::enable_stack_dumps(int signum, Fd read_end) {
+  if (signum <= 0 || signum >= NSIG)
+    throw std::invalid_argument("no signal " + std::to_string(signum));
+  set_nonblocking(read_end.get());
+  std::lock_guard lock(stack_mu_);
+  stack_signal_ = signum;
+  stack_pipe_ = std::move(read_end);
+}
+
+std::string Endpoint::dump_stacks() {
+  std::lock_guard lock(stack_mu_);
+  if (!stack_pipe_) return "stack dumps are not enabled in this worker\n";
+  // Not on this thread: it reads the pipe, and the dump would show no Python thread's state.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, stack_signal_);
+  ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  int fd = stack_pipe_.get();
+  char buf[65536];
+  while (::read(fd, buf, sizeof buf) > 0) {
+  }  // the tail of an earlier dump that came after its reply
+  if (::kill(::getpid(), stack_signal_) < 0)
+    return std::string("could not signal the worker for a stack dump: ") + std::strerror(errno);
+  std::string out;
+  auto deadline = detail::Clock::now() + detail::kDumpMax;
+  while (out.size() < detail::kDumpBytes) {
+    auto wait_until = deadline;
+    if (!out.empty()) wait_until = std::min(deadline, detail::Clock::now() + detail::kDumpQuiet);
+    pollfd p{fd, POLLIN, 0};
+    int rc = ::poll(&p, 1, detail::ms_until(wait_until));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) break;  // quiet: the dump is complete (or the deadline passed)
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n > 0)
+      out.append(buf, static_cast<size_t>(n));
+    else if (n == 0 || (errno != EAGAIN && errno != EINTR))
+      break;
+  }
+  if (out.empty())
+    return "no stack dump came within " + std::to_string(detail::kDumpMax.count()) +
+           " ms of signal " + std::to_string(stack_signal_) + " (did other code take it over?)\n";
+  return out;
+}
+
 void Endpoint::watch() {
+  auto last_heard = detail::Clock::now();
   while (true) {
-    std::optional<Frame> f;
-    try {
-      f = channel_.recv();
-    } catch (const std::exception&) {
-      f.reset();
-    }
-    if (!f) break;
-    if (f->kind == kHeartbeat) {
+    std::optional<Frame> f = channel_.next();
+    if (!f) {
+      int wait_ms = -1;
+      if (options_.kernel_timeout.count() > 0)
+        wait_ms = detail::ms_until(last_heard + options_.kernel_timeout);
+      pollfd p{channel_.fd(), POLLIN, 0};
+      int rc = ::poll(&p, 1, wait_ms);
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) break;
+      if (rc == 0) {
+        // Silence for kernel_timeout, heartbeats included: the kernel (or its host) is gone.
+        if (detail::Clock::now() - last_heard >= options_.kernel_timeout) break;
+        continue;
+      }
       try {
-        send(Frame::make(kHeartbeatAck, rank_, f->seq));
+        if (channel_.read_some() == Channel::ReadResult::kEof) break;
       } catch (const std::exception&) {
         break;
       }
+      last_heard = detail::Clock::now();
       continue;
+    }
+    try {
+      if (f->kind == kHeartbeat) {
+        send(Frame::make(kHeartbeatAck, rank_, f->seq));
+        continue;
+      }
+      if (f->kind == kStackRequest) {
+        send(Frame::make(kStacks, rank_, f->seq, dump_stacks()));
+        continue;
+      }
+    } catch (const std::exception&) {
+      break;  // the kernel is gone
     }
     {
       std::lock_guard lock(mu_);
@@ -72,8 +206,12 @@ void Endpoint::watch() {
   closed_ = true;
   cv_.notify_all();
   if (stopping_) return;
-  // The kernel is gone. Python gets a moment to leave on its own; a stuck worker is ended here.
-  if (!cv_.wait_for(lock, exit_grace_, [this] { return stopping_; })) ::_exit(1);
+  // The kernel is gone. Python gets a moment to leave on its own; a stuck worker is ended here,
+  // with what it started when its process group is its own.
+  if (!cv_.wait_for(lock, options_.exit_grace, [this] { return stopping_; })) {
+    if (::getpgrp() == ::getpid()) ::kill(0, SIGKILL);
+    ::_exit(1);
+  }
 }
 
 }  // namespace ddip

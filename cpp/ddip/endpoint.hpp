@@ -1,13 +1,16 @@
 // The worker side of a group's connection. A watchdog thread reads every frame from the kernel:
-// it answers heartbeats itself (so a worker busy in Python or C still looks alive) and, when the
-// kernel goes away, makes the process exit even if Python is stuck.
+// it answers heartbeats itself (so a worker busy in Python or C still looks alive), answers
+// stack requests, and, when the kernel goes away, makes the process exit even if Python is stuck.
 #pragma once
+
+#include <sys/types.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -20,12 +23,35 @@ class EndpointClosed : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+struct EndpointOptions {
+  // After the kernel hangs up, how long Python gets to exit before the process is ended (with
+  // its whole process group, when it leads one, as a rank the Supervisor started does).
+  std::chrono::milliseconds exit_grace{3000};
+  // The kernel's pid (DDIP_KERNEL_PID); 0: unknown. When known and this process leads its own
+  // process group, the kernel's death kills the whole group at once: the rank and whatever it
+  // started (subprocesses, `!cmd`, DataLoader workers) that may hold GPU memory.
+  pid_t kernel_pid = 0;
+  // No frame at all from the kernel for this long (heartbeats come every second) means it is
+  // gone (DDIP_KERNEL_TIMEOUT_MS, for workers on other hosts); 0: only a hang-up means that.
+  std::chrono::milliseconds kernel_timeout{0};
+
+  // Options from DDIP_KERNEL_PID and DDIP_KERNEL_TIMEOUT_MS; exit_grace keeps its default.
+  static EndpointOptions from_environment();
+};
+
+// The signal a rank's parent death is turned into: a C handler kills the rank's process group.
+// A real-time one: Python, torch, NCCL and user code leave those alone, while SIGUSR1/2 are
+// taken by user code and launchers (Slurm's preemption notice, for one).
+int kernel_death_signal();
+
 class Endpoint {
  public:
   // Connects to `socket_path` and sends a Hello frame for `rank` carrying `hello`.
-  // `exit_grace`: after the kernel hangs up, how long Python gets to exit before _exit(1).
   Endpoint(const std::string& socket_path, int rank, std::string hello,
-           std::chrono::milliseconds exit_grace = std::chrono::milliseconds(3000));
+           EndpointOptions options = {});
+  Endpoint(const std::string& socket_path, int rank, std::string hello,
+           std::chrono::milliseconds exit_grace)
+      : Endpoint(socket_path, rank, std::move(hello), EndpointOptions{exit_grace}) {}
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
   ~Endpoint();
@@ -33,14 +59,20 @@ class Endpoint {
   int rank() const { return rank_; }
   // Thread-safe.
   void send(Frame f);
-  // A frame from the kernel (heartbeats excluded), or nullopt after `timeout`.
-  // Throws EndpointClosed once the kernel has hung up and every frame has been taken.
+  // A frame from the kernel (heartbeats and stack requests excluded), or nullopt after
+  // `timeout`. Throws EndpointClosed once the kernel has hung up and every frame has been taken.
   std::optional<Frame> recv(std::chrono::milliseconds timeout);
   bool closed() const;
 
+  // Stack requests are answered with what the process writes to the pipe `read_end` when sent
+  // `signum` (Python's faulthandler.register(signum, file=<write end>, all_threads=True)). The
+  // Endpoint owns `read_end` from now on. The watchdog blocks `signum` for itself, so the handler
+  // runs on a Python thread, even one stuck in C code.
+  void enable_stack_dumps(int signum, Fd read_end);
+
  private:
   int rank_;
-  std::chrono::milliseconds exit_grace_;
+  EndpointOptions options_;
   Channel channel_;  // reading: watchdog thread only; writing: under send_mu_
   std::mutex send_mu_;
   mutable std::mutex mu_;
@@ -48,9 +80,14 @@ class Endpoint {
   std::deque<Frame> inbox_;
   bool closed_ = false;
   bool stopping_ = false;
+  std::mutex stack_mu_;  // held while a dump is read
+  int stack_signal_ = 0;
+  Fd stack_pipe_;
   std::thread watchdog_;
 
   void watch();
+  std::string dump_stacks();
+  void tie_group_to_kernel();
 };
 
 }  // namespace ddip

@@ -3,8 +3,23 @@
 #include <algorithm>
 
 namespace ddip {
+namespace detail {
+
+// How many bytes at the end of `s` start a UTF-8 character that is not complete yet.
+size_t incomplete_utf8_tail(std::string_view s) {
+  for (size_t back = 1; back <= 4 && back <= s.size(); ++back) {
+    auto c = static_cast<unsigned char>(s[s.size() - back]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: the lead is further back
+    size_t len = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
+    return back < len ? back : 0;
+  }
+  return 0;  // only continuation bytes: invalid, nothing to wait for
+}
+
+}  // namespace detail
 
 std::string LineAssembler::feed(std::string_view data) {
+  if (!data.empty()) kept_ = false;
   size_t cut = data.find_last_of("\r\n");
   if (cut == std::string_view::npos) {
     pending_.append(data);
@@ -16,9 +31,11 @@ std::string LineAssembler::feed(std::string_view data) {
   return out;
 }
 
-std::string LineAssembler::flush() {
-  std::string out = std::move(pending_);
-  pending_.clear();
+std::string LineAssembler::flush(bool force) {
+  size_t keep = force || kept_ ? 0 : detail::incomplete_utf8_tail(pending_);
+  std::string out = pending_.substr(0, pending_.size() - keep);
+  pending_.erase(0, pending_.size() - keep);
+  kept_ = keep > 0;
   return out;
 }
 
@@ -56,14 +73,15 @@ std::vector<OutputPiece> RankOutput::feed(Stream s, std::string_view data) {
   return pieces;
 }
 
-std::string RankOutput::flush(Stream s) {
+std::string RankOutput::flush(Stream s, bool force) {
   std::string text;
   if (s == kStdout) {
-    out_.feed(marker_carry_);  // not a marker after all: it's text
+    std::string carry = std::move(marker_carry_);  // not a marker after all: it's text
     marker_carry_.clear();
-    text = out_.flush();
+    text = out_.feed(carry);
+    text += out_.flush(force);
   } else {
-    text = err_.flush();
+    text = err_.flush(force);
     remember(text);
   }
   return text;

@@ -13,12 +13,16 @@ class LineAssembler {
  public:
   // Appends `data`; returns everything up to and including the last '\n' or '\r'.
   std::string feed(std::string_view data);
-  // Returns (and forgets) the partial line held back.
-  std::string flush();
+  // Returns (and forgets) the partial line held back. Unless `force`, an incomplete UTF-8
+  // character at its end stays, for the rest of it to arrive: a piece never ends mid-character.
+  // Bytes already kept back by the previous flush, with nothing fed since, go anyway, so
+  // invalid UTF-8 is delayed, never lost.
+  std::string flush(bool force = true);
   bool has_pending() const { return !pending_.empty(); }
 
  private:
   std::string pending_;
+  bool kept_ = false;  // pending_ is what the previous flush kept back
 };
 
 // Written by a worker to its stdout just before it sends a display frame: it marks where in the
@@ -39,7 +43,8 @@ class RankOutput {
   // Text released by `data`. On stdout, each display marker ends a piece (with the partial line
   // before it flushed), so the caller can put the display there.
   std::vector<OutputPiece> feed(Stream s, std::string_view data);
-  std::string flush(Stream s);
+  // The partial line of `s`; see LineAssembler::flush for `force`.
+  std::string flush(Stream s, bool force = true);
   bool has_pending() const {
     return out_.has_pending() || err_.has_pending() || !marker_carry_.empty();
   }

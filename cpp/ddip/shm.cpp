@@ -6,18 +6,21 @@
 
 #include <algorithm>
 #include <bit>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 namespace ddip {
 
 Segment::Segment(size_t size) : size_(size) {
-  fd_ = Fd(check(::memfd_create("ddip-segment", MFD_CLOEXEC), "memfd_create",
+  fd_ = Fd(check(::memfd_create("ddip-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING), "memfd_create",
                  "creating a shared-memory segment"));
   check(::ftruncate(fd_.get(), static_cast<off_t>(size)), "ftruncate",
         "sizing a shared-memory segment");
+  check(::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), "fcntl(F_ADD_SEALS)",
+        "sealing a shared-memory segment's size");
   addr_ = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
   if (addr_ == MAP_FAILED) {
     addr_ = nullptr;
@@ -52,7 +55,7 @@ uint64_t SegmentPool::put(const void* data, size_t n) {
     std::lock_guard lock(mu_);
     auto it = free_.find(want);
     if (it != free_.end()) {
-      seg.emplace(std::move(it->second));
+      seg.emplace(std::move(it->second.segment));
       free_bytes_ -= want;
       free_.erase(it);
     } else {
@@ -83,7 +86,28 @@ void SegmentPool::release(uint64_t id) {
   used_.erase(it);
   if (free_bytes_ + seg.size() > keep_free_) return;  // freed here
   free_bytes_ += seg.size();
-  free_.emplace(seg.size(), std::move(seg));
+  size_t size = seg.size();
+  free_.emplace(size, Unused{std::move(seg), std::chrono::steady_clock::now()});
+}
+
+size_t SegmentPool::trim(std::chrono::steady_clock::duration max_idle,
+                         std::chrono::steady_clock::time_point now) {
+  std::vector<Segment> doomed;  // unmapped after the lock is dropped: munmap of GiBs takes a while
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (now - it->second.since < max_idle) {
+        ++it;
+        continue;
+      }
+      free_bytes_ -= it->second.segment.size();
+      doomed.push_back(std::move(it->second.segment));
+      it = free_.erase(it);
+    }
+  }
+  size_t bytes = 0;
+  for (auto& seg : doomed) bytes += seg.size();
+  return bytes;
 }
 
 Fd SegmentPool::dup_fd(uint64_t id) const {

@@ -7,6 +7,7 @@
 // Linux shows later writes to the file through pages a private mapping has not copied yet.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -19,7 +20,8 @@ namespace ddip {
 
 class Segment {
  public:
-  // A memfd of `size` bytes, mapped shared and writable here.
+  // A memfd of `size` bytes, mapped shared and writable here, sealed against resizing: a rank
+  // that shrank it would make every other mapping of it fault (SIGBUS) on the lost pages.
   explicit Segment(size_t size);
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
@@ -53,6 +55,10 @@ class SegmentPool {
   void release(uint64_t id);
   // A new fd for the segment, for sending (the frame owns and closes it).
   Fd dup_fd(uint64_t id) const;
+  // Frees the unused segments that have been unused for longer than `max_idle` (all of them for
+  // 0); returns the bytes freed. The pool only speeds up pushes that follow each other.
+  size_t trim(std::chrono::steady_clock::duration max_idle,
+              std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
 
   size_t in_use() const;      // segments with references
   size_t free_bytes() const;  // bytes kept for reuse
@@ -66,8 +72,12 @@ class SegmentPool {
   mutable std::mutex mu_;
   size_t keep_free_;
   uint64_t next_id_ = 1;
+  struct Unused {
+    Segment segment;
+    std::chrono::steady_clock::time_point since;
+  };
   std::unordered_map<uint64_t, Entry> used_;
-  std::multimap<size_t, Segment> free_;  // by size
+  std::multimap<size_t, Unused> free_;  // by size
   size_t free_bytes_ = 0;
   size_t created_ = 0;
 };

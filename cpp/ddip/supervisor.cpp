@@ -1,14 +1,16 @@
 #include "ddip/supervisor.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
-#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -16,8 +18,6 @@
 
 namespace ddip {
 namespace detail {
-
-int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
 
 int pidfd_send_signal(int pidfd, int sig) {
   return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
@@ -31,9 +31,10 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
   return out;
 }
 
-// Runs in the clone(CLONE_VM | CLONE_VFORK) child: only async-signal-safe calls, no allocation, no writes but `err`.
+// Runs in the clone(CLONE_VM | CLONE_VFORK) child: only async-signal-safe calls, no allocation, no
+// writes but `err`.
 [[noreturn]] void exec_child(pid_t parent, const char* file, char* const* argv, char* const* envp,
-                             const char* cwd, int out_fd, int err_fd, int report_fd) {
+                             const char* cwd, int in_fd, int out_fd, int err_fd, int report_fd) {
   int err = 0;
   const char* step = nullptr;
   if (::setpgid(0, 0) < 0) {
@@ -42,6 +43,8 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
     err = errno, step = "prctl";
   } else if (::getppid() != parent) {
     ::_exit(1);  // the parent already died: don't start an orphan
+  } else if (in_fd >= 0 && ::dup2(in_fd, 0) < 0) {
+    err = errno, step = "dup2";
   } else if (out_fd >= 0 && ::dup2(out_fd, 1) < 0) {
     err = errno, step = "dup2";
   } else if (err_fd >= 0 && ::dup2(err_fd, 2) < 0) {
@@ -80,12 +83,34 @@ struct ExecArgs {
   char* const* argv;
   char* const* envp;
   const char* cwd;
-  int out_fd, err_fd, report_fd;
+  int in_fd, out_fd, err_fd, report_fd;
 };
 
 int clone_entry(void* p) {
   auto* a = static_cast<ExecArgs*>(p);
-  exec_child(a->parent, a->file, a->argv, a->envp, a->cwd, a->out_fd, a->err_fd, a->report_fd);
+  exec_child(a->parent, a->file, a->argv, a->envp, a->cwd, a->in_fd, a->out_fd, a->err_fd,
+             a->report_fd);
+}
+
+// PIDFD_GET_INFO (Linux 6.13; the exit status since 6.15), declared here for older headers.
+struct PidfdInfo {
+  uint64_t mask;
+  uint64_t cgroupid;
+  uint32_t pid, tgid, ppid, ruid, rgid, euid, egid, suid, sgid, fsuid, fsgid;
+  int32_t exit_code;  // a wait status, as waitpid() returns it
+};
+static_assert(sizeof(PidfdInfo) == 64);
+constexpr unsigned long kPidfdGetInfo = _IOWR(0xFF, 11, PidfdInfo);
+constexpr uint64_t kPidfdInfoExit = 1u << 3;
+
+// The status of a child someone else reaped: the kernel keeps it for holders of a pidfd.
+ExitStatus status_from_pidfd(int pidfd) {
+  PidfdInfo info{};
+  info.mask = kPidfdInfoExit;
+  if (::ioctl(pidfd, kPidfdGetInfo, &info) < 0 || !(info.mask & kPidfdInfoExit))
+    return ExitStatus{0, 0, true};  // an older kernel: unknown it is
+  if (WIFSIGNALED(info.exit_code)) return ExitStatus{0, WTERMSIG(info.exit_code), false};
+  return ExitStatus{WEXITSTATUS(info.exit_code), 0, false};
 }
 
 ExitStatus decode(const siginfo_t& info) {
@@ -105,15 +130,23 @@ std::string signal_name(int sig) {
 }
 
 std::string ExitStatus::describe() const {
+  if (unknown) return "exit status unknown (reaped by someone else in the notebook process)";
   if (signal) return "killed by " + signal_name(signal);
   return "exit code " + std::to_string(code);
 }
 
 Supervisor::~Supervisor() {
+  auto deadline = std::chrono::steady_clock::now() + kill_wait_;
   for (size_t i = 0; i < children_.size(); ++i) {
-    if (!running(i)) continue;
-    signal(i, SIGKILL);
-    wait(i, std::chrono::milliseconds(-1));
+    try {
+      if (!running(i)) continue;
+      signal(i, SIGKILL);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      wait(i, std::max(left, std::chrono::milliseconds(0)));
+    } catch (const std::exception&) {
+      // A destructor can only leave it: the child is SIGKILLed or gone already.
+    }
   }
 }
 
@@ -123,14 +156,24 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   auto argv = detail::c_strings(spec.argv);
   auto envp = detail::c_strings(spec.env);
   Pipe report = make_pipe();
+  Fd null_in;
+  if (spec.null_stdin)
+    null_in = Fd(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open(/dev/null)",
+                       "giving a worker an empty stdin"));
   Pipe out, err;
   if (spec.capture_output) {
     out = make_pipe(true);
     err = make_pipe(true);
   }
-  detail::ExecArgs args{::getpid(),       argv[0],        argv.data(),
-                        envp.data(),       spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
-                        out.write.get(),   err.write.get(), report.write.get()};
+  detail::ExecArgs args{::getpid(),
+                        argv[0],
+                        argv.data(),
+                        envp.data(),
+                        spec.cwd.empty() ? nullptr : spec.cwd.c_str(),
+                        null_in.get(),
+                        out.write.get(),
+                        err.write.get(),
+                        report.write.get()};
   // CLONE_VM | CLONE_VFORK, as posix_spawn does: no page-table copy of a multi-GiB notebook
   // process, and the parent resumes once the child has exec'd (or failed to).
   std::vector<char> stack(256 * 1024);
@@ -138,8 +181,11 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   sigset_t all, old;
   sigfillset(&all);
   ::pthread_sigmask(SIG_BLOCK, &all, &old);
-  pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(), CLONE_VM | CLONE_VFORK | SIGCHLD,
-                      &args);
+  // CLONE_PIDFD: the pidfd comes with the child, so no moment exists where only a reusable pid
+  // names it. The exit signal stays SIGCHLD: execve resets any other to SIGCHLD anyway.
+  int pidfd = -1;
+  pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(),
+                      CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &args, &pidfd);
   int clone_errno = errno;
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
   errno = clone_errno;
@@ -147,14 +193,7 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   // CLONE_VFORK: the child has exec'd (or failed) by now, in its own process group.
   Child c;
   c.pid_ = pid;
-  c.pidfd_ = Fd(detail::pidfd_open(pid));
-  if (!c.pidfd_) {
-    int err = errno;
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-    errno = err;
-    throw_errno("pidfd_open", "watching a worker process");
-  }
+  c.pidfd_ = Fd(pidfd);
   report.write.reset();
   char buf[32] = {};
   ssize_t n;
@@ -197,13 +236,20 @@ std::optional<ExitStatus> Supervisor::poll(size_t i) {
   int rc = ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &info, WEXITED | WNOHANG | WNOWAIT);
   if (rc < 0) {
     if (errno == EINTR) return std::nullopt;
-    throw_errno("waitid", "checking on a worker process");
+    if (errno != ECHILD) throw_errno("waitid", "checking on a worker process");
+    // Someone in the host reaped it (os.wait(), SIGCHLD ignored). Its pid may already be reused,
+    // so its group is not signalled: a stranger could lead a group of that number by now.
+    c.status_ = detail::status_from_pidfd(c.pidfd_.get());
+    return c.status_;
   }
   if (info.si_pid == 0) return std::nullopt;
   ::kill(-c.pid_, SIGKILL);
   siginfo_t reaped{};
-  check(::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &reaped, WEXITED), "waitid",
-        "reaping a worker process");
+  do {
+    rc = ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &reaped, WEXITED);
+  } while (rc < 0 && errno == EINTR);
+  // ECHILD: reaped by someone else in between; the status already read is still the real one.
+  if (rc < 0 && errno != ECHILD) throw_errno("waitid", "reaping a worker process");
   c.status_ = detail::decode(info);
   return c.status_;
 }
@@ -223,6 +269,9 @@ std::optional<ExitStatus> Supervisor::wait(size_t i, std::chrono::milliseconds t
     pollfd p{c.pidfd_.get(), POLLIN, 0};
     int rc = ::poll(&p, 1, ms);
     if (rc < 0 && errno != EINTR) throw_errno("poll", "waiting for a worker process to exit");
+    // Exited yet not reapable: a zombie that a tracer (gdb, strace, py-spy) has not let go of.
+    // Its pidfd stays readable, so look again in a while instead of spinning.
+    if (rc > 0 && !poll(i)) ::poll(nullptr, 0, std::min(ms < 0 ? 10 : ms, 10));
   }
   return c.status_;
 }
@@ -242,19 +291,35 @@ void Supervisor::signal_all(int sig, bool whole_group) {
   for (size_t i = 0; i < children_.size(); ++i) signal(i, sig, whole_group);
 }
 
-void Supervisor::stop_all(std::chrono::milliseconds grace) {
-  signal_all(SIGTERM);
+std::vector<size_t> Supervisor::stop_all(std::chrono::milliseconds grace) noexcept {
+  // Each step per child, so that one child's error (a bug, or an fd limit) stops no other.
+  auto each = [this](auto&& step) {
+    for (size_t i = 0; i < children_.size(); ++i) try {
+        step(i);
+      } catch (const std::exception&) {
+      }
+  };
+  auto left = [](std::chrono::steady_clock::time_point deadline) {
+    return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()),
+                    std::chrono::milliseconds(0));
+  };
+  each([&](size_t i) { signal(i, SIGTERM); });
   auto deadline = std::chrono::steady_clock::now() + grace;
+  each([&](size_t i) { wait(i, left(deadline)); });
+  each([&](size_t i) { signal(i, SIGKILL); });
+  deadline = std::chrono::steady_clock::now() + kill_wait_;
+  each([&](size_t i) { wait(i, left(deadline)); });
+  std::vector<size_t> stuck;
   for (size_t i = 0; i < children_.size(); ++i) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    wait(i, std::max(left, std::chrono::milliseconds(0)));
+    bool reaped = false;
+    try {
+      reaped = poll(i).has_value();
+    } catch (const std::exception&) {
+    }
+    if (!reaped) stuck.push_back(i);
   }
-  for (size_t i = 0; i < children_.size(); ++i) {
-    if (!running(i)) continue;
-    signal(i, SIGKILL);
-    wait(i, std::chrono::milliseconds(-1));
-  }
+  return stuck;
 }
 
 }  // namespace ddip

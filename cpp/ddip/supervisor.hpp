@@ -3,7 +3,9 @@
 // SIGTERM, a grace period, then SIGKILL.
 //
 // Children are watched through pidfds, never waitpid(-1): the kernel process has other children
-// (subprocess, ipykernel's) that are not ours to reap.
+// (subprocess, ipykernel's) that are not ours to reap. The host may reap ours, though (os.wait(),
+// SIGCHLD set to SIG_IGN): that is never an error; the status then comes from the pidfd (Linux
+// 6.15+), or is reported as unknown.
 #pragma once
 
 #include <sys/types.h>
@@ -22,14 +24,17 @@ struct SpawnSpec {
   std::vector<std::string> env;   // complete environment, "KEY=value"
   std::string cwd;                // empty: inherit
   bool capture_output = true;     // fd 1 and 2 become pipes the caller reads
+  bool null_stdin = true;         // fd 0 is /dev/null: input() in a rank must not wait on ours
 };
 
 struct ExitStatus {
-  int code = 0;    // exit code, when the child exited
-  int signal = 0;  // the signal that killed it, or 0
+  int code = 0;          // exit code, when the child exited
+  int signal = 0;        // the signal that killed it, or 0
+  bool unknown = false;  // someone else in this process reaped it: code and signal mean nothing
   // The shell's convention: 128 + signal for a signalled child.
   int shell_code() const { return signal ? 128 + signal : code; }
-  std::string describe() const;  // "exit code 3", "killed by SIGKILL"
+  // "exit code 3", "killed by SIGKILL", "exit status unknown (...)"
+  std::string describe() const;
 };
 
 class Child {
@@ -50,10 +55,16 @@ class Child {
 
 class Supervisor {
  public:
-  Supervisor() = default;
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
-  // Kills (SIGKILL) and reaps whatever is still running: a Supervisor never leaves orphans.
+  // How long a SIGKILLed child gets to be reaped: one in uninterruptible sleep (a hung NFS read,
+  // a wedged GPU driver) may never go, and the notebook must not hang with it.
+  static constexpr std::chrono::milliseconds kKillWait{5000};
+
+  explicit Supervisor(std::chrono::milliseconds kill_wait = kKillWait) : kill_wait_(kill_wait) {}
+
+  // Kills (SIGKILL) and reaps whatever is still running, waiting at most kill_wait in all; a
+  // child that would not die by then is left behind (it dies with this process's children).
   ~Supervisor();
 
   // Starts a child; returns its index. Throws std::system_error when exec fails (the child's
@@ -65,7 +76,8 @@ class Supervisor {
   size_t size() const { return children_.size(); }
   Child& child(size_t i) { return children_.at(i); }
 
-  // Non-blocking: the exit status once the child has exited (reaps it), else nullopt.
+  // Non-blocking: the exit status once the child has exited (reaps it), else nullopt. Never
+  // throws for a child someone else reaped (ECHILD): that status is `unknown`.
   std::optional<ExitStatus> poll(size_t i);
   // Blocks up to `timeout` for the child to exit.
   std::optional<ExitStatus> wait(size_t i, std::chrono::milliseconds timeout);
@@ -76,10 +88,13 @@ class Supervisor {
   void signal(size_t i, int sig, bool whole_group = true);
   void signal_all(int sig, bool whole_group = true);
 
-  // SIGTERM to every running child's group, wait up to `grace`, then SIGKILL; all reaped.
-  void stop_all(std::chrono::milliseconds grace);
+  // SIGTERM to every running child's group, wait up to `grace`, then SIGKILL and wait up to
+  // kill_wait. Returns the indices of children still not reaped. Never throws: it runs on error
+  // paths.
+  std::vector<size_t> stop_all(std::chrono::milliseconds grace) noexcept;
 
  private:
+  std::chrono::milliseconds kill_wait_;
   std::vector<Child> children_;
 };
 

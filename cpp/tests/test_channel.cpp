@@ -1,14 +1,57 @@
-#include "ddip/channel.hpp"
-
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <thread>
 
+#include "ddip/channel.hpp"
+
 using namespace ddip;
+
+namespace {
+
+// While alive, this process can open at most `spare` more fds: a stand-in for a notebook that
+// has run out of them (too many open files, DataLoader workers).
+class FdStarvation {
+ public:
+  // The sanitizers check memory through a pipe of their own: with no fd to spare they report
+  // errors that are not there. Tests that starve receives run in the plain build only.
+  static bool sanitized() {
+#if defined(__SANITIZE_ADDRESS__)
+    return true;
+#else
+    return false;
+#endif
+  }
+
+  explicit FdStarvation(int spare = 0) {
+    ::getrlimit(RLIMIT_NOFILE, &old_);
+    filler_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);  // the lowest free fd: all below are used
+    rlimit low = old_;
+    low.rlim_cur = static_cast<rlim_t>(filler_ + 1 + spare);
+    ::setrlimit(RLIMIT_NOFILE, &low);
+  }
+  ~FdStarvation() {
+    ::setrlimit(RLIMIT_NOFILE, &old_);
+    ::close(filler_);
+  }
+
+ private:
+  rlimit old_{};
+  int filler_ = -1;
+};
+
+Frame with_fds(uint64_t seq, int n) {
+  Frame f = Frame::make(kDone, 0, seq, "payload");
+  f.fds = std::make_shared<std::vector<Fd>>();
+  for (int i = 0; i < n; ++i) f.fds->push_back(make_pipe().read);
+  return f;
+}
+
+}  // namespace
 
 TEST(Channel, FramesKeepKindRankSeqAndPayload) {
   auto [a, b] = channel_pair();
@@ -61,13 +104,17 @@ TEST(Channel, PassesFileDescriptors) {
 
 TEST(Channel, EofWhenThePeerCloses) {
   auto pair = channel_pair();
-  { Channel gone = std::move(pair.first); }
+  {
+    Channel gone = std::move(pair.first);
+  }
   EXPECT_FALSE(pair.second.recv());
 }
 
 TEST(Channel, FlushToAClosedPeerThrows) {
   auto pair = channel_pair();
-  { Channel gone = std::move(pair.second); }
+  {
+    Channel gone = std::move(pair.second);
+  }
   EXPECT_THROW(pair.first.send(Frame::make(kRequest, 0, 0, "x")), std::system_error);
 }
 
@@ -109,4 +156,58 @@ TEST(Listener, TooLongAPathIsAClearError) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("TMPDIR"), std::string::npos);
   }
+}
+
+TEST(Channel, AFrameWhoseFdsCouldNotBeReceivedIsMarkedTruncated) {
+  if (FdStarvation::sanitized()) GTEST_SKIP() << "needs fds the sanitizers would lack";
+  auto [a, b] = channel_pair();
+  a.send(with_fds(1, 3));
+  a.send(with_fds(2, 1));
+  std::optional<Frame> first;
+  {
+    FdStarvation starved(1);  // room for one of the three
+    first = b.recv();
+  }
+  ASSERT_TRUE(first);
+  EXPECT_TRUE(first->truncated);
+  EXPECT_EQ(first->seq, 1u);
+  EXPECT_EQ(first->data(), "payload");
+  ASSERT_TRUE(first->fds);
+  EXPECT_EQ(first->fds->size(), 1u);  // the one that arrived, for the receiver to close
+  auto second = b.recv();             // the stream is still in step
+  ASSERT_TRUE(second);
+  EXPECT_FALSE(second->truncated);
+  EXPECT_EQ(second->seq, 2u);
+  ASSERT_TRUE(second->fds);
+  EXPECT_EQ(second->fds->size(), 1u);
+}
+
+TEST(Channel, NoFdAtAllIsTruncatedToo) {
+  if (FdStarvation::sanitized()) GTEST_SKIP() << "needs fds the sanitizers would lack";
+  auto [a, b] = channel_pair();
+  a.send(with_fds(1, 2));
+  std::optional<Frame> f;
+  {
+    FdStarvation starved;
+    f = b.recv();
+  }
+  ASSERT_TRUE(f);
+  EXPECT_TRUE(f->truncated);
+  EXPECT_TRUE(!f->fds || f->fds->empty());
+}
+
+TEST(Listener, OutOfFdsLeavesTheConnectionWaitingInsteadOfThrowing) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Channel client(connect_unix(d.socket_path()));
+  {
+    FdStarvation starved;
+    Fd none;
+    EXPECT_NO_THROW(none = l.accept());
+    EXPECT_FALSE(none);
+    EXPECT_TRUE(l.starved());
+  }
+  Fd fd = l.accept();  // still there once fds are free again
+  EXPECT_TRUE(fd);
+  EXPECT_FALSE(l.starved());
 }

@@ -1,16 +1,21 @@
 // The coordinator against real worker processes: this test binary re-executes itself as a
 // worker (DDIP_TEST_WORKER=1) that speaks through an Endpoint.
-#include "ddip/coordinator.hpp"
-
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/ptrace.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 
+#include "ddip/coordinator.hpp"
 #include "ddip/endpoint.hpp"
 
 using namespace ddip;
@@ -29,8 +34,22 @@ void write_fd(int fd, const std::string& s) {
   (void)ignored;
 }
 
+size_t g_flood_bytes = 0;
+
+// SIGTERM handler of "flood-on-term": writes g_flood_bytes to stdout (more than a pipe holds), then
+// exits with 7. Only a reader on the other end lets it finish.
+void flood_then_exit(int) {
+  static char chunk[4096];
+  std::memset(chunk, 'f', sizeof chunk);
+  for (size_t done = 0; done < g_flood_bytes; done += sizeof chunk)
+    write_fd(1, {chunk, sizeof chunk});
+  ::_exit(7);
+}
+
 // Requests: "echo:N" prints N lines then replies; "partial:X" prints X without a newline;
-// "exit:N" exits with N after a line on stderr.
+// "exit:N" exits with N after a line on stderr; "hang" replies, then never reads again;
+// "flood-on-term:N" sets the SIGTERM handler above; "fds:N" replies with N fds attached;
+// "env:NAME" replies with the variable's value.
 int worker_main() {
   int rank = std::atoi(std::getenv("DDIP_TEST_RANK"));
   Endpoint ep(std::getenv("DDIP_SOCKET"), rank, "pid=" + std::to_string(::getpid()));
@@ -69,6 +88,21 @@ int worker_main() {
       ep.send(Frame::make(kDisplay, rank, f->seq, "D"));
       write_fd(1, "after\n");
       ep.send(Frame::make(kDone, rank, f->seq, ""));
+    } else if (req == "hang") {
+      ep.send(Frame::make(kDone, rank, f->seq, ""));
+      while (true) ::pause();
+    } else if (req.rfind("flood-on-term:", 0) == 0) {
+      g_flood_bytes = std::stoul(req.substr(14));
+      ::signal(SIGTERM, flood_then_exit);
+      ep.send(Frame::make(kDone, rank, f->seq, ""));
+    } else if (req.rfind("fds:", 0) == 0) {
+      Frame done = Frame::make(kDone, rank, f->seq, "with fds");
+      done.fds = std::make_shared<std::vector<Fd>>();
+      for (int i = 0; i < std::atoi(req.c_str() + 4); ++i) done.fds->push_back(make_pipe().read);
+      ep.send(std::move(done));
+    } else if (req.rfind("env:", 0) == 0) {
+      const char* v = std::getenv(req.c_str() + 4);
+      ep.send(Frame::make(kDone, rank, f->seq, v ? v : "(unset)"));
     } else if (req.rfind("exit:", 0) == 0) {
       write_fd(2, "about to exit\n");
       ::_exit(std::atoi(req.c_str() + 5));
@@ -96,6 +130,69 @@ Event wait_for(Coordinator& c, Event::Kind kind, int slot) {
     Event e = next(c);
     if (e.kind == kind && e.slot == slot) return e;
   }
+}
+
+Event request(Coordinator& c, int slot, uint64_t seq, const std::string& what) {
+  c.send(slot, Frame::make(kRequest, slot, seq, what));
+  while (true) {
+    Event e = next(c);
+    if ((e.kind == Event::kFrame || e.kind == Event::kTruncated) && e.slot == slot &&
+        e.frame.kind == kDone && e.frame.seq == seq)
+      return e;
+  }
+}
+
+// While alive, this process can open no new fd (see test_channel.cpp).
+class FdStarvation {
+ public:
+  // The sanitizers check memory through a pipe of their own: with no fd to spare they report
+  // errors that are not there. Tests that starve receives run in the plain build only.
+  static bool sanitized() {
+#if defined(__SANITIZE_ADDRESS__)
+    return true;
+#else
+    return false;
+#endif
+  }
+
+  FdStarvation() {
+    ::getrlimit(RLIMIT_NOFILE, &old_);
+    filler_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    rlimit low = old_;
+    low.rlim_cur = static_cast<rlim_t>(filler_ + 1);
+    ::setrlimit(RLIMIT_NOFILE, &low);
+  }
+  ~FdStarvation() {
+    ::setrlimit(RLIMIT_NOFILE, &old_);
+    ::close(filler_);
+  }
+
+ private:
+  rlimit old_{};
+  int filler_ = -1;
+};
+
+// A process that ptrace-attaches to `pid` and then does nothing: once killed, `pid` stays a
+// zombie that only this tracer could reap, as under a debugger that does not let go.
+pid_t hold_with_tracer(pid_t pid) {
+  int ready[2];
+  if (::pipe(ready) != 0) return -1;
+  pid_t tracer = ::fork();
+  if (tracer == 0) {
+    char ok = ::ptrace(PTRACE_SEIZE, pid, nullptr, nullptr) == 0 ? '1' : '0';
+    write_fd(ready[1], std::string(1, ok));
+    while (true) ::pause();
+  }
+  char ok = '0';
+  ssize_t n = ::read(ready[0], &ok, 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  if (n != 1 || ok != '1') {
+    ::kill(tracer, SIGKILL);
+    ::waitpid(tracer, nullptr, 0);
+    return -1;
+  }
+  return tracer;
 }
 
 }  // namespace
@@ -228,6 +325,162 @@ TEST(Coordinator, ExecFailureIsReportedAndNothingIsLeft) {
   CoordinatorOptions o = options(1);
   o.workers.push_back(SpawnSpec{{"/nonexistent/python"}, {}, "", true});
   EXPECT_THROW(Coordinator c(std::move(o)), std::system_error);
+}
+
+TEST(Coordinator, KernelPidAndSocketAreOursEvenWhenTheSpecHasOthers) {
+  CoordinatorOptions o = options(1);
+  o.workers[0].env.insert(o.workers[0].env.begin(), "DDIP_KERNEL_PID=1");
+  o.workers[0].env.insert(o.workers[0].env.begin(), "DDIP_SOCKET=/nonexistent/ddip.sock");
+  Coordinator c(std::move(o));
+  EXPECT_EQ(request(c, 0, 1, "env:DDIP_KERNEL_PID").frame.data(), std::to_string(::getpid()));
+}
+
+TEST(Coordinator, HostIgnoringSigchldDoesNotStopTheRuntime) {
+  // SIG_IGN for SIGCHLD (some notebook code does it) makes Linux reap our workers for us.
+  struct sigaction ign{}, old{};
+  ign.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGCHLD, &ign, &old), 0);
+  {
+    Coordinator c(options(2));
+    c.signal(1, SIGKILL);
+    Event e = wait_for(c, Event::kExited, 1);
+    EXPECT_TRUE(e.status.unknown || e.status.signal == SIGKILL);
+    EXPECT_EQ(request(c, 0, 2, "echo:1").frame.data(), "echoed");  // the other still works
+    EXPECT_TRUE(c.running());
+  }
+  ::sigaction(SIGCHLD, &old, nullptr);
+}
+
+TEST(Coordinator, StoppedWorkerIsReportedUnresponsiveThenResponsive) {
+  CoordinatorOptions o = options(2);
+  o.heartbeat_timeout = 200ms;
+  Coordinator c(std::move(o));
+  wait_for(c, Event::kFrame, 0);  // hello
+  ::kill(c.pids()[0], SIGSTOP);
+  Event e = wait_for(c, Event::kUnresponsive, 0);
+  EXPECT_GE(e.age_ms, 200);
+  ::kill(c.pids()[0], SIGCONT);
+  wait_for(c, Event::kResponsive, 0);
+  EXPECT_EQ(request(c, 0, 3, "echo:1").frame.data(), "echoed");
+}
+
+TEST(Coordinator, AReplyWhoseFdsCouldNotBeReceivedIsDeliveredTruncated) {
+  if (FdStarvation::sanitized()) GTEST_SKIP() << "needs fds the sanitizers would lack";
+  Coordinator c(options(1));
+  wait_for(c, Event::kFrame, 0);  // hello: connected before the fd table is full
+  Event e;
+  {
+    FdStarvation starved;
+    e = request(c, 0, 4, "fds:3");
+  }
+  EXPECT_EQ(e.kind, Event::kTruncated);
+  EXPECT_EQ(e.frame.data(), "with fds");
+  EXPECT_TRUE(!e.frame.fds || e.frame.fds->empty());
+  Event ok = request(c, 0, 5, "fds:2");  // nothing was lost in the stream
+  EXPECT_EQ(ok.kind, Event::kFrame);
+  ASSERT_TRUE(ok.frame.fds);
+  EXPECT_EQ(ok.frame.fds->size(), 2u);
+}
+
+TEST(Coordinator, OutputIsReadWhileWorkersStopSoAFloodingOneCanExit) {
+  CoordinatorOptions o = options(1);
+  Coordinator c(std::move(o));
+  request(c, 0, 1, "flood-on-term:1048576");
+  c.send(0, Frame::make(kRequest, 0, 2, "hang"));  // it won't read the shutdown frame
+  wait_for(c, Event::kFrame, 0);
+  auto stuck = c.close(200ms);
+  EXPECT_TRUE(stuck.empty());
+  size_t flooded = 0;
+  std::optional<ExitStatus> status;
+  while (auto ev = c.next_event(0ms)) {
+    if (ev->kind == Event::kOutput && ev->stream == 1) flooded += ev->text.size();
+    if (ev->kind == Event::kExited) status = ev->status;
+  }
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->code, 7);  // its handler finished: not SIGKILLed at a full pipe
+  EXPECT_EQ(flooded, 1048576u);
+}
+
+TEST(Coordinator, CloseIsBoundedWhenAWorkerCannotBeReaped) {
+  CoordinatorOptions o = options(2);
+  o.kill_wait = 300ms;
+  Coordinator c(std::move(o));
+  request(c, 0, 1, "hang");
+  pid_t held = c.pids()[0];
+  pid_t tracer = hold_with_tracer(held);
+  if (tracer < 0) GTEST_SKIP() << "ptrace is not permitted here";
+  auto t0 = std::chrono::steady_clock::now();
+  auto stuck = c.close(100ms);
+  auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(stuck, std::vector<pid_t>{held});
+  EXPECT_LT(took, 5s);                    // 100 ms + 100 ms + 300 ms of deadlines, not forever
+  EXPECT_EQ(::kill(c.pids()[1], 0), -1);  // the other one was stopped
+  ::kill(tracer, SIGKILL);
+  ::waitpid(tracer, nullptr, 0);
+}
+
+TEST(Coordinator, CloseInTwoHalvesCanBeHastened) {
+  Coordinator c(options(1));
+  request(c, 0, 1, "hang");
+  c.begin_close(60s);  // returns at once; the worker ignores the shutdown frame
+  EXPECT_FALSE(c.wait_closed(50ms));
+  EXPECT_TRUE(::kill(c.pids()[0], 0) == 0);
+  auto t0 = std::chrono::steady_clock::now();
+  auto stuck = c.close(0ms);  // a shorter grace hastens the stop under way
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s);
+  EXPECT_TRUE(stuck.empty());
+  ASSERT_TRUE(c.wait_closed(0ms));
+}
+
+TEST(Coordinator, AnExitedWorkersPidCannotAttachLater) {
+  std::ofstream last_pid("/proc/sys/kernel/ns_last_pid");
+  if (!last_pid) GTEST_SKIP() << "needs write access to /proc/sys/kernel/ns_last_pid";
+  Coordinator c(options(1));
+  pid_t dead = c.pids()[0];
+  c.send(0, Frame::make(kRequest, 0, 1, "exit:0"));
+  wait_for(c, Event::kExited, 0);
+  // Another process gets the dead worker's pid (pid reuse, forced) and connects.
+  std::string path = c.socket_path();
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    last_pid << dead - 1 << std::flush;
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      if (::getpid() != dead) ::_exit(2);
+      std::optional<Channel> ch;
+      try {
+        ch.emplace(connect_unix(path));
+      } catch (...) {
+        ::_exit(3);
+      }
+      try {
+        ch->send(Frame::make(kHello, 0, 0, "impostor"));
+        // Dropped at once: EOF (or a reset). Attached: the first heartbeat (20 ms) comes.
+        ::_exit(ch->recv() ? 1 : 0);
+      } catch (...) {
+        ::_exit(0);  // reset by the coordinator: dropped
+      }
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (WEXITSTATUS(status) == 2) continue;  // another process took the pid first: again
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "the impostor was attached";
+    EXPECT_FALSE(c.connected(0));
+    return;
+  }
+  GTEST_SKIP() << "could not get the pid back";
+}
+
+TEST(Coordinator, IdlePoolSegmentsAreFreedWhileTheGroupLives) {
+  CoordinatorOptions o = options(1);
+  o.pool_idle = 50ms;
+  Coordinator c(std::move(o));
+  uint64_t id = c.pool().put("x", 1);
+  c.pool().release(id);
+  EXPECT_EQ(c.pool().free_bytes(), SegmentPool::kMinSegment);
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (c.pool().free_bytes() > 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(c.pool().free_bytes(), 0u);
 }
 
 int main(int argc, char** argv) {

@@ -1,10 +1,14 @@
-#include "ddip/endpoint.hpp"
-
 #include <gtest/gtest.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
+#include <cstdio>
+#include <string>
 #include <thread>
+
+#include "ddip/endpoint.hpp"
 
 using namespace ddip;
 using namespace std::chrono_literals;
@@ -24,6 +28,48 @@ std::optional<Frame> read_frame(Channel& c) {
     std::this_thread::sleep_for(1ms);
   }
   return std::nullopt;
+}
+
+void send_frame(Channel& c, Frame f) {
+  set_nonblocking(c.fd());
+  c.queue(std::move(f));
+  while (!c.flush()) {
+  }
+}
+
+// Alive and not a zombie.
+bool alive(pid_t pid) {
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (!f) return false;
+  char state = 0;
+  int ignored_pid;
+  char comm[256];
+  bool ok = std::fscanf(f, "%d %255s %c", &ignored_pid, comm, &state) == 3;
+  std::fclose(f);
+  return ok && state != 'Z' && state != 'X';
+}
+
+bool gone_within(pid_t pid, std::chrono::milliseconds limit) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (alive(pid) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  return !alive(pid);
+}
+
+// Stands in for faulthandler: a C handler that writes "stack of <tid>" to a pipe.
+int g_dump_fd = -1;
+void fake_faulthandler(int) {
+  char buf[64];
+  int n =
+      std::snprintf(buf, sizeof buf, "stack of %ld\n", static_cast<long>(::syscall(SYS_gettid)));
+  ssize_t ignored = ::write(g_dump_fd, buf, static_cast<size_t>(n));
+  (void)ignored;
+}
+
+pid_t read_pid(int fd) {
+  pid_t pid = 0;
+  EXPECT_EQ(::read(fd, &pid, sizeof pid), static_cast<ssize_t>(sizeof pid));
+  return pid;
 }
 
 }  // namespace
@@ -95,9 +141,138 @@ TEST(Endpoint, BusyProcessExitsWhenTheKernelGoesAway) {
     ::pause();  // "stuck in user code": never calls recv
     ::_exit(0);
   }
-  { Channel server = accept_one(l); }  // the kernel hangs up
+  {
+    Channel server = accept_one(l);
+    ASSERT_TRUE(read_frame(server));  // hello: hanging up before it would fail its send instead
+  }  // the kernel hangs up
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 1);
+}
+
+TEST(Endpoint, StackRequestIsAnsweredByTheWatchdogWithTheDumpAPythonThreadWrote) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  int sig = SIGRTMAX - 1;
+  Pipe p = make_pipe();
+  g_dump_fd = p.write.get();
+  struct sigaction sa{}, old{};
+  sa.sa_handler = fake_faulthandler;
+  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
+  ep.enable_stack_dumps(sig, std::move(p.read));
+  // Nobody calls ep.recv(): this thread is "busy"; the watchdog answers.
+  send_frame(server, Frame::make(kStackRequest, 0, 5, ""));
+  auto reply = read_frame(server);
+  ::sigaction(sig, &old, nullptr);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->kind, kStacks);
+  EXPECT_EQ(reply->seq, 5u);
+  // The handler ran on this (the main) thread, not on the watchdog, which blocks the signal.
+  EXPECT_EQ(reply->data(), "stack of " + std::to_string(::syscall(SYS_gettid)) + "\n");
+}
+
+TEST(Endpoint, StackRequestWithoutDumpsEnabledSaysSo) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));
+  send_frame(server, Frame::make(kStackRequest, 0, 6, ""));
+  auto reply = read_frame(server);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->kind, kStacks);
+  EXPECT_EQ(reply->seq, 6u);
+  EXPECT_NE(reply->data().find("not enabled"), std::string::npos);
+}
+
+TEST(Endpoint, KernelSilenceCountsAsTheKernelGone) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  EndpointOptions o;
+  o.exit_grace = 60s;
+  o.kernel_timeout = 100ms;
+  Endpoint ep(d.socket_path(), 0, "", o);
+  Channel server = accept_one(l);  // connected, but never says anything
+  EXPECT_THROW(ep.recv(5s), EndpointClosed);
+  EXPECT_TRUE(ep.closed());
+}
+
+TEST(Endpoint, KernelTimeoutIsReadFromTheEnvironment) {
+  ::setenv("DDIP_KERNEL_TIMEOUT_MS", "250", 1);
+  ::setenv("DDIP_KERNEL_PID", "123", 1);
+  EndpointOptions o = EndpointOptions::from_environment();
+  EXPECT_EQ(o.kernel_timeout, 250ms);
+  EXPECT_EQ(o.kernel_pid, 123);
+  ::setenv("DDIP_KERNEL_TIMEOUT_MS", "soon", 1);
+  EXPECT_THROW(EndpointOptions::from_environment(), std::invalid_argument);
+  ::unsetenv("DDIP_KERNEL_TIMEOUT_MS");
+  ::unsetenv("DDIP_KERNEL_PID");
+  EXPECT_EQ(EndpointOptions::from_environment().kernel_timeout, 0ms);
+}
+
+TEST(Endpoint, AStuckRankThatLeadsItsGroupTakesTheGroupAlongWhenTheKernelGoes) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Pipe report = make_pipe();
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);  // as the Supervisor starts a rank
+    pid_t grandchild = ::fork();
+    if (grandchild == 0) {
+      ::pause();  // a DataLoader worker, a `!sleep`
+      ::_exit(0);
+    }
+    ssize_t ignored = ::write(report.write.get(), &grandchild, sizeof grandchild);
+    (void)ignored;
+    Endpoint ep(d.socket_path(), 0, "", 100ms);
+    ::pause();  // stuck in user code
+    ::_exit(0);
+  }
+  pid_t grandchild = read_pid(report.read.get());
+  {
+    Channel server = accept_one(l);
+    ASSERT_TRUE(read_frame(server));  // hello: hanging up before it would fail its send instead
+  }  // the kernel hangs up
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  EXPECT_EQ(WTERMSIG(status), SIGKILL);
+  EXPECT_TRUE(gone_within(grandchild, 5s));
+}
+
+TEST(Endpoint, TheKernelsDeathKillsTheRanksWholeProcessGroupAtOnce) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Pipe report = make_pipe();
+  pid_t kernel = ::fork();
+  if (kernel == 0) {
+    pid_t me = ::getpid();
+    pid_t rank = ::fork();
+    if (rank == 0) {
+      ::setpgid(0, 0);
+      pid_t grandchild = ::fork();
+      if (grandchild == 0) {
+        ::pause();
+        ::_exit(0);
+      }
+      EndpointOptions o;
+      o.kernel_pid = me;
+      o.exit_grace = 60s;  // not the watchdog: the connection stays open
+      Endpoint ep(d.socket_path(), 0, "", o);
+      ssize_t ignored = ::write(report.write.get(), &grandchild, sizeof grandchild);
+      (void)ignored;
+      while (true) ::pause();
+    }
+    while (true) ::pause();
+  }
+  Channel server = accept_one(l);
+  pid_t grandchild = read_pid(report.read.get());
+  ASSERT_TRUE(alive(grandchild));
+  ::kill(kernel, SIGKILL);
+  ::waitpid(kernel, nullptr, 0);
+  EXPECT_TRUE(gone_within(grandchild, 2s));
 }

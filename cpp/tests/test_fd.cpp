@@ -1,10 +1,10 @@
-#include "ddip/fd.hpp"
-
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <system_error>
+
+#include "ddip/fd.hpp"
 
 using namespace ddip;
 

@@ -1,6 +1,6 @@
-#include "ddip/output.hpp"
-
 #include <gtest/gtest.h>
+
+#include "ddip/output.hpp"
 
 using namespace ddip;
 
@@ -81,4 +81,45 @@ TEST(RankOutput, StderrTailKeepsTheLastLinesAsFinallyShown) {
   EXPECT_NE(tail.find("line 29\nprogress 2\nKilled"), std::string::npos) << tail;
   EXPECT_EQ(tail.find("progress 1"), std::string::npos);
   EXPECT_EQ(tail.find("stdout"), std::string::npos);
+}
+
+TEST(LineAssembler, APartialFlushNeverSplitsAUtf8Character) {
+  LineAssembler a;
+  a.feed("caf\xC3");  // 'é' is C3 A9; the pipe read ended between its bytes
+  EXPECT_EQ(a.flush(false), "caf");
+  EXPECT_TRUE(a.has_pending());
+  a.feed("\xA9 ok");
+  EXPECT_EQ(a.flush(false), "\xC3\xA9 ok");
+  a.feed("\xE2\x82");  // two of the three bytes of '€'
+  EXPECT_EQ(a.flush(false), "");
+  EXPECT_EQ(a.feed("\xAC\n"), "\xE2\x82\xAC\n");
+  a.feed("\xF0\x9F\x98");  // three of the four bytes of an emoji
+  EXPECT_EQ(a.flush(false), "");
+  a.feed("\x80");
+  EXPECT_EQ(a.flush(false), "\xF0\x9F\x98\x80");
+}
+
+TEST(LineAssembler, InvalidBytesAreDelayedNotLost) {
+  LineAssembler a;
+  a.feed("x\xC3");  // a lead byte whose continuation never comes
+  EXPECT_EQ(a.flush(false), "x");
+  EXPECT_EQ(a.flush(false), "\xC3");  // nothing new since: it goes now
+  EXPECT_FALSE(a.has_pending());
+  a.feed("\xA9\xA9");  // stray continuation bytes: nothing to wait for
+  EXPECT_EQ(a.flush(false), "\xA9\xA9");
+  a.feed("y\xE2");
+  EXPECT_EQ(a.flush(true), "y\xE2");  // forced (a request's end, an exit): everything
+}
+
+TEST(RankOutput, PartialFlushKeepsUtf8WholeOnBothStreams) {
+  RankOutput o;
+  o.feed(RankOutput::kStdout, "\xC3");
+  o.feed(RankOutput::kStderr, "\xC3");
+  EXPECT_EQ(o.flush(RankOutput::kStdout, false), "");
+  EXPECT_EQ(o.flush(RankOutput::kStderr, false), "");
+  o.feed(RankOutput::kStdout, "\xA9");
+  o.feed(RankOutput::kStderr, "\xA9");
+  EXPECT_EQ(o.flush(RankOutput::kStdout, false), "\xC3\xA9");
+  EXPECT_EQ(o.flush(RankOutput::kStderr, false), "\xC3\xA9");
+  EXPECT_EQ(o.stderr_tail(), "\xC3\xA9");
 }

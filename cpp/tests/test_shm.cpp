@@ -1,11 +1,15 @@
-#include "ddip/shm.hpp"
-
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string>
+
+#include "ddip/shm.hpp"
 
 using namespace ddip;
 
@@ -67,4 +71,35 @@ TEST(SegmentPool, KeepsAtMostTheConfiguredFreeBytes) {
   pool.release(y);  // over the limit: freed, not kept
   EXPECT_EQ(pool.free_bytes(), SegmentPool::kMinSegment);
   EXPECT_EQ(pool.in_use(), 0u);
+}
+
+TEST(Segment, SizeIsSealed) {
+  // A rank that truncated a segment would make the notebook's and other ranks' mappings fault.
+  Segment s(1 << 20);
+  int seals = ::fcntl(s.fd(), F_GET_SEALS);
+  EXPECT_TRUE(seals & F_SEAL_SHRINK);
+  EXPECT_TRUE(seals & F_SEAL_GROW);
+  EXPECT_EQ(::ftruncate(s.fd(), 4096), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::ftruncate(s.fd(), 2 << 20), -1);
+  EXPECT_EQ(::pwrite(s.fd(), "x", 1, 4 << 20), -1);  // writing past the end would grow it
+}
+
+TEST(SegmentPool, TrimFreesOnlySegmentsUnusedForLongEnough) {
+  using namespace std::chrono_literals;
+  SegmentPool pool;
+  std::string data(1 << 20, 'x');
+  uint64_t old_id = pool.put(data.data(), data.size());
+  pool.release(old_id);
+  auto later = std::chrono::steady_clock::now() + 10s;
+  uint64_t busy = pool.put(std::string(2 << 20, 'y').data(), 2 << 20);  // in use: never trimmed
+  EXPECT_EQ(pool.free_bytes(), size_t(1) << 20);
+  EXPECT_EQ(pool.trim(1h, later), 0u);
+  EXPECT_EQ(pool.free_bytes(), size_t(1) << 20);
+  EXPECT_EQ(pool.trim(5s, later), size_t(1) << 20);
+  EXPECT_EQ(pool.free_bytes(), 0u);
+  EXPECT_EQ(pool.in_use(), 1u);
+  pool.release(busy);
+  EXPECT_EQ(pool.trim(0s), size_t(2) << 20);  // 0: every unused segment
+  EXPECT_EQ(pool.free_bytes(), 0u);
 }

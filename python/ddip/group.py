@@ -255,11 +255,8 @@ class Group:
                   self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
         tmpl = _template.choose(specs, self._warm, self.timeout)
         refusals = tmpl.refusals if tmpl is not None else 0
-        try:
-            self._coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
-                                            rank_template=tmpl)
-        except TypeError:  # TEMP until the runtime branch lands
-            self._coord = _core.Coordinator(specs, rank_template=tmpl)
+        self._coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
+                                        rank_template=tmpl)
         _template.after_start(tmpl, refusals)
         self._generation += 1
         self._broken = None
@@ -492,7 +489,7 @@ class Group:
             coord = self._coord
         live = [s for s in slots if s not in self._exits]
         try:
-            if live and coord is not None and hasattr(_core, "STACK_REQUEST"):
+            if live and coord is not None:
                 coord.send(live, _core.STACK_REQUEST, seq, b"")
             deadline = time.monotonic() + timeout
             while True:
@@ -592,7 +589,7 @@ class Group:
                 req.mailbox.append(("output", slot, a, data))
             else:
                 self._keep_background(slot, a, data)
-        elif kind == _FRAME and a == getattr(_core, "STACKS", -1):
+        elif kind == _FRAME and a == _core.STACKS:
             replies = self._stack_replies.get(b)
             if replies is not None:
                 replies[slot] = data.decode(errors="replace")

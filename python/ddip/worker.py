@@ -8,6 +8,7 @@ output is captured too); rich output and results travel as frames.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -165,6 +166,7 @@ def _reply(seq, reply):
                 "traceback": [], "exception": None}})
     sys.stdout.flush()
     sys.stderr.flush()
+    _core.flush_stdio()  # C extensions' printf too: "done" means the output is all in the pipe
     try:
         _endpoint.send(_core.DONE, seq, payload, fds)
     finally:
@@ -251,18 +253,41 @@ def main():
     hello = {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
              "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
+    # Stack dumps on request, answered even while Python is stuck in C code (faulthandler's handler
+    # is C-level). A real-time signal: Python, torch and user code leave those alone, while
+    # SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX is the runtime's kernel-death one.
+    stack_signal = signal.SIGRTMAX - 1
+    dump_r, dump_w = os.pipe()
+    os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
+    faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
+    _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
     try:
         while True:
             try:
                 frame = _endpoint.recv(-1)
             except _core.EndpointClosed:
                 break
-            kind, seq, payload, fds = frame
+            kind, seq, payload, fds, truncated = frame
             if kind == _core.SHUTDOWN:
                 break
             if kind != _core.REQUEST:
                 for fd in fds:
                     os.close(fd)
+                continue
+            if truncated:  # out of fds: some of the request's buffers never arrived
+                for fd in fds:
+                    os.close(fd)
+                try:  # the kernel holds its segments for us until we release them
+                    (count,) = struct.unpack_from("<I", payload)
+                    for segment in struct.unpack_from(f"<{2 * count}Q", payload, 4)[0::2]:
+                        _release_segment(segment)
+                except struct.error:
+                    pass
+                _reply(seq, {"op": "?", "value": None, "error": {
+                    "ename": "OSError",
+                    "evalue": "out of file descriptors: the request's shared-memory buffers could not "
+                              "be received (raise `ulimit -n`, or close files/DataLoader workers)",
+                    "traceback": [], "exception": None}})
                 continue
             _current_seq = seq
             try:
@@ -295,6 +320,7 @@ def main():
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
+        _core.flush_stdio()
     os._exit(exit_code)
 
 

@@ -19,23 +19,39 @@ std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.siz
 
 // (kind, slot, a, b, data, fds): Output (0, slot, stream, 0, text); Frame (1, slot, frame kind,
 // seq, payload, the fds that came with it: Python's to close); Exited (2, slot, exit code,
-// signal, stderr tail); Disconnected (3, slot, 0, 0, b""); Failed (4, -1, 0, 0, message).
+// signal, stderr tail; exit code -1 with signal 0: the status is unknown, someone else in this
+// process reaped it); Disconnected (3, slot, 0, 0, b""); Failed (4, -1, 0, 0, message);
+// Unresponsive (5, slot, ms since its last heartbeat answer, 0, b""); Responsive (6, slot, 0, 0,
+// b""); Truncated (7, slot, frame kind, seq, payload, the fds that did arrive): a frame that
+// lost fds on the way in, this process being out of them.
 nb::object event_tuple(ddip::Event& e) {
   nb::list fds;
+  auto take_fds = [&] {
+    if (e.frame.fds)
+      for (auto& fd : *e.frame.fds) fds.append(fd.release());
+  };
   switch (e.kind) {
     case ddip::Event::kOutput:
       return nb::make_tuple(0, e.slot, e.stream, 0, to_bytes(e.text), fds);
     case ddip::Event::kFrame:
-      if (e.frame.fds)
-        for (auto& fd : *e.frame.fds) fds.append(fd.release());
+      take_fds();
       return nb::make_tuple(1, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
                             to_bytes(e.frame.data()), fds);
     case ddip::Event::kExited:
+      if (e.status.unknown) return nb::make_tuple(2, e.slot, -1, 0, to_bytes(e.text), fds);
       return nb::make_tuple(2, e.slot, e.status.code, e.status.signal, to_bytes(e.text), fds);
     case ddip::Event::kDisconnected:
       return nb::make_tuple(3, e.slot, 0, 0, nb::bytes("", 0), fds);
     case ddip::Event::kFailed:
       return nb::make_tuple(4, -1, 0, 0, to_bytes(e.text), fds);
+    case ddip::Event::kUnresponsive:
+      return nb::make_tuple(5, e.slot, e.age_ms, 0, nb::bytes("", 0), fds);
+    case ddip::Event::kResponsive:
+      return nb::make_tuple(6, e.slot, 0, 0, nb::bytes("", 0), fds);
+    case ddip::Event::kTruncated:
+      take_fds();
+      return nb::make_tuple(7, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
+                            to_bytes(e.frame.data()), fds);
   }
   return nb::none();
 }
@@ -49,7 +65,8 @@ void init_coordinator(nb::module_& m) {
       .def(
           "__init__",
           [](ddip::Coordinator* self, const std::vector<WorkerSpec>& workers, int heartbeat_ms,
-             int partial_line_ms, ddip::RankTemplate* rank_template) {
+             int partial_line_ms, int heartbeat_timeout_ms, int pool_idle_ms,
+             ddip::RankTemplate* rank_template) {
             ddip::CoordinatorOptions o;
             for (const auto& [argv, env, cwd] : workers) {
               ddip::SpawnSpec s;
@@ -61,14 +78,21 @@ void init_coordinator(nb::module_& m) {
             o.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
             o.partial_line_delay = std::chrono::milliseconds(partial_line_ms);
             o.rank_template = rank_template;  // used only while starting, inside this call
+            o.heartbeat_timeout = std::chrono::milliseconds(heartbeat_timeout_ms);
+            o.pool_idle = std::chrono::milliseconds(pool_idle_ms);
             nb::gil_scoped_release release;
             new (self) ddip::Coordinator(std::move(o));
           },
           "workers"_a, "heartbeat_ms"_a = 1000, "partial_line_ms"_a = 50,
-          nb::arg("rank_template").none() = nb::none())
-      .def_prop_ro("pids", [](const ddip::Coordinator& c) {
-        return std::vector<int>(c.pids().begin(), c.pids().end());
-      })
+          "heartbeat_timeout_ms"_a = 10000, "pool_idle_ms"_a = 5000,
+          nb::arg("rank_template").none() = nb::none(),
+          "heartbeat_timeout_ms: a worker silent this long is reported unresponsive (0: never); "
+          "pool_idle_ms: pooled shared memory unused this long is freed (0: kept); rank_template: "
+          "fork workers from this warm template.")
+      .def_prop_ro("pids",
+                   [](const ddip::Coordinator& c) {
+                     return std::vector<int>(c.pids().begin(), c.pids().end());
+                   })
       .def_prop_ro("socket_path", &ddip::Coordinator::socket_path)
       .def_prop_ro("running", &ddip::Coordinator::running)
       .def(
@@ -100,7 +124,8 @@ void init_coordinator(nb::module_& m) {
             nb::gil_scoped_release release;
             return c.pool().put(view.b.buf, static_cast<size_t>(view.b.len));
           },
-          "buffer"_a, "Copies a buffer into a shared-memory segment; returns its id (one reference).")
+          "buffer"_a,
+          "Copies a buffer into a shared-memory segment; returns its id (one reference).")
       .def(
           "release", [](ddip::Coordinator& c, uint64_t id) { c.pool().release(id); }, "segment"_a)
       .def("pool_stats",
@@ -120,10 +145,25 @@ void init_coordinator(nb::module_& m) {
       .def("heartbeat_age_ms", &ddip::Coordinator::heartbeat_age_ms, "slot"_a)
       .def("connected", &ddip::Coordinator::connected, "slot"_a)
       .def(
+          "trim_pool",
+          [](ddip::Coordinator& c) {
+            nb::gil_scoped_release release;
+            return c.pool().trim(std::chrono::steady_clock::duration::zero());
+          },
+          "Frees every unused pooled shared-memory segment now; returns the bytes freed.")
+      .def(
           "close",
           [](ddip::Coordinator& c, int grace_ms) {
+            // Waits in slices, so Ctrl-C interrupts the wait; the IO thread goes on stopping the
+            // workers, and the object's destructor joins it.
+            c.begin_close(std::chrono::milliseconds(grace_ms));
+            ddip_python::wait_in_slices<std::vector<pid_t>>(
+                -1, [&](std::chrono::milliseconds slice) { return c.wait_closed(slice); });
             nb::gil_scoped_release release;
-            c.close(std::chrono::milliseconds(grace_ms));
+            auto stuck = c.close(std::chrono::milliseconds(grace_ms));
+            return std::vector<int>(stuck.begin(), stuck.end());
           },
-          "grace_ms"_a = 2000);
+          "grace_ms"_a = 2000,
+          "Stops every worker (shutdown, SIGTERM after grace_ms, SIGKILL after grace_ms more); "
+          "returns the pids that could not be reaped within 5 s of SIGKILL.");
 }

@@ -1,8 +1,7 @@
+#include <fcntl.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-
-#include <fcntl.h>
 
 #include "ddip/endpoint.hpp"
 #include "slices.hpp"
@@ -20,11 +19,14 @@ void init_endpoint(nb::module_& m) {
           [](ddip::Endpoint* self, const std::string& path, int rank, const nb::bytes& hello,
              int exit_grace_ms) {
             std::string h(hello.c_str(), hello.size());
+            auto options = ddip::EndpointOptions::from_environment();
+            options.exit_grace = std::chrono::milliseconds(exit_grace_ms);
             nb::gil_scoped_release release;
-            new (self) ddip::Endpoint(path, rank, std::move(h),
-                                      std::chrono::milliseconds(exit_grace_ms));
+            new (self) ddip::Endpoint(path, rank, std::move(h), options);
           },
-          "socket_path"_a, "rank"_a, "hello"_a, "exit_grace_ms"_a = 3000)
+          "socket_path"_a, "rank"_a, "hello"_a, "exit_grace_ms"_a = 3000,
+          "DDIP_KERNEL_PID and DDIP_KERNEL_TIMEOUT_MS, when set, tie this process (and its "
+          "process group, when it leads one) to the kernel's life.")
       .def_prop_ro("rank", &ddip::Endpoint::rank)
       .def_prop_ro("closed", &ddip::Endpoint::closed)
       .def(
@@ -38,7 +40,8 @@ void init_endpoint(nb::module_& m) {
               f.fds = std::make_shared<std::vector<ddip::Fd>>();
               for (int fd : fds)
                 f.fds->emplace_back(ddip::check(::fcntl(fd, F_DUPFD_CLOEXEC, 0),
-                                                "fcntl(F_DUPFD_CLOEXEC)", "passing an fd to the kernel"));
+                                                "fcntl(F_DUPFD_CLOEXEC)",
+                                                "passing an fd to the kernel"));
             }
             nb::gil_scoped_release release;
             e.send(std::move(f));
@@ -52,11 +55,22 @@ void init_endpoint(nb::module_& m) {
             if (!f) return nb::none();
             const std::string& d = f->data();
             // Received fds (shared-memory segments) are handed to Python, which closes them.
+            // `truncated`: some did not arrive (this process is out of fds).
             nb::list fds;
             if (f->fds)
               for (auto& fd : *f->fds) fds.append(fd.release());
             return nb::make_tuple(static_cast<int>(f->kind), f->seq, nb::bytes(d.data(), d.size()),
-                                  fds);
+                                  fds, f->truncated);
           },
-          "timeout_ms"_a);
+          "timeout_ms"_a,
+          "(kind, seq, payload, fds, truncated), or None after timeout_ms (negative: forever).")
+      .def(
+          "enable_stack_dumps",
+          [](ddip::Endpoint& e, int signum, int read_fd) {
+            e.enable_stack_dumps(signum, ddip::Fd(read_fd));
+          },
+          "signum"_a, "read_fd"_a,
+          "Stack requests are answered with what is written to the pipe read_fd when this process "
+          "gets signum (faulthandler.register(signum, file=<write end>, all_threads=True)). The "
+          "Endpoint owns read_fd from now on.");
 }

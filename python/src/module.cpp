@@ -1,6 +1,7 @@
 // The ddip._core extension: one init_<module> per runtime module, called in order.
 #include <nanobind/nanobind.h>
 
+#include <cstdio>
 #include <system_error>
 
 #include "ddip/channel.hpp"
@@ -19,8 +20,7 @@ NB_MODULE(_core, m) {
     try {
       std::rethrow_exception(p);
     } catch (const std::system_error& e) {
-      PyErr_SetObject(PyExc_OSError,
-                      nb::make_tuple(e.code().value(), e.what()).ptr());
+      PyErr_SetObject(PyExc_OSError, nb::make_tuple(e.code().value(), e.what()).ptr());
     }
   });
   m.attr("HELLO") = static_cast<int>(ddip::kHello);
@@ -30,7 +30,12 @@ NB_MODULE(_core, m) {
   m.attr("SHUTDOWN") = static_cast<int>(ddip::kShutdown);
   m.attr("MESSAGE") = static_cast<int>(ddip::kMessage);
   m.attr("RELEASE") = static_cast<int>(ddip::kRelease);
+  m.attr("STACK_REQUEST") = static_cast<int>(ddip::kStackRequest);
+  m.attr("STACKS") = static_cast<int>(ddip::kStacks);
   m.attr("MAX_FDS") = ddip::kMaxFdsPerFrame;
+  // C stdio buffers (printf from a C extension) are flushed before a reply and before exit, so
+  // that output is in the pipe before "done" says the request's output is complete.
+  m.def("flush_stdio", [] { std::fflush(nullptr); }, "fflush(NULL): flushes every C stdio stream.");
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
   init_rank_template(m);
   init_coordinator(m);

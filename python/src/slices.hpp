@@ -15,8 +15,9 @@ inline constexpr std::chrono::milliseconds kSlice{50};
 template <typename T, typename Wait>
 std::optional<T> wait_in_slices(double timeout_ms, Wait&& wait) {
   using namespace std::chrono;
-  auto deadline = steady_clock::now() + duration_cast<steady_clock::duration>(
-                                            duration<double, std::milli>(timeout_ms < 0 ? 0 : timeout_ms));
+  auto deadline =
+      steady_clock::now() + duration_cast<steady_clock::duration>(
+                                duration<double, std::milli>(timeout_ms < 0 ? 0 : timeout_ms));
   while (true) {
     auto slice = kSlice;
     if (timeout_ms >= 0) {
