@@ -280,7 +280,7 @@ def test_bad_input_is_a_clear_error_and_starts_nothing(kwargs, message):
 
 @pytest.mark.skipif(ddip.group.gpu_count() > 0, reason="this machine has GPUs")
 def test_gpus_on_a_machine_without_gpus_suggests_cpu_ranks():
-    with pytest.raises(ValueError, match=r"no NVIDIA GPU; use n=2 \(for example\)"):
+    with pytest.raises(ValueError, match=r"no NVIDIA GPU; to run CPU processes instead, use n=2 \(for example\)"):
         ddip.Group(gpus="all")
     with pytest.raises(ValueError, match="GPU 5 is not visible: this machine has no NVIDIA GPU"):
         ddip.Group(gpus=[5])

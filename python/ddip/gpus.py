@@ -20,6 +20,7 @@ a GPU; only `inventory()` and `usage()` look at the machine, through /proc and n
 
 from __future__ import annotations
 
+import operator
 import os
 import subprocess
 from dataclasses import dataclass
@@ -72,26 +73,45 @@ def physical_gpus() -> list[GpuInfo]:
 
 def visible_entries(visible_env: str | None, physical_count: int) -> list[str]:
     """The notebook's visible GPUs as CUDA_VISIBLE_DEVICES entries, in its device-index order.
-    Like CUDA, the list ends at the first empty or negative entry ("" or "-1" hide every GPU)."""
+    Like CUDA, the list ends at the first invalid entry: an empty or negative one ("" or "-1"
+    hide every GPU), a word that is no index, UUID or MIG id, or an index past the GPUs there
+    are (when their number is known)."""
     if visible_env is None:
         return [str(i) for i in range(physical_count)]
     entries = []
     for e in visible_env.split(","):
         e = e.strip()
-        if e == "" or e.startswith("-"):
+        if _is_id(e):
+            entries.append(e)
+            continue
+        if not e.isdigit() or (physical_count > 0 and int(e) >= physical_count):
             break
         entries.append(e)
     return entries
 
 
-def _describe_visible(visible: list[str], visible_env: str | None) -> str:
+def _describe_visible(visible: list[str], visible_env: str | None, who: str = "the notebook") -> str:
     if not visible:
         if visible_env is not None:
-            return f"the notebook sees no GPU (CUDA_VISIBLE_DEVICES={visible_env!r})"
+            return f"{who} sees no GPU (CUDA_VISIBLE_DEVICES={visible_env!r})"
         return "this machine has no NVIDIA GPU"
     where = f" (CUDA_VISIBLE_DEVICES={visible_env})" if visible_env is not None else ""
     positions = "0" if len(visible) == 1 else f"0-{len(visible) - 1}"
-    return f"the notebook sees {len(visible)} GPU{'s' if len(visible) > 1 else ''}{where}: give positions {positions}, 'all', or their UUIDs"
+    return f"{who} sees {len(visible)} GPU{'s' if len(visible) > 1 else ''}{where}: give positions {positions}, 'all', or their UUIDs"
+
+
+def _position(item) -> int | None:
+    """An int, a numpy integer or a string of digits (with an optional '-'); None otherwise
+    (a float is no position: 1.5 must not quietly mean GPU 1)."""
+    if isinstance(item, str):
+        t = item.strip()
+        return int(t) if t.lstrip("-").isdigit() else None
+    if isinstance(item, bool):
+        return None
+    try:
+        return operator.index(item)
+    except TypeError:
+        return None
 
 
 def _is_id(entry: str) -> bool:
@@ -99,20 +119,23 @@ def _is_id(entry: str) -> bool:
 
 
 def select(request, visible: list[str], visible_env: str | None = None,
-           physical: list[GpuInfo] | None = None) -> list[Selected]:
+           physical: list[GpuInfo] | None = None, who: str = "the notebook") -> list[Selected]:
     """'all', 2, '0,3', [3, 2], 'GPU-ab12...,GPU-cd34...' -> one Selected per rank, in order.
-    Raises ValueError naming what is visible when the request can't be met."""
+    Raises ValueError naming what is visible when the request can't be met. `who` names whose
+    CUDA_VISIBLE_DEVICES `visible_env` is (the notebook's, or a group's env=)."""
     bad_form = (f"gpus={request!r} is not a GPU list; give 'all', positions like '0,3' or [3, 2], "
                 f"or GPU UUIDs")
+    cpu_hint = "; to run CPU processes instead, use n=2 (for example) for a group, or leave out gpus= in ranch"
     if isinstance(request, str) and request.strip().lower() == "all":
         if not visible:
-            raise ValueError(f"gpus='all' but {_describe_visible(visible, visible_env)}; "
-                             f"use n=2 (for example) to run 2 CPU processes instead")
+            raise ValueError(f"gpus='all' but {_describe_visible(visible, visible_env, who)}{cpu_hint}")
         return [Selected(e, i) for i, e in enumerate(visible)]
-    if isinstance(request, bool):
+    if isinstance(request, (bool, bytes, bytearray, float)):
         raise ValueError(bad_form)
-    if isinstance(request, int):
-        items = [request]
+    if isinstance(request, (set, frozenset, dict)):
+        raise ValueError(f"gpus={request!r} has no order; give a list, since rank r uses the r-th GPU")
+    if _position(request) is not None and not isinstance(request, str):
+        items = [_position(request)]
     elif isinstance(request, str):
         items = [x.strip() for x in request.split(",") if x.strip() != ""]
     else:
@@ -127,39 +150,39 @@ def select(request, visible: list[str], visible_env: str | None = None,
         if isinstance(item, bool):
             raise ValueError(bad_form)
         if isinstance(item, str) and _is_id(item):
-            chosen.append(_by_id(item, visible, visible_env, physical))
+            chosen.append(_by_id(item, visible, visible_env, physical, who))
             continue
-        try:
-            pos = int(item)
-        except (TypeError, ValueError):
-            raise ValueError(bad_form) from None
+        pos = _position(item)
+        if pos is None:
+            raise ValueError(bad_form)
         if not 0 <= pos < len(visible):
-            raise ValueError(f"GPU {pos} is not visible: {_describe_visible(visible, visible_env)}"
-                             + ("; use n=2 (for example) for CPU processes" if not visible else ""))
+            raise ValueError(f"GPU {pos} is not visible: {_describe_visible(visible, visible_env, who)}"
+                             + (cpu_hint if not visible else ""))
         chosen.append(Selected(visible[pos], pos))
-    entries = [c.entry for c in chosen]
-    dup = sorted({e for e in entries if entries.count(e) > 1})
+    # The same GPU named twice (a position and its UUID, say) is a duplicate too.
+    keys = [c.position if c.position is not None else c.entry for c in chosen]
+    dup = sorted({c.entry for c, k in zip(chosen, keys) if keys.count(k) > 1})
     if dup:
         raise ValueError(f"gpus={request!r} lists GPU {', '.join(dup)} more than once; each rank needs its own GPU")
     return chosen
 
 
-def _by_id(uid: str, visible: list[str], visible_env, physical) -> Selected:
+def _by_id(uid: str, visible: list[str], visible_env, physical, who="the notebook") -> Selected:
     if uid in visible:
         return Selected(uid, visible.index(uid))
     if visible_env is None and physical is not None:
         # Nothing hidden: a UUID names a physical GPU; its position is its index (when the
         # default order agrees with nvidia-smi's, which a UUID request makes moot for ranks).
         for g in physical:
-            if g.uuid and (g.uuid == uid or uid.startswith(g.uuid)):
-                return Selected(uid, g.index if not uid.startswith("MIG-") else None)
+            if g.uuid and g.uuid.startswith(uid):  # CUDA takes a unique UUID prefix too
+                return Selected(uid, g.index)
         if any(g.uuid for g in physical) and uid.startswith("GPU-"):
             known = ", ".join(g.uuid for g in physical if g.uuid)
             raise ValueError(f"no GPU has UUID {uid}; this machine has {known}")
         return Selected(uid, None)
     if visible_env is None:
         return Selected(uid, None)
-    raise ValueError(f"{uid} is not visible: {_describe_visible(visible, visible_env)}")
+    raise ValueError(f"{uid} is not visible: {_describe_visible(visible, visible_env, who)}")
 
 
 def inventory() -> tuple[list[str], str | None, list[GpuInfo]]:

@@ -178,7 +178,8 @@ class Group:
             visible_env = self._env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
             physical = _gpus.physical_gpus()
             visible = _gpus.visible_entries(visible_env, len(physical))
-            gpu_ids = [s.entry for s in _gpus.select(gpus, visible, visible_env, physical)]
+            who = "the group's env=" if "CUDA_VISIBLE_DEVICES" in self._env else "the notebook"
+            gpu_ids = [s.entry for s in _gpus.select(gpus, visible, visible_env, physical, who)]
         if n is None and gpu_ids is None:
             raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
         if rank_ids is not None:
