@@ -314,7 +314,13 @@ class Group:
                 self._running = {}
                 self._cv.notify_all()
         if coord is not None:
-            coord.close(int(grace * 1000))
+            stuck = coord.close(int(grace * 1000))
+            if stuck:
+                # Uninterruptible sleep (a hung GPU driver or network filesystem): nothing can
+                # end it; say so rather than hang the notebook waiting for it.
+                sys.stderr.write(f"ddip: rank process(es) {', '.join(map(str, stuck))} did not exit even after "
+                                 f"SIGKILL (stuck in the kernel: a GPU driver or network filesystem?); "
+                                 f"they were left behind\n")
         _open_groups.discard(self)
 
     def restart(self):

@@ -305,6 +305,8 @@ class DipMagics(Magics):
                 if spec.gpus is not None else f"{spec.n} CPU rank(s)")
         if verbose:
             print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
+            print(_template.status() if _template.enabled() else
+                  "rank template: off (DDIP_PREWARM=0); ranks start cold", flush=True)
         t0 = time.monotonic()
         backend = None if spec.backend == "none" else spec.backend
         # Remembered even if the start fails, so `%makedip -r` (perhaps with -t) tries it again.
