@@ -780,7 +780,9 @@ class Group:
             sys.stderr.write(msg)
         if req.why == "ctrl-c":
             still = f"; rank(s) {self._ranks(stuck)} did not stop and are still busy" if stuck else ""
-            raise KeyboardInterrupt(f"interrupted rank(s) {self._ranks(req.slots)}{still}")
+            err = KeyboardInterrupt(f"interrupted rank(s) {self._ranks(req.slots)}{still}")
+            err.results = [req.results[s] for s in req.slots]  # stuck ranks' .stacks: where they were
+            raise err
         if req.why == "timeout":
             err = TimeoutError(f"the request did not finish within {timeout:g} s, so rank(s) "
                                f"{self._ranks(req.slots)} were interrupted"

@@ -489,7 +489,11 @@ class DipMagics(Magics):
             busy = [r["rank"] for r in group.status() if r["state"] == "busy"]
             if busy:
                 group.interrupt(busy)
-            raise CellError(msg, [("KeyboardInterrupt", msg, [_header("KeyboardInterrupt"), msg])]) from None
+            body = [_header("KeyboardInterrupt"), msg]
+            for r in getattr(exc, "results", None) or []:
+                if r.stacks:
+                    body += [_header(f"[rank {r.rank}] did not stop; where it was:"), r.stacks.rstrip("\n")]
+            raise CellError(msg, [("KeyboardInterrupt", msg, body)]) from None
         except TimeoutError as exc:
             body = [_header("TimeoutError"), str(exc)]
             for r in getattr(exc, "results", None) or []:
