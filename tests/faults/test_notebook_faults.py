@@ -119,6 +119,27 @@ def test_dipstack_shows_where_a_busy_rank_is(kernel, tmp_path):
     text = _errors(cell)
     assert not cell.ok and "TimeoutError" in text
     assert "did not stop; where it was:" in text and "stuck_in_here" in text
+    kernel.run("%makedip -r")
+    # The stop button on a cell whose ranks ignore it: after the grace, their stacks show.
+    gate2 = tmp_path / "started2"
+    msg_id = kernel.kc.execute(
+        "%%dip\nimport signal, time, pathlib\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"pathlib.Path({str(gate2)!r}).touch()\n"
+        "def ignoring_the_stop_button():\n    time.sleep(60)\nignoring_the_stop_button()")
+    assert wait_until(gate2.exists, 30)
+    kernel.km.interrupt_kernel()
+    errors = []
+    while True:
+        msg = kernel.kc.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            errors.append(strip_ansi("\n".join(msg["content"]["traceback"])))
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    text = "\n".join(errors)
+    assert "did not stop and are still busy" in text
+    assert "did not stop; where it was:" in text and "ignoring_the_stop_button" in text
     kernel.run("%makedip -k")
 
 
