@@ -6,6 +6,7 @@ tests that change the group's life cycle come last and leave a group behind for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -102,28 +103,39 @@ class Kernel:
         return json.loads(cell.stream())
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jupyter")
+@contextlib.contextmanager
+def running_kernel(root, cwd=None):
+    """A real ipykernel (this interpreter's) with %load_ext ddip done; shut down on exit."""
     old = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = install_kernelspec(root)
     km = KernelManager(kernel_name=KERNEL_NAME)
     try:
-        km.start_kernel(cwd=str(root))
+        km.start_kernel(cwd=str(cwd or root))
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=60)
         k = Kernel(km, kc)
         assert k.run("%load_ext ddip").ok
-        yield k
-        k.run("%makedip -k")
-        kc.stop_channels()
+        try:
+            yield k
+        finally:
+            kc.stop_channels()
     finally:
-        km.shutdown_kernel(now=False)
+        try:
+            km.shutdown_kernel(now=True)
+        except Exception:
+            pass  # killed by the test itself
         if old is None:
             os.environ.pop("JUPYTER_PATH", None)
         else:
             os.environ["JUPYTER_PATH"] = old
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    with running_kernel(tmp_path_factory.mktemp("jupyter")) as k:
+        yield k
+        k.run("%makedip -k")
 
 
 @pytest.fixture

@@ -450,13 +450,18 @@ class DipMagics(Magics):
             return list(group.rank_ids)
         if see == "none":
             return []
+        return DipMagics._ranks(fn, "--see", args.see, see, group, "all, none or ranks like 0,2")
+
+    @staticmethod
+    def _ranks(fn, flag, given, text, group, form="ranks like 0,2") -> list[int]:
+        """'0,2' -> [0, 2], each a rank of the group, in the order given, once each."""
         try:
-            ranks = [int(r) for r in see.split(",") if r.strip()]
+            ranks = [int(r) for r in text.split(",") if r.strip()]
         except ValueError:
-            raise DipMagics._usage_error(fn, f"--see {args.see}: give all, none or ranks like 0,2") from None
+            raise DipMagics._usage_error(fn, f"{flag} {given}: give {form}") from None
         bad = [r for r in ranks if r not in group.rank_ids]
         if bad or not ranks:
-            raise DipMagics._usage_error(fn, f"--see {args.see}: the group's ranks are "
+            raise DipMagics._usage_error(fn, f"{flag} {given}: the group's ranks are "
                                              f"{', '.join(map(str, group.rank_ids))}")
         return sorted(set(ranks), key=ranks.index)
 
@@ -645,14 +650,7 @@ class DipMagics(Magics):
         group = self._group()
         ranks = None
         if args.ranks is not None:
-            try:
-                ranks = [int(r) for r in _unquote(args.ranks).split(",") if r.strip()]
-            except ValueError:
-                raise self._usage_error(fn, f"-r {args.ranks}: give ranks like 0,2") from None
-            bad = [r for r in ranks if r not in group.rank_ids]
-            if bad or not ranks:
-                raise self._usage_error(fn, f"-r {args.ranks}: the group's ranks are "
-                                            f"{', '.join(map(str, group.rank_ids))}")
+            ranks = self._ranks(fn, "-r", args.ranks, _unquote(args.ranks), group)
         if not args.timeout > 0:
             raise self._usage_error(fn, f"-t {args.timeout:g}: give a positive number of seconds")
         for rank, text in group.stacks(ranks, timeout=args.timeout).items():

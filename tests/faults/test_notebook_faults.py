@@ -8,35 +8,17 @@ import signal
 import time
 
 import pytest
-from jupyter_client import KernelManager
 
 from conftest import alive, wait_until
 from ddip.errors import strip_ansi
-from test_magics import KERNEL_NAME, Kernel, install_kernelspec
+from test_magics import running_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jupyter")
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = install_kernelspec(root)
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    try:
-        km.start_kernel(cwd=str(root))
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
-        k = Kernel(km, kc)
-        assert k.run("%load_ext ddip").ok
+    with running_kernel(tmp_path_factory.mktemp("jupyter")) as k:
         yield k
         k.run("%makedip -k")
-        kc.stop_channels()
-    finally:
-        km.shutdown_kernel(now=True)
-        if old is None:
-            os.environ.pop("JUPYTER_PATH", None)
-        else:
-            os.environ["JUPYTER_PATH"] = old
 
 
 def _errors(cell) -> str:
@@ -174,39 +156,19 @@ def test_three_hundred_cells_keep_the_kernel_flat(kernel):
     for i in range(30, 330):
         cycle(i)
     after = json.loads(kernel.run(probe).stream())
-    assert after[0] == before[0] and after[1] == before[1]
+    assert after[0] <= before[0] and after[1] <= before[1]  # no fd or thread grows with cells
     assert after[2] - before[2] < 32, (before, after)
     kernel.run("%makedip -k")
 
 
 def test_killing_the_kernel_leaves_no_rank_and_no_rank_child(tmp_path):
-    root = tmp_path / "jupyter"
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = install_kernelspec(root)
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    try:
-        km.start_kernel(cwd=str(tmp_path))
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
-        k = Kernel(km, kc)
-        assert k.run("%load_ext ddip").ok and k.run("%makedip -n 2 --backend none").ok
+    with running_kernel(tmp_path / "jupyter", cwd=tmp_path) as k:
+        assert k.run("%makedip -n 2 --backend none").ok
         cell = k.run("%%dip --see all\nimport subprocess, os\n"
                      "p = subprocess.Popen(['sleep', '300'])\nprint('child', os.getpid(), p.pid)")
         pairs = [line.split()[1:] for line in cell.stream().splitlines() if line.startswith("child")]
         pids = [int(p) for pair in pairs for p in pair]
         assert len(pids) == 4 and all(alive(p) for p in pids)
-        kc.stop_channels()
-        os.kill(km.provisioner.pid if hasattr(km, "provisioner") and km.provisioner else km.kernel.pid,
-                signal.SIGKILL)
+        os.kill(k.km.provisioner.pid, signal.SIGKILL)
         assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), \
             f"still alive: {[p for p in pids if alive(p)]}"
-    finally:
-        try:
-            km.shutdown_kernel(now=True)
-        except Exception:
-            pass
-        if old is None:
-            os.environ.pop("JUPYTER_PATH", None)
-        else:
-            os.environ["JUPYTER_PATH"] = old
