@@ -156,7 +156,8 @@ def test_three_hundred_cells_keep_the_kernel_flat(kernel):
     for i in range(30, 330):
         cycle(i)
     after = json.loads(kernel.run(probe).stream())
-    assert after[0] <= before[0] and after[1] <= before[1]  # no fd or thread grows with cells
+    # Flat: a leak per cell would show 300 more; the kernel itself opens an odd fd now and then.
+    assert after[0] <= before[0] + 4 and after[1] <= before[1] + 1, (before, after)
     assert after[2] - before[2] < 32, (before, after)
     kernel.run("%makedip -k")
 
