@@ -66,6 +66,8 @@ Coordinator::Coordinator(CoordinatorOptions options)
   slots_.resize(n);
   last_ack_.resize(n);
   connected_.assign(n, false);
+  unread_output_.assign(n, 0);
+  dropped_output_.assign(n, 0);
   wake_ = Fd(check(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), "eventfd", "creating the wake-up fd"));
   epoll_ = Fd(check(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1", "creating the event loop"));
   listener_ = std::make_unique<Listener>(socket_path_);
@@ -142,9 +144,37 @@ void Coordinator::post(std::function<void()> fn) {
 void Coordinator::emit(Event e) {
   {
     std::lock_guard lock(mu_);
+    if (e.kind == Event::kOutput) {
+      size_t slot = static_cast<size_t>(e.slot);
+      size_t& unread = unread_output_[slot];
+      size_t& dropped = dropped_output_[slot];
+      if (unread + e.text.size() > options_.max_unread_output) {
+        if (dropped == 0)
+          events_.push_back(output_note(slot, "rank output is being dropped: more than " +
+                                                  std::to_string(options_.max_unread_output >> 10) +
+                                                  " KiB of it waits unread in the notebook"));
+        dropped += e.text.size();
+        return;
+      }
+      if (dropped != 0) {
+        events_.push_back(
+            output_note(slot, std::to_string(dropped) + " bytes of rank output were dropped"));
+        dropped = 0;
+      }
+      unread += e.text.size();
+    }
     events_.push_back(std::move(e));
   }
   cv_.notify_all();
+}
+
+Event Coordinator::output_note(size_t slot, const std::string& what) {
+  Event note;
+  note.kind = Event::kOutput;
+  note.slot = static_cast<int>(slot);
+  note.stream = RankOutput::kStderr;
+  note.text = "\n[ddip: " + what + "]\n";
+  return note;
 }
 
 void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segments) {
@@ -202,6 +232,10 @@ std::optional<Event> Coordinator::next_event(std::chrono::milliseconds timeout) 
   if (events_.empty()) return std::nullopt;
   Event e = std::move(events_.front());
   events_.pop_front();
+  if (e.kind == Event::kOutput) {
+    size_t& unread = unread_output_[static_cast<size_t>(e.slot)];
+    unread -= std::min(unread, e.text.size());  // notes were never counted
+  }
   return e;
 }
 
@@ -210,6 +244,11 @@ long long Coordinator::heartbeat_age_ms(int slot) const {
   if (!connected_.at(slot)) return -1;
   return std::chrono::duration_cast<detail::milliseconds>(Clock::now() - last_ack_.at(slot))
       .count();
+}
+
+size_t Coordinator::dropped_output(int slot) const {
+  std::lock_guard lock(mu_);
+  return dropped_output_.at(slot);
 }
 
 bool Coordinator::connected(int slot) const {

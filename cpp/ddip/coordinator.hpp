@@ -62,6 +62,10 @@ struct CoordinatorOptions {
   // Pooled shared-memory segments unused this long are freed (a 3 GiB push must not pin 3 GiB
   // for the group's life); 0: kept until the pool's own limit.
   std::chrono::milliseconds pool_idle{5000};
+  // Output of one worker waiting unread in the event queue beyond this is dropped (and the drop
+  // reported in the stream): a rank printing while the notebook reads nothing must not grow the
+  // kernel's memory without bound.
+  size_t max_unread_output = size_t(16) << 20;
 };
 
 class Coordinator {
@@ -89,6 +93,8 @@ class Coordinator {
   // Milliseconds since the worker last answered a heartbeat (-1: never connected).
   long long heartbeat_age_ms(int slot) const;
   bool connected(int slot) const;
+  // Bytes of the worker's output dropped since the unread queue was last under the cap.
+  size_t dropped_output(int slot) const;
   bool running() const;
 
   // Asks workers to shut down, waits up to `grace` for them to exit, then SIGTERM, `grace`
@@ -113,6 +119,8 @@ class Coordinator {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Event> events_;
+  std::vector<size_t> unread_output_;   // bytes of each worker's output in events_
+  std::vector<size_t> dropped_output_;  // bytes dropped since the queue was last below the cap
   std::deque<std::function<void()>> commands_;
   std::vector<std::chrono::steady_clock::time_point> last_ack_;
   std::vector<bool> connected_;
@@ -147,6 +155,7 @@ class Coordinator {
   void check_responsive(std::chrono::steady_clock::time_point now);
   void pause_listener();
   void emit(Event e);
+  static Event output_note(size_t slot, const std::string& what);
   // Queues fn for the IO thread; throws once that thread has stopped.
   void post(std::function<void()> fn);
   void on_accept();

@@ -337,7 +337,8 @@ TEST(Coordinator, KernelPidAndSocketAreOursEvenWhenTheSpecHasOthers) {
 
 TEST(Coordinator, HostIgnoringSigchldDoesNotStopTheRuntime) {
   // SIG_IGN for SIGCHLD (some notebook code does it) makes Linux reap our workers for us.
-  struct sigaction ign{}, old{};
+  struct sigaction ign {
+  }, old{};
   ign.sa_handler = SIG_IGN;
   ASSERT_EQ(::sigaction(SIGCHLD, &ign, &old), 0);
   {
@@ -487,4 +488,41 @@ int main(int argc, char** argv) {
   if (std::getenv("DDIP_TEST_WORKER")) return worker_main();
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
+}
+
+TEST(Coordinator, UnreadOutputIsBoundedAndTheDropIsReported) {
+  auto o = options(1);
+  o.max_unread_output = 64 * 1024;
+  Coordinator c(std::move(o));
+  c.send(0, Frame::make(kRequest, 0, 3, "echo:20000"));  // ~200 KB while nobody reads events
+  auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (c.dropped_output(0) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);  // polling a condition, not waiting out a race
+  ASSERT_GT(c.dropped_output(0), 0u);
+  std::string out, notes;
+  auto read_until_done = [&] {
+    while (true) {
+      Event e = next(c);
+      if (e.kind == Event::kOutput) (e.stream == 1 ? out : notes) += e.text;
+      if (e.kind == Event::kFrame && e.frame.kind == kDone) return;
+    }
+  };
+  read_until_done();
+  c.send(0, Frame::make(kRequest, 0, 4, "echo:1"));  // read now: output flows again, with the tally
+  read_until_done();
+  size_t total = 0;
+  for (int i = 0; i < 20000; ++i) total += ("line " + std::to_string(i) + "\n").size();
+  total += std::string("line 0\n").size();  // the second request's line
+  EXPECT_EQ(out.substr(0, 7), "line 0\n");
+  EXPECT_NE(notes.find("rank output is being dropped: more than 64 KiB"), std::string::npos)
+      << notes;
+  size_t dropped = 0;  // each episode of dropping ends with its tally
+  const std::string tally = " bytes of rank output were dropped]";
+  for (size_t at = notes.find(tally); at != std::string::npos; at = notes.find(tally, at + 1)) {
+    size_t start = notes.rfind("[ddip: ", at) + 7;
+    dropped += std::stoul(notes.substr(start, at - start));
+  }
+  EXPECT_GT(dropped, 0u) << notes;
+  EXPECT_EQ(out.size() + dropped, total);  // nothing lost without being counted
+  EXPECT_EQ(c.dropped_output(0), 0u);
 }
