@@ -576,14 +576,18 @@ class Group:
             if coord is None:
                 return
             self._pumping = True
+        ev = None
         try:
             ev = coord.next_event(timeout * 1000 if timeout > 0 else 0)
             while ev is not None:
                 with self._mu:
                     self._dispatch(ev)
+                ev = None
                 ev = coord.next_event(0)
         finally:
             with self._mu:
+                if ev is not None:  # taken, then Ctrl-C landed before it was delivered
+                    self._dispatch(ev)
                 self._pumping = False
                 self._cv.notify_all()
 
