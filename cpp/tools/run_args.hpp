@@ -31,8 +31,9 @@ class CommandLine {
   // `args` is argv without the program name. Throws CLI::Error: CallForHelp for --help,
   // a ParseError subclass for anything wrong.
   RunOptions parse(const std::vector<std::string>& args);
-  // Prints what `e` calls for (help, or the error and a hint) and returns the exit code.
-  int exit(const CLI::Error& e) { return app_.exit(e); }
+  // Prints what `e` calls for (help, or the error and a hint); returns the exit code: 0 for
+  // help, 2 for a usage error (as argparse and most Unix tools do; CLI11's own codes are 1xx).
+  int exit(const CLI::Error& e) { return app_.exit(e) == 0 ? 0 : 2; }
 
  private:
   CLI::App app_;
