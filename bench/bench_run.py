@@ -38,7 +38,7 @@ import psutil
 
 LAUNCH_REPS = 10  # timed launches per tool, after one untimed warm-up each
 ALL_REDUCE_REPS = 10
-TRAIN_REPS = 3
+TRAIN_REPS = 5
 STEPS, WARMUP = 300, 30
 GRACE_S = 5.0
 
@@ -229,6 +229,14 @@ def main() -> str:
         f"| steps/s ({STEPS} steps after {WARMUP} warm-up) | {rate['ddip run']:.1f} | "
         f"{rate['torchrun']:.1f} | {rate['ddip.Group']:.1f} | "
         f"{rate['ddip run'] / rate['torchrun']:.3f}x | {rate['ddip.Group'] / rate['torchrun']:.3f}x |",
+    ]
+    best = {key: min(v) for key, v in times.items()}
+    lines += [
+        "",
+        "Best of each (less sensitive to other load on the machine): " + "; ".join(
+            f"{label} ddip run {best[('ddip run', k)]:.3f} s, torchrun {best[('torchrun', k)]:.3f} s, "
+            f"plain {best[('2x plain python', k)]:.3f} s"
+            for k, label in (("empty", "empty"), ("all_reduce", "all_reduce"))) + ".",
     ]
     empty_gap = med[("ddip run", "empty")] - med[("2x plain python", "empty")]
     empty_ratio = med[("torchrun", "empty")] / med[("ddip run", "empty")]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive, wait_until
+from conftest import alive, children_of, wait_until
 
 DDIP = str(Path(sys.executable).with_name("ddip"))
 PY = sys.executable
@@ -302,8 +302,8 @@ def test_timeout(launcher, tmp_path):
 INTERRUPTIBLE = """
     import os, sys, time
     r = int(os.environ["RANK"])
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # inside: the interrupt may come as soon as it is written
         time.sleep(600)
     except KeyboardInterrupt:
         print(f"rank {{r}} got KeyboardInterrupt", flush=True)
@@ -343,6 +343,31 @@ def test_second_sigint_kills(launcher, tmp_path):
     assert p.returncode == 128 + signal.SIGKILL
     assert "killing every rank" in err
     assert "failed first: killed by SIGKILL" in err
+
+
+def test_die_with_parent(tmp_path):
+    # A program drives ddip run and dies without a word: the launcher and its ranks go with it.
+    ranks = script(tmp_path, PIDS_THEN.format(body="time.sleep(600)"))
+    driver = script(tmp_path, f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([{DDIP!r}, "run", "--die-with-parent", "-n", "2", {PY!r}, {ranks!r}],
+                             start_new_session=True)
+        print(p.pid, flush=True)
+        time.sleep(600)
+    """, name="driver.py")
+    d = subprocess.Popen([PY, driver], stdout=subprocess.PIPE, text=True)
+    try:
+        launcher_pid = int(d.stdout.readline())
+        assert wait_until(lambda: len(children_of(launcher_pid)) == 2, 30)
+        rank_pids = children_of(launcher_pid)
+        d.kill()
+        d.wait()
+        assert wait_until(lambda: not alive(launcher_pid) and not any(alive(p) for p in rank_pids), 10)
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait()
+        d.stdout.close()
 
 
 TORCHRUN_SCRIPT = """
@@ -449,7 +474,8 @@ def test_diprun_bad_flags(kernel):
 
 
 def test_diprun_interrupt_reaches_the_ranks(kernel):
-    pids_file = Path(kernel.km.connection_file).with_name("diprun-pids")
+    pids_file = Path(kernel.km.connection_file).with_name(f"diprun-pids-{os.getpid()}")
+    pids_file.unlink(missing_ok=True)
     outputs = []
 
     def on_output(o):
@@ -464,8 +490,8 @@ def test_diprun_interrupt_reaches_the_ranks(kernel):
         import os, time
         with open({str(pids_file)!r}, "a") as f:
             f.write(f"{{os.getpid()}}\\n")
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)
             time.sleep(600)
         except KeyboardInterrupt:
             print(f"rank {{os.environ['RANK']}} interrupted", flush=True)
@@ -473,7 +499,7 @@ def test_diprun_interrupt_reaches_the_ranks(kernel):
     assert interrupted
     assert not cell.ok and cell.reply["ename"] == "KeyboardInterrupt"
     text = cell.stream()
-    assert "[0] rank 0 interrupted" in text and "[1] rank 1 interrupted" in text
+    assert "[0] rank 0 interrupted" in text and "[1] rank 1 interrupted" in text, cell.stream("stderr")
     pids = [int(x) for x in pids_file.read_text().split()]
     assert len(pids) == 2 and wait_until(lambda: not any(alive(p) for p in pids), 10)
     assert kernel.run("print('kernel fine')").stream() == "kernel fine\n"

@@ -74,6 +74,13 @@ TEST(CommandLine, AttachedValues) {
 
 TEST(CommandLine, DefaultsToOneRank) { EXPECT_EQ(parse({"run", "true"}).nproc, 1); }
 
+TEST(CommandLine, DieWithParentIsAFlag) {
+  EXPECT_FALSE(parse({"run", "true"}).die_with_parent);
+  auto o = parse({"run", "--die-with-parent", "-n", "2", "true", "--die-with-parent"});
+  EXPECT_TRUE(o.die_with_parent);
+  EXPECT_EQ(o.command, (Args{"true", "--die-with-parent"}));
+}
+
 TEST(CommandLine, GpusAreAList) {
   auto o = parse({"run", "--gpus", "3,1", "python", "x.py"});
   EXPECT_EQ(o.gpus, (Args{"3", "1"}));

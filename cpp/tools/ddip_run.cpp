@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -64,21 +65,25 @@ bool write_all(int fd, std::string_view data) {
 }
 
 // "[rank] " at the start of every line. A line ends at '\n', or at '\r' when text follows (a
-// progress bar redrawn in place keeps its label; "\r\n" gets one label).
-std::string label(std::string_view text, const std::string& tag) {
+// progress bar redrawn in place keeps its label; "\r\n" gets one label). `after_cr` carries
+// whether the stream's previous text ended with '\r' across calls.
+std::string label(std::string_view text, const std::string& tag, bool& after_cr) {
   std::string out;
   out.reserve(text.size() + tag.size() * 4);
   size_t start = 0;
   while (start < text.size()) {
     size_t end = text.find_first_of("\r\n", start);
     if (end == std::string_view::npos) end = text.size();
-    bool after_cr = start > 0 && text[start - 1] == '\r';
     if (end > start || (end < text.size() && text[end] == '\n' && !after_cr)) out += tag;
     out.append(text.substr(start, end - start));
     if (end < text.size()) out += text[end];
+    after_cr = end < text.size() && text[end] == '\r';
     start = end + 1;
   }
-  if (!out.empty() && out.back() != '\n' && out.back() != '\r') out += '\n';
+  if (!out.empty() && out.back() != '\n' && out.back() != '\r') {
+    out += '\n';
+    after_cr = false;
+  }
   return out;
 }
 
@@ -130,6 +135,7 @@ class Launcher {
     Fd log[3];  // [1] stdout, [2] stderr
     std::optional<ExitStatus> status;
     bool stopped = false;  // was running when ddip run stopped everyone
+    bool after_cr[3] = {false, false, false};
   };
 
   RunOptions opts_;
@@ -217,7 +223,7 @@ void Launcher::start_ranks() {
 
 void Launcher::emit(size_t r, RankOutput::Stream s, std::string_view text) {
   if (text.empty() || !ranks_[r].shown || !terminal_ok_[s]) return;
-  if (!write_all(s, label(text, ranks_[r].tag))) terminal_ok_[s] = false;
+  if (!write_all(s, label(text, ranks_[r].tag, ranks_[r].after_cr[s]))) terminal_ok_[s] = false;
 }
 
 void Launcher::read_pipe(size_t r, RankOutput::Stream s) {
@@ -274,7 +280,8 @@ void Launcher::stop() {
   stopping_ = true;
   kill_at_ = Clock::now() + kGrace;
   for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (ranks_[r].status) continue;
+    // One that has exited, even if its pidfd has not been read yet, ended on its own.
+    if (ranks_[r].status || !sup_.running(r)) continue;
     ranks_[r].stopped = true;
     sup_.signal(r, SIGTERM);
   }
@@ -291,7 +298,7 @@ void Launcher::on_signal() {
       if (!killed_) std::cerr << "ddip run: " << signal_name(sig) << " again: killing every rank\n";
       killed_ = true;
       for (size_t r = 0; r < ranks_.size(); ++r) {
-        if (ranks_[r].status) continue;
+        if (ranks_[r].status || !sup_.running(r)) continue;
         ranks_[r].stopped = true;
         sup_.signal(r, SIGKILL);
       }
@@ -462,6 +469,12 @@ int main(int argc, char** argv) {
     return cl.exit(e);
   }
   try {
+    if (opts.die_with_parent) {
+      // SIGKILL: the ranks then die of their own PR_SET_PDEATHSIG.
+      pid_t parent = ::getppid();
+      ddip::check(::prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl", "tying ddip run to its parent");
+      if (::getppid() != parent) return 1;  // the parent died before prctl took effect
+    }
     // Ranks must not compete for the terminal's input; they inherit this.
     ddip::Fd null(
         ddip::check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));

@@ -72,6 +72,9 @@ CommandLine::CommandLine()
                    "Stop every rank after this many seconds and exit with 124")
       ->type_name("SECONDS")
       ->check(CLI::Validator(CLI::PositiveNumber).description(""));
+  run_->add_flag("--die-with-parent", opts_.die_with_parent,
+                 "Exit, and so stop every rank, when the process that started ddip run dies "
+                 "(for programs that drive it, such as %%diprun)");
   // Never given to CLI11 (parse() splits the command off first); declared so that --help shows
   // the usage line and what COMMAND is.
   run_->add_option("COMMAND", command_doc_,
@@ -110,7 +113,7 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
     // "--flag value" and "-n 2" take the next token too; "--flag=value" and "-n2" don't.
     bool attached = a.rfind("--", 0) == 0 ? a.find('=') != std::string::npos : a.size() > 2;
     const CLI::Option* opt = run_->get_option_no_throw(a);
-    if (!attached && opt && opt->get_type_size_min() > 0 && i + 1 < args.size())
+    if (!attached && opt && opt->get_items_expected_min() > 0 && i + 1 < args.size())
       ours.push_back(args[++i]);
   }
   std::reverse(ours.begin(), ours.end());  // CLI11 takes a vector last-first

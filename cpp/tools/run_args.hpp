@@ -15,6 +15,7 @@ struct RunOptions {
   std::string tee = "all";
   std::string log_dir;
   double timeout_s = 0;  // 0: no timeout
+  bool die_with_parent = false;
   std::vector<std::string> command;
 
   // One rank per listed GPU, else -n.

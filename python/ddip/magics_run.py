@@ -80,7 +80,7 @@ class DipRunMagics(Magics):
             script = os.path.join(workdir, "cell.py")
             with open(script, "w") as f:
                 f.write(cell)  # a plain script, as the ranks run plain Python
-            code = _stream([binary(), "run", *flags, "--", sys.executable, script])
+            code = _stream([binary(), "run", "--die-with-parent", *flags, "--", sys.executable, script])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         if code == "interrupted":
@@ -106,8 +106,11 @@ def _rank_env() -> dict:
 def _stream(argv: list[str]):
     """Runs `ddip run`, copying its (already labelled, whole-line) output to the notebook as it
     arrives. Returns its exit code, or "interrupted" when the kernel was interrupted."""
+    # Its own session: jupyter_client interrupts the kernel's whole process group, and the
+    # launcher must get each interrupt once (from here), or the second copy would kill the ranks.
+    # --die-with-parent ties it to the kernel instead.
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=_rank_env())
+                            stderr=subprocess.PIPE, env=_rank_env(), start_new_session=True)
     interrupted = False
     sel = selectors.DefaultSelector()
     try:
