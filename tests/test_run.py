@@ -217,6 +217,42 @@ def test_tee_chooses_ranks_log_dir_keeps_all(launcher, tmp_path):
     assert code == 0 and out == "" and err == ""
 
 
+def test_rank_outside_tee_is_still_reported(launcher, tmp_path):
+    path = script(tmp_path, """
+        import os, sys
+        if os.environ["RANK"] == "1":
+            print("hidden reason", file=sys.stderr)
+            sys.exit(4)
+    """)
+    code, out, err = run(launcher, ["run", "-n", "2", "--tee", "0", PY, path])
+    assert code == 4
+    assert "[1]" not in err  # its output itself stays hidden
+    assert "rank 1 failed first: exit code 4" in err and "  | hidden reason" in err
+
+
+def test_reader_going_away_does_not_stop_the_ranks(tmp_path):
+    logs = tmp_path / "logs"
+    path = script(tmp_path, """
+        import time
+        for i in range(2000):
+            print("line", i)
+            if i == 0:
+                time.sleep(0.5)
+    """)
+    p = subprocess.Popen([DDIP, "run", "-n", "1", "--log-dir", str(logs), PY, path],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "[0] line 0\n"
+        p.stdout.close()  # like `ddip run ... | head -1`
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err
+    assert (logs / "rank0.stdout").read_text().count("\n") == 2000
+
+
 def test_partial_lines_and_progress_bars(tmp_path):
     path = script(tmp_path, """
         import sys, time
