@@ -166,6 +166,8 @@ def test_command_that_does_not_exist(launcher):
     code, out, err = run(launcher, ["run", "-n", "2", "no-such-command-ddip"])
     assert code == 127
     assert "cannot start rank 0" in err and "No such file or directory" in err
+    code, out, err = run(launcher, ["run", "-n", "2", "/etc/passwd"])  # not executable
+    assert code == 126 and "Permission denied" in err
 
 
 NOISY = """

@@ -109,6 +109,12 @@ std::optional<int> nvidia_device_count() {
   return n;
 }
 
+// A rank's command could not be started (not found, not executable): the shell's 127 / 126.
+struct CannotStart : std::system_error {
+  using std::system_error::system_error;
+  int exit_code() const { return code().value() == ENOENT ? 127 : 126; }
+};
+
 class Launcher {
  public:
   Launcher(RunOptions opts, std::vector<bool> shown, LaunchEnv launch)
@@ -210,9 +216,9 @@ void Launcher::start_ranks() {
     try {
       sup_.spawn(spec);
     } catch (const std::system_error& e) {
-      throw std::system_error(
-          e.code(), "cannot start rank " + std::to_string(r) + ": " +
-                        std::string(e.what()).substr(0, std::string(e.what()).rfind(':')));
+      throw CannotStart(e.code(),
+                        "cannot start rank " + std::to_string(r) + ": " +
+                            std::string(e.what()).substr(0, std::string(e.what()).rfind(':')));
     }
     Child& c = sup_.child(r);
     watch(c.stdout_pipe().get(), r << 2 | kStdout);
@@ -482,10 +488,9 @@ int main(int argc, char** argv) {
     launch.master_port = free_port();
     Launcher launcher(std::move(opts), std::move(shown), std::move(launch));
     return launcher.run();
-  } catch (const std::system_error& e) {
+  } catch (const CannotStart& e) {
     std::cerr << "ddip run: " << e.what() << "\n";
-    int err = e.code().value();
-    return err == ENOENT ? 127 : err == EACCES || err == ENOEXEC ? 126 : 1;
+    return e.exit_code();
   } catch (const std::exception& e) {
     std::cerr << "ddip run: " << e.what() << "\n";
     return 1;
