@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMPS := .stamps
 JOBS ?= $(shell nproc)
-CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp python/src/*.cpp python/src/*.hpp) CMakeLists.txt pyproject.toml
+CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tools/*.cpp python/src/*.cpp python/src/*.hpp) CMakeLists.txt pyproject.toml
 
 .PHONY: setup test cpp-test py-test demo bench clean format
 
@@ -18,6 +18,11 @@ $(STAMPS)/system:
 	  echo "setup: installing GoogleTest (libgtest-dev) from Debian"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgtest-dev >/dev/null; \
+	fi
+	@if ! [ -f /usr/include/CLI/CLI.hpp ]; then \
+	  echo "setup: installing CLI11 (libcli11-dev) from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libcli11-dev >/dev/null; \
 	fi
 	@touch $@
 
@@ -67,7 +72,7 @@ bench: setup
 	$(VPY) bench/run.py
 
 format:
-	clang-format -i cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tests/*.cpp python/src/*.cpp python/src/*.hpp
+	clang-format -i cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tools/*.cpp cpp/tests/*.cpp python/src/*.cpp python/src/*.hpp
 
 clean:
 	rm -rf build $(STAMPS) $(VENV)

@@ -19,6 +19,9 @@ def load_ipython_extension(ip):
     from .magics import load_ipython_extension as load
 
     load(ip)
+    from .magics_run import load_ipython_extension as load_run
+
+    load_run(ip)
 
 
 def unload_ipython_extension(ip):

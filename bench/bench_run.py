@@ -1,0 +1,260 @@
+"""`ddip run` against torchrun: launch overhead, and steps/s of a DDP training loop, measured in
+the same run.
+
+    .venv/bin/python bench/bench_run.py      (or `make bench` for every bench module)
+
+Launch, 2 processes, each timed from the start of the command until it has exited:
+- empty: a script that does nothing.
+- all_reduce: a script written for torchrun: init_process_group("gloo") from env://, one
+  all_reduce of a 4-float tensor, destroy_process_group.
+Run as `ddip run -n 2 python SCRIPT` (the installed native command), as
+`python -m torch.distributed.run --nproc-per-node 2 --master-port PORT SCRIPT` (torchrun, with a
+free port so that nothing else on the machine collides with its default), and, for scale, as
+two plain `python SCRIPT` processes started together by this process (with RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set by hand for all_reduce): what any launcher must pay at least.
+
+Training: the same 2-rank DDP loop (an MLP 256-512-512-10, batch 64 of synthetic data, SGD,
+gloo) run 300 timed steps after 30 warm-up steps, between two barriers; rank 0 reports steps/s.
+Under `ddip run`, under torchrun, and in a `ddip.Group(n=2, env={"OMP_NUM_THREADS": "1"})` with
+`g.run(code)` (the group joins gloo itself). Every way gives OMP_NUM_THREADS=1 to its ranks.
+
+The tools run interleaved, so load on the machine hits them alike. Clean-up: after every launch,
+each descendant of this process still there after a grace period is killed by pid (psutil
+checks the pid still names the same process); the count is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+LAUNCH_REPS = 10  # timed launches per tool, after one untimed warm-up each
+ALL_REDUCE_REPS = 10
+TRAIN_REPS = 5
+STEPS, WARMUP = 300, 30
+GRACE_S = 5.0
+
+DDIP = str(Path(sys.executable).with_name("ddip"))
+PY = sys.executable
+
+EMPTY = ""
+
+ALL_REDUCE = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+TRAIN = f"""\
+import time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+own_group = not dist.is_initialized()
+if own_group:
+    dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(
+    torch.nn.Linear(256, 512), torch.nn.ReLU(),
+    torch.nn.Linear(512, 512), torch.nn.ReLU(),
+    torch.nn.Linear(512, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = torch.nn.CrossEntropyLoss()
+g = torch.Generator().manual_seed(dist.get_rank())
+x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+def step():
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+for _ in range({WARMUP}):
+    step()
+dist.barrier()
+t0 = time.perf_counter()
+for _ in range({STEPS}):
+    step()
+dist.barrier()
+rate = {STEPS} / (time.perf_counter() - t0)
+if dist.get_rank() == 0:
+    print(f"STEPS_PER_S {{rate:.3f}}", flush=True)
+if own_group:
+    dist.destroy_process_group()
+"""
+
+
+def _log(msg: str):
+    print(f"[bench_run] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    from ddip.group import free_port
+
+    return free_port()
+
+
+def _env() -> dict:
+    # Each launcher decides OMP_NUM_THREADS for its ranks (both pick 1 for 2 ranks); a value
+    # inherited from here would override that for one and not the other.
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+def _check(p: subprocess.CompletedProcess, what: str) -> str:
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} exited with {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return p.stdout
+
+
+def ddip_run(script: str) -> str:
+    p = subprocess.run([DDIP, "run", "-n", "2", PY, script], capture_output=True, text=True,
+                       env=_env(), timeout=600)
+    return _check(p, "ddip run")
+
+
+def torchrun(script: str) -> str:
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(_free_port()), script],
+                       capture_output=True, text=True, env=_env(), timeout=600)
+    return _check(p, "torchrun")
+
+
+def plain(script: str) -> str:
+    port = str(_free_port())
+    procs = []
+    for r in range(2):
+        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([PY, script], env=env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"plain python exited with {p.returncode}:\n{err[-2000:]}")
+    return ""
+
+
+def _cleanup(before: set[int]) -> int:
+    """Kills, by pid, every descendant of ours that a launch left behind; returns the count."""
+    me = psutil.Process()
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(left, timeout=GRACE_S) if left else ([], [])
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if alive:
+        psutil.wait_procs(alive, timeout=GRACE_S)
+    return len(alive)
+
+
+def _rate(out: str) -> float:
+    m = re.search(r"STEPS_PER_S ([0-9.]+)", out)
+    if not m:
+        raise RuntimeError(f"no STEPS_PER_S in the output:\n{out[-2000:]}")
+    return float(m.group(1))
+
+
+def main() -> str:
+    import ddip
+
+    me = psutil.Process()
+    killed = 0
+    workdir = Path(tempfile.mkdtemp(prefix="ddip-bench-run-"))
+    scripts = {}
+    for name, body in (("empty", EMPTY), ("all_reduce", ALL_REDUCE), ("train", TRAIN)):
+        scripts[name] = str(workdir / f"{name}.py")
+        Path(scripts[name]).write_text(body)
+
+    tools = [("ddip run", ddip_run), ("torchrun", torchrun), ("2x plain python", plain)]
+    times = {(t, k): [] for t, _ in tools for k in ("empty", "all_reduce")}
+    for kind, reps in (("empty", LAUNCH_REPS), ("all_reduce", ALL_REDUCE_REPS)):
+        for rep in range(reps + 1):
+            for name, call in tools:
+                before = {p.pid for p in me.children(recursive=True)}
+                t0 = time.perf_counter()
+                call(scripts[kind])
+                dt = time.perf_counter() - t0
+                killed += _cleanup(before)
+                if rep > 0:
+                    times[(name, kind)].append(dt)
+            _log(f"{kind}: round {rep} of {reps} done" + (" (warm-up)" if rep == 0 else ""))
+
+    rates = {"ddip run": [], "torchrun": [], "ddip.Group": []}
+    before = {p.pid for p in me.children(recursive=True)}
+    with ddip.Group(n=2, env={"OMP_NUM_THREADS": "1"}) as g:
+        g.run("pass")
+        for rep in range(TRAIN_REPS):
+            for name, call in (("ddip run", ddip_run), ("torchrun", torchrun)):
+                inner = {p.pid for p in me.children(recursive=True)}
+                rates[name].append(_rate(call(scripts["train"])))
+                killed += _cleanup(inner)
+            res = g.run(TRAIN, timeout=600)
+            rates["ddip.Group"].append(_rate(res[0].stdout))
+            _log(f"training: round {rep + 1} of {TRAIN_REPS} done")
+    killed += _cleanup(before)
+    for f in workdir.iterdir():
+        f.unlink()
+    workdir.rmdir()
+
+    med = {key: statistics.median(v) for key, v in times.items()}
+    rate = {k: statistics.median(v) for k, v in rates.items()}
+    lines = [
+        "| 2 processes, start to exit | ddip run | torchrun | 2x plain python | torchrun / ddip run "
+        "| ddip run - plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, label in (("empty", "empty script"), ("all_reduce", "gloo all_reduce script")):
+        d, t, p = med[("ddip run", kind)], med[("torchrun", kind)], med[("2x plain python", kind)]
+        lines.append(f"| {label} | {d:.3f} s | {t:.3f} s | {p:.3f} s | {t / d:.1f}x | "
+                     f"{(d - p) * 1000:+.0f} ms |")
+    lines += [
+        "",
+        "| DDP training loop, 2 ranks, gloo | ddip run | torchrun | ddip.Group | ddip run / torchrun "
+        "| Group / torchrun |",
+        "|---|---|---|---|---|---|",
+        f"| steps/s ({STEPS} steps after {WARMUP} warm-up) | {rate['ddip run']:.1f} | "
+        f"{rate['torchrun']:.1f} | {rate['ddip.Group']:.1f} | "
+        f"{rate['ddip run'] / rate['torchrun']:.3f}x | {rate['ddip.Group'] / rate['torchrun']:.3f}x |",
+    ]
+    best = {key: min(v) for key, v in times.items()}
+    lines += [
+        "",
+        "Best of each (less sensitive to other load on the machine): " + "; ".join(
+            f"{label} ddip run {best[('ddip run', k)]:.3f} s, torchrun {best[('torchrun', k)]:.3f} s, "
+            f"plain {best[('2x plain python', k)]:.3f} s"
+            for k, label in (("empty", "empty"), ("all_reduce", "all_reduce"))) + ".",
+    ]
+    empty_gap = med[("ddip run", "empty")] - med[("2x plain python", "empty")]
+    empty_ratio = med[("torchrun", "empty")] / med[("ddip run", "empty")]
+    train_ratio = rate["ddip run"] / rate["torchrun"]
+    lines += [
+        "",
+        f"Medians: {LAUNCH_REPS} launches (empty), {ALL_REDUCE_REPS} (all_reduce), {TRAIN_REPS} "
+        "training runs per tool, after an untimed warm-up launch; tools interleaved. steps/s "
+        "spread: " + "; ".join(f"{k} {min(v):.1f}-{max(v):.1f}" for k, v in rates.items()) + ".",
+        "Targets: `ddip run -n 2` empty script within 50 ms of two plain python starts: "
+        f"{'met' if empty_gap <= 0.050 else 'NOT met'} ({empty_gap * 1000:+.0f} ms); "
+        f"at least 20x faster than torchrun: {'met' if empty_ratio >= 20 else 'NOT met'} "
+        f"({empty_ratio:.1f}x); steps/s at least 0.98x torchrun's: "
+        f"{'met' if train_ratio >= 0.98 else 'NOT met'} ({train_ratio:.3f}x).",
+        f"Processes left behind and killed by pid: {killed}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(main())

@@ -1,0 +1,254 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+
+#include "run_args.hpp"
+
+using namespace ddip::run;
+
+namespace {
+
+using Args = std::vector<std::string>;
+
+RunOptions parse(const Args& args) {
+  CommandLine cl;
+  return cl.parse(args);
+}
+
+// The message CLI11 would print for `args`, or "" when they parse.
+std::string error_of(const Args& args) {
+  CommandLine cl;
+  try {
+    cl.parse(args);
+  } catch (const CLI::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::map<std::string, std::string> as_map(const std::vector<std::string>& env) {
+  std::map<std::string, std::string> m;
+  for (const auto& e : env) {
+    auto eq = e.find('=');
+    EXPECT_TRUE(m.emplace(e.substr(0, eq), e.substr(eq + 1)).second) << "twice: " << e;
+  }
+  return m;
+}
+
+std::string invalid(const std::vector<std::string>& req, std::optional<std::string> visible,
+                    std::optional<int> count) {
+  try {
+    resolve_gpus(req, visible, count);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(CommandLine, TakesFlagsThenTheCommandWithItsOwnFlags) {
+  auto o = parse({"run", "-n", "3", "python", "train.py", "-n", "7", "--lr", "0.1"});
+  EXPECT_EQ(o.nproc, 3);
+  EXPECT_EQ(o.command, (Args{"python", "train.py", "-n", "7", "--lr", "0.1"}));
+  EXPECT_TRUE(o.gpus.empty());
+  EXPECT_EQ(o.tee, "all");
+  EXPECT_EQ(o.timeout_s, 0);
+}
+
+TEST(CommandLine, DoubleDashEndsTheFlags) {
+  auto o = parse({"run", "--nproc-per-node=2", "--tee", "0", "--", "-weird", "--", "x"});
+  EXPECT_EQ(o.nproc, 2);
+  EXPECT_EQ(o.tee, "0");
+  EXPECT_EQ(o.command, (Args{"-weird", "--", "x"}));
+}
+
+TEST(CommandLine, AttachedValues) {
+  auto o = parse({"run", "-n4", "--timeout=2.5", "--log-dir=/tmp/x", "true"});
+  EXPECT_EQ(o.nproc, 4);
+  EXPECT_DOUBLE_EQ(o.timeout_s, 2.5);
+  EXPECT_EQ(o.log_dir, "/tmp/x");
+  EXPECT_EQ(o.command, (Args{"true"}));
+}
+
+TEST(CommandLine, DefaultsToOneRank) { EXPECT_EQ(parse({"run", "true"}).nproc, 1); }
+
+TEST(CommandLine, DieWithParentIsAFlag) {
+  EXPECT_FALSE(parse({"run", "true"}).die_with_parent);
+  auto o = parse({"run", "--die-with-parent", "-n", "2", "true", "--die-with-parent"});
+  EXPECT_TRUE(o.die_with_parent);
+  EXPECT_EQ(o.command, (Args{"true", "--die-with-parent"}));
+}
+
+TEST(CommandLine, GpusAreAList) {
+  auto o = parse({"run", "--gpus", "3,1", "python", "x.py"});
+  EXPECT_EQ(o.gpus, (Args{"3", "1"}));
+  EXPECT_EQ(o.command, (Args{"python", "x.py"}));
+}
+
+TEST(CommandLine, NAndGpusExcludeEachOther) {
+  EXPECT_NE(error_of({"run", "-n", "2", "--gpus", "0,1", "true"}).find("excludes"),
+            std::string::npos);
+  EXPECT_NE(error_of({"run", "--gpus", "0", "-n", "2", "true"}).find("excludes"),
+            std::string::npos);
+}
+
+TEST(CommandLine, BadN) {
+  EXPECT_NE(error_of({"run", "-n", "0", "true"}).find("not in range"), std::string::npos);
+  EXPECT_NE(error_of({"run", "-n", "-3", "true"}), "");
+  EXPECT_NE(error_of({"run", "-n", "two", "true"}), "");
+  EXPECT_NE(error_of({"run", "-n", "2000", "true"}).find("not in range"), std::string::npos);
+  EXPECT_NE(error_of({"run", "-n"}), "");
+}
+
+TEST(CommandLine, BadGpus) {
+  EXPECT_NE(error_of({"run", "--gpus", "0,,1", "true"}).find("empty"), std::string::npos);
+  EXPECT_NE(error_of({"run", "--gpus", "", "true"}), "");
+}
+
+TEST(CommandLine, MissingCommand) {
+  EXPECT_EQ(error_of({"run", "-n", "2"}), "COMMAND is required");
+  EXPECT_EQ(error_of({"run", "-n", "2", "--"}), "COMMAND is required");
+  EXPECT_NE(error_of({}), "");  // no subcommand
+}
+
+TEST(CommandLine, UnknownFlagIsAnErrorNotTheCommand) {
+  EXPECT_NE(error_of({"run", "--bogus", "python"}).find("--bogus"), std::string::npos);
+}
+
+TEST(CommandLine, TeeValues) {
+  EXPECT_EQ(parse({"run", "--tee", "none", "true"}).tee, "none");
+  EXPECT_EQ(parse({"run", "--tee", "0,2", "true"}).tee, "0,2");
+  EXPECT_NE(error_of({"run", "--tee", "some", "true"}).find("'some' is not a rank"),
+            std::string::npos);
+  EXPECT_NE(error_of({"run", "--tee", "-1", "true"}), "");
+}
+
+TEST(CommandLine, BadTimeout) {
+  EXPECT_NE(error_of({"run", "--timeout", "0", "true"}), "");
+  EXPECT_NE(error_of({"run", "--timeout", "soon", "true"}), "");
+}
+
+TEST(CommandLine, HelpIsAskedFor) {
+  CommandLine cl;
+  EXPECT_THROW(cl.parse({"run", "--help"}), CLI::CallForHelp);
+}
+
+TEST(TeeRanks, AllNoneAndLists) {
+  EXPECT_EQ(tee_ranks("all", 3), (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(tee_ranks("none", 2), (std::vector<bool>{false, false}));
+  EXPECT_EQ(tee_ranks("0", 3), (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(tee_ranks("2, 0", 3), (std::vector<bool>{true, false, true}));
+}
+
+TEST(TeeRanks, RankOutsideTheWorldIsAnError) {
+  try {
+    tee_ranks("2", 2);
+    FAIL() << "no error";
+  } catch (const CLI::ValidationError& e) {
+    EXPECT_NE(std::string(e.what()).find("there is no rank 2: ranks are 0-1"), std::string::npos);
+  }
+}
+
+TEST(ResolveGpus, PhysicalIndicesInTheGivenOrder) {
+  EXPECT_EQ(resolve_gpus({"3", "1"}, std::nullopt, 4), (Args{"3", "1"}));
+  EXPECT_EQ(resolve_gpus({"3", "1"}, std::nullopt, std::nullopt), (Args{"3", "1"}));
+  EXPECT_EQ(resolve_gpus({"01"}, std::nullopt, 2), (Args{"1"}));
+}
+
+TEST(ResolveGpus, PositionsInTheLaunchersVisibleList) {
+  EXPECT_EQ(resolve_gpus({"1", "0"}, "4,6", std::nullopt), (Args{"6", "4"}));
+  EXPECT_EQ(resolve_gpus({"1"}, "GPU-aaa,GPU-bbb", 0), (Args{"GPU-bbb"}));
+}
+
+TEST(ResolveGpus, UuidsPassThrough) {
+  EXPECT_EQ(resolve_gpus({"GPU-abc", "MIG-def"}, "0", 1), (Args{"GPU-abc", "MIG-def"}));
+}
+
+TEST(ResolveGpus, All) {
+  EXPECT_EQ(resolve_gpus({"all"}, std::nullopt, 3), (Args{"0", "1", "2"}));
+  EXPECT_EQ(resolve_gpus({"all"}, "5,2", 8), (Args{"5", "2"}));
+  EXPECT_NE(invalid({"all"}, std::nullopt, 0).find("no NVIDIA GPU"), std::string::npos);
+  EXPECT_NE(invalid({"all"}, "", 4).find("no GPU is visible"), std::string::npos);
+  EXPECT_NE(invalid({"all"}, std::nullopt, std::nullopt).find("list them"), std::string::npos);
+}
+
+TEST(ResolveGpus, OutsideTheVisibleListIsAClearError) {
+  EXPECT_EQ(invalid({"2"}, "4,6", 8),
+            "GPU 2 is not visible: CUDA_VISIBLE_DEVICES = 4,6 lists 2 GPU(s), so --gpus takes "
+            "positions 0-1");
+  EXPECT_NE(invalid({"0"}, "", 8).find("no GPU is visible"), std::string::npos);
+  EXPECT_EQ(invalid({"2"}, std::nullopt, 2), "GPU 2 does not exist: this machine has GPUs 0-1");
+  EXPECT_NE(invalid({"0"}, std::nullopt, 0).find("no NVIDIA GPU"), std::string::npos);
+}
+
+TEST(ResolveGpus, BadEntries) {
+  EXPECT_NE(invalid({"x"}, std::nullopt, 2).find("'x' is not a GPU"), std::string::npos);
+  EXPECT_NE(invalid({"-1"}, std::nullopt, 2).find("is not a GPU"), std::string::npos);
+  EXPECT_NE(invalid({"99999999999"}, std::nullopt, std::nullopt).find("is not a GPU"),
+            std::string::npos);
+  EXPECT_NE(invalid({"1", "1"}, std::nullopt, 2).find("listed twice"), std::string::npos);
+  EXPECT_NE(invalid({"1", "0"}, "3,3", 4).find("GPU 3 is listed twice"), std::string::npos);
+}
+
+TEST(RankEnvironment, TorchrunsVariablesPerRank) {
+  LaunchEnv launch;
+  launch.world_size = 3;
+  launch.master_port = 29511;
+  for (int r = 0; r < 3; ++r) {
+    auto env = as_map(rank_environment({"PATH=/bin", "HOME=/root"}, launch, r));
+    EXPECT_EQ(env["RANK"], std::to_string(r));
+    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(r));
+    EXPECT_EQ(env["ROLE_RANK"], std::to_string(r));
+    EXPECT_EQ(env["WORLD_SIZE"], "3");
+    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(env["GROUP_RANK"], "0");
+    EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(env["MASTER_PORT"], "29511");
+    EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+    EXPECT_EQ(env["PYTHONUNBUFFERED"], "1");
+    EXPECT_EQ(env["PATH"], "/bin");
+    EXPECT_EQ(env["HOME"], "/root");
+    EXPECT_EQ(env.count("CUDA_VISIBLE_DEVICES"), 0u);
+  }
+}
+
+TEST(RankEnvironment, InheritedRankVariablesAndTorchElasticAreReplaced) {
+  LaunchEnv launch;
+  launch.world_size = 2;
+  auto env = as_map(rank_environment({"RANK=7", "WORLD_SIZE=9", "TORCHELASTIC_USE_AGENT_STORE=True",
+                                      "TORCHELASTIC_RUN_ID=x", "CUDA_VISIBLE_DEVICES=0,1,2"},
+                                     launch, 1));
+  EXPECT_EQ(env["RANK"], "1");
+  EXPECT_EQ(env["WORLD_SIZE"], "2");
+  EXPECT_EQ(env.count("TORCHELASTIC_USE_AGENT_STORE"), 0u);
+  EXPECT_EQ(env.count("TORCHELASTIC_RUN_ID"), 0u);
+  EXPECT_EQ(env["CUDA_VISIBLE_DEVICES"], "0,1,2");  // -n leaves the GPUs alone
+}
+
+TEST(RankEnvironment, UserChoicesWin) {
+  LaunchEnv launch;
+  launch.world_size = 4;
+  auto env = as_map(rank_environment({"OMP_NUM_THREADS=8", "PYTHONUNBUFFERED="}, launch, 0));
+  EXPECT_EQ(env["OMP_NUM_THREADS"], "8");
+  EXPECT_EQ(env["PYTHONUNBUFFERED"], "");
+}
+
+TEST(RankEnvironment, OneRankKeepsOpenMPThreads) {
+  LaunchEnv launch;
+  auto env = as_map(rank_environment({}, launch, 0));
+  EXPECT_EQ(env.count("OMP_NUM_THREADS"), 0u);
+  EXPECT_EQ(env["WORLD_SIZE"], "1");
+}
+
+TEST(RankEnvironment, GpusListedInRankOrderForEveryRank) {
+  LaunchEnv launch;
+  launch.world_size = 2;
+  launch.cuda_visible_devices = "3,1";
+  for (int r = 0; r < 2; ++r) {
+    auto env = as_map(rank_environment({"CUDA_VISIBLE_DEVICES=0,1,2,3"}, launch, r));
+    EXPECT_EQ(env["CUDA_VISIBLE_DEVICES"], "3,1");
+    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(r));
+  }
+}

@@ -1,0 +1,5 @@
+"""`python -m ddip run ...` is `ddip run ...`."""
+
+from .cli import main
+
+main()

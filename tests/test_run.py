@@ -1,0 +1,543 @@
+"""`ddip run`, the native launcher: the installed command on real scripts, and %%diprun through a
+real kernel.
+
+Every launcher a test starts is waited for and, if a test fails midway, killed by pid; ranks die
+with their launcher (PR_SET_PDEATHSIG), and tests that learn the ranks' pids check they are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import alive, children_of, wait_until
+
+DDIP = str(Path(sys.executable).with_name("ddip"))
+PY = sys.executable
+
+
+@pytest.fixture
+def launcher():
+    """start(args, **popen) -> Popen of `ddip ARGS`; whatever is still running at the end is
+    killed by pid."""
+    started = []
+
+    def start(args, env=None, **kw):
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        p = subprocess.Popen([DDIP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True, env=full_env, **kw)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def run(launcher, args, timeout=60, **kw):
+    p = launcher(args, **kw)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def script(tmp_path, body: str, name="rank.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def by_rank(text: str) -> dict[int, list[str]]:
+    """Labelled lines grouped by rank, label removed; fails on any unlabelled line."""
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\[(\d+)\] (.*)", line)
+        assert m, f"line without a rank label: {line!r}"
+        out.setdefault(int(m.group(1)), []).append(m.group(2))
+    return out
+
+
+ENV_SCRIPT = """
+    import json, os
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "GROUP_RANK", "ROLE_RANK"]
+    env = {k: os.environ.get(k) for k in keys}
+    env["elastic"] = sorted(k for k in os.environ if k.startswith("TORCHELASTIC"))
+    env["stdin"] = os.readlink("/proc/self/fd/0")
+    env["pgid_is_pid"] = os.getpgid(0) == os.getpid()
+    print(json.dumps(env))
+"""
+
+
+def rank_envs(out: str) -> dict[int, dict]:
+    return {r: json.loads(lines[0]) for r, lines in by_rank(out).items()}
+
+
+def test_environment_per_rank(launcher, tmp_path):
+    code, out, err = run(launcher, ["run", "-n", "3", PY, script(tmp_path, ENV_SCRIPT)],
+                         env={"TORCHELASTIC_RUN_ID": "outer", "OMP_NUM_THREADS": ""})
+    assert code == 0, err
+    assert err == ""
+    envs = rank_envs(out)
+    assert sorted(envs) == [0, 1, 2]
+    ports = {e["MASTER_PORT"] for e in envs.values()}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    for r, e in envs.items():
+        assert e["RANK"] == e["LOCAL_RANK"] == e["ROLE_RANK"] == str(r)
+        assert e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "3"
+        assert e["GROUP_RANK"] == "0"
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["OMP_NUM_THREADS"] == ""  # set by the user (even empty): left alone
+        assert e["PYTHONUNBUFFERED"] == "1"
+        assert e["elastic"] == []
+        assert e["stdin"] == "/dev/null"
+        assert e["pgid_is_pid"]  # each rank leads its own process group
+
+
+def test_omp_threads_default(launcher, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    path = script(tmp_path, ENV_SCRIPT)
+    p = subprocess.run([DDIP, "run", "-n", "2", PY, path], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert {e["OMP_NUM_THREADS"] for e in rank_envs(p.stdout).values()} == {"1"}
+    assert p.stderr == ""  # and nothing said about it
+    p = subprocess.run([DDIP, "run", "-n", "1", PY, path], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert rank_envs(p.stdout)[0]["OMP_NUM_THREADS"] is None  # one rank: OpenMP's own default
+
+
+def test_gpus_are_positions_in_the_visible_list(launcher, tmp_path):
+    path = script(tmp_path, ENV_SCRIPT)
+    code, out, err = run(launcher, ["run", "--gpus", "2,0", PY, path],
+                         env={"CUDA_VISIBLE_DEVICES": "4,6,7"})
+    assert code == 0, err
+    envs = rank_envs(out)
+    assert {r: e["CUDA_VISIBLE_DEVICES"] for r, e in envs.items()} == {0: "7,4", 1: "7,4"}
+    assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
+    code, out, err = run(launcher, ["run", "--gpus", "GPU-8f2e,1", PY, path],
+                         env={"CUDA_VISIBLE_DEVICES": "4,6"})
+    assert code == 0, err
+    assert rank_envs(out)[1]["CUDA_VISIBLE_DEVICES"] == "GPU-8f2e,6"
+
+
+def test_gpu_outside_the_visible_list_is_a_clear_error(launcher, tmp_path):
+    marker = tmp_path / "started"
+    code, out, err = run(launcher, ["run", "--gpus", "0,2", "touch", str(marker)],
+                         env={"CUDA_VISIBLE_DEVICES": "4,6"})
+    assert code == 2
+    assert "GPU 2 is not visible: CUDA_VISIBLE_DEVICES = 4,6 lists 2 GPU(s)" in err
+    assert not marker.exists() and out == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "-n", "2", "--gpus", "0", "true"], "excludes"),
+    (["run", "-n", "0", "true"], "not in range"),
+    (["run", "-n", "2"], "COMMAND is required"),
+    (["run", "--tee", "3", "-n", "2", "true"], "there is no rank 3"),
+    (["run", "--bogus", "true"], "--bogus"),
+])
+def test_usage_errors(launcher, args, message):
+    code, out, err = run(launcher, args)
+    assert code == 2
+    assert message in err
+    assert "--help" in err
+
+
+def test_help_documents_every_flag(launcher):
+    code, out, _ = run(launcher, ["run", "--help"])
+    assert code == 0
+    for flag in ("-n,--nproc-per-node", "--gpus", "--tee", "--log-dir", "--timeout", "COMMAND"):
+        assert flag in out
+
+
+def test_command_that_does_not_exist(launcher):
+    code, out, err = run(launcher, ["run", "-n", "2", "no-such-command-ddip"])
+    assert code == 127
+    assert "cannot start rank 0" in err and "No such file or directory" in err
+    code, out, err = run(launcher, ["run", "-n", "2", "/etc/passwd"])  # not executable
+    assert code == 126 and "Permission denied" in err
+
+
+NOISY = """
+    import os, sys
+    r = int(os.environ["RANK"])
+    for i in range({lines}):
+        pad = "x" * (i % 300)
+        print(f"rank {{r}} line {{i}} {{pad}}")
+        if i % 7 == 0:
+            print(f"rank {{r}} err {{i}} {{pad}}", file=sys.stderr)
+"""
+
+
+def check_noisy(text: str, ranks: list[int], lines: int, kind: str, step: int = 1):
+    got = by_rank(text)
+    assert sorted(got) == ranks
+    for r in ranks:
+        want = [f"rank {r} {kind} {i} {'x' * (i % 300)}" for i in range(0, lines, step)]
+        assert got[r] == want, f"rank {r}: {kind} lines differ"
+
+
+def test_labelled_output_under_heavy_concurrent_printing(launcher, tmp_path):
+    n, lines = 4, 20000
+    logs = tmp_path / "logs"
+    code, out, err = run(launcher, ["run", "-n", str(n), "--log-dir", str(logs), PY,
+                                    script(tmp_path, NOISY.format(lines=lines))], timeout=120)
+    assert code == 0, err[-2000:]
+    # Every line whole, labelled with the rank that printed it, in that rank's order.
+    check_noisy(out, list(range(n)), lines, "line")
+    check_noisy(err, list(range(n)), lines, "err", step=7)
+    # The log files hold each rank's output exactly as it wrote it, unlabelled.
+    for r in range(n):
+        stdout = (logs / f"rank{r}.stdout").read_text()
+        assert stdout == "".join(f"rank {r} line {i} {'x' * (i % 300)}\n" for i in range(lines))
+        stderr = (logs / f"rank{r}.stderr").read_text()
+        assert stderr == "".join(f"rank {r} err {i} {'x' * (i % 300)}\n" for i in range(0, lines, 7))
+
+
+def test_tee_chooses_ranks_log_dir_keeps_all(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    path = script(tmp_path, NOISY.format(lines=50))
+    code, out, err = run(launcher, ["run", "-n", "3", "--tee", "0", "--log-dir", str(logs), PY, path])
+    assert code == 0
+    check_noisy(out, [0], 50, "line")
+    check_noisy(err, [0], 50, "err", step=7)
+    for r in range(3):
+        assert (logs / f"rank{r}.stdout").read_text().count("\n") == 50
+    code, out, err = run(launcher, ["run", "-n", "2", "--tee", "none", PY, path])
+    assert code == 0 and out == "" and err == ""
+
+
+def test_rank_outside_tee_is_still_reported(launcher, tmp_path):
+    path = script(tmp_path, """
+        import os, sys
+        if os.environ["RANK"] == "1":
+            print("hidden reason", file=sys.stderr)
+            sys.exit(4)
+    """)
+    code, out, err = run(launcher, ["run", "-n", "2", "--tee", "0", PY, path])
+    assert code == 4
+    assert "[1]" not in err  # its output itself stays hidden
+    assert "rank 1 failed first: exit code 4" in err and "  | hidden reason" in err
+
+
+def test_reader_going_away_does_not_stop_the_ranks(tmp_path):
+    logs = tmp_path / "logs"
+    path = script(tmp_path, """
+        import time
+        for i in range(2000):
+            print("line", i)
+            if i == 0:
+                time.sleep(0.5)
+    """)
+    p = subprocess.Popen([DDIP, "run", "-n", "1", "--log-dir", str(logs), PY, path],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "[0] line 0\n"
+        p.stdout.close()  # like `ddip run ... | head -1`
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err
+    assert (logs / "rank0.stdout").read_text().count("\n") == 2000
+
+
+def test_partial_lines_and_progress_bars(tmp_path):
+    path = script(tmp_path, """
+        import sys, time
+        sys.stdout.write("10%\\r50%\\r100%\\n")
+        sys.stdout.write("no newline at the end")
+    """)
+    p = subprocess.run([DDIP, "run", "-n", "1", PY, path], capture_output=True, timeout=60)
+    assert p.returncode == 0
+    assert p.stdout == b"[0] 10%\r[0] 50%\r[0] 100%\n[0] no newline at the end\n"
+
+
+PIDS_THEN = """
+    import os, signal, sys, time
+    r = int(os.environ["RANK"])
+    print("pid", os.getpid(), flush=True)
+    {body}
+"""
+
+
+def rank_pids(out: str) -> list[int]:
+    return [int(lines[0].split()[1]) for _, lines in sorted(by_rank(out).items())]
+
+
+def test_first_failure_is_the_root_cause(launcher, tmp_path):
+    path = script(tmp_path, PIDS_THEN.format(body="""
+    if r == 1:
+        time.sleep(0.5)
+        print("something went wrong", file=sys.stderr)
+        sys.exit(3)
+    time.sleep(600)
+    """))
+    t0 = time.monotonic()
+    code, out, err = run(launcher, ["run", "-n", "3", PY, path])
+    assert code == 3
+    assert time.monotonic() - t0 < 30
+    assert "ddip run: rank 1 failed first: exit code 3" in err
+    assert "  | something went wrong" in err
+    assert "rank 0: killed by SIGTERM (stopped by ddip run)" in err
+    assert "rank 2: killed by SIGTERM (stopped by ddip run)" in err
+    assert err.index("rank 1 failed first") < err.index("rank 0: killed")
+    assert not any(alive(p) for p in rank_pids(out))
+
+
+def test_rank_killed_by_a_signal(launcher, tmp_path):
+    path = script(tmp_path, PIDS_THEN.format(body="""
+    if r == 0:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+    """))
+    code, out, err = run(launcher, ["run", "-n", "2", PY, path])
+    assert code == 128 + signal.SIGKILL
+    assert "rank 0 failed first: killed by SIGKILL" in err
+    assert not any(alive(p) for p in rank_pids(out))
+
+
+def test_rank_that_ignores_sigterm_is_killed_after_the_grace(launcher, tmp_path):
+    path = script(tmp_path, PIDS_THEN.format(body="""
+    if r == 0:
+        time.sleep(0.3)
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    """))
+    code, out, err = run(launcher, ["run", "-n", "2", PY, path])
+    assert code == 1
+    assert "rank 1: killed by SIGKILL (stopped by ddip run)" in err
+    assert not any(alive(p) for p in rank_pids(out))
+
+
+def test_timeout(launcher, tmp_path):
+    path = script(tmp_path, PIDS_THEN.format(body="time.sleep(600)"))
+    t0 = time.monotonic()
+    code, out, err = run(launcher, ["run", "-n", "2", "--timeout", "1.5", PY, path])
+    took = time.monotonic() - t0
+    assert code == 124
+    assert 1.5 <= took < 20
+    assert "ddip run: timed out after 1.5 s" in err
+    assert "rank 0: killed by SIGTERM (stopped by ddip run)" in err
+    assert not any(alive(p) for p in rank_pids(out))
+
+
+INTERRUPTIBLE = """
+    import os, sys, time
+    r = int(os.environ["RANK"])
+    try:
+        print("ready", flush=True)  # inside: the interrupt may come as soon as it is written
+        time.sleep(600)
+    except KeyboardInterrupt:
+        print(f"rank {{r}} got KeyboardInterrupt", flush=True)
+        {then}
+"""
+
+
+def wait_for_lines(p, count: int, timeout=60) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while len(lines) < count and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    return lines
+
+
+def test_sigint_is_forwarded_to_every_rank(launcher, tmp_path):
+    p = launcher(["run", "-n", "2", PY, script(tmp_path, INTERRUPTIBLE.format(then="sys.exit(0)"))])
+    assert len(wait_for_lines(p, 2)) == 2  # both ranks ready
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert "[0] rank 0 got KeyboardInterrupt" in out
+    assert "[1] rank 1 got KeyboardInterrupt" in out
+    assert p.returncode == 128 + signal.SIGINT  # interrupted, though every rank exited 0
+    assert "forwarded SIGINT to every rank" in err
+
+
+def test_second_sigint_kills(launcher, tmp_path):
+    # The ranks catch the interrupt and carry on; the second Ctrl-C does not ask again.
+    p = launcher(["run", "-n", "2", PY, script(tmp_path, INTERRUPTIBLE.format(then="time.sleep(600)"))])
+    assert len(wait_for_lines(p, 2)) == 2
+    p.send_signal(signal.SIGINT)
+    assert len(wait_for_lines(p, 2)) == 2
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGKILL
+    assert "killing every rank" in err
+    assert "failed first: killed by SIGKILL" in err
+
+
+def test_die_with_parent(tmp_path):
+    # A program drives ddip run and dies without a word: the launcher and its ranks go with it.
+    ranks = script(tmp_path, PIDS_THEN.format(body="time.sleep(600)"))
+    driver = script(tmp_path, f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([{DDIP!r}, "run", "--die-with-parent", "-n", "2", {PY!r}, {ranks!r}],
+                             start_new_session=True)
+        print(p.pid, flush=True)
+        time.sleep(600)
+    """, name="driver.py")
+    d = subprocess.Popen([PY, driver], stdout=subprocess.PIPE, text=True)
+    try:
+        launcher_pid = int(d.stdout.readline())
+        assert wait_until(lambda: len(children_of(launcher_pid)) == 2, 30)
+        rank_pids = children_of(launcher_pid)
+        d.kill()
+        d.wait()
+        assert wait_until(lambda: not alive(launcher_pid) and not any(alive(p) for p in rank_pids), 10)
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait()
+        d.stdout.close()
+
+
+TORCHRUN_SCRIPT = """
+    # Written for torchrun: everything comes from env://.
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    assert rank == int(os.environ["RANK"]) and dist.get_world_size() == int(os.environ["WORLD_SIZE"])
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(f"sum {t.item():g} world {dist.get_world_size()}")
+    dist.destroy_process_group()
+"""
+
+
+def test_torch_gloo_all_reduce_written_for_torchrun(launcher, tmp_path):
+    code, out, err = run(launcher, ["run", "-n", "3", PY, script(tmp_path, TORCHRUN_SCRIPT)],
+                         timeout=180)
+    assert code == 0, err
+    assert by_rank(out) == {r: ["sum 6 world 3"] for r in range(3)}
+
+
+# -- %%diprun through a real kernel -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    from jupyter_client import KernelManager
+
+    from test_magics import KERNEL_NAME, Kernel, install_kernelspec
+
+    root = tmp_path_factory.mktemp("jupyter")
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = install_kernelspec(root)
+    km = KernelManager(kernel_name=KERNEL_NAME)
+    try:
+        km.start_kernel(cwd=str(root))
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        k = Kernel(km, kc)
+        assert k.run("%load_ext ddip").ok
+        yield k
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=True)
+        if old is None:
+            os.environ.pop("JUPYTER_PATH", None)
+        else:
+            os.environ["JUPYTER_PATH"] = old
+
+
+def test_diprun_shows_labelled_output_live(kernel):
+    arrivals = []
+    cell = kernel.run(textwrap.dedent("""\
+        %%diprun -n 2
+        import os, time
+        r = int(os.environ["RANK"])
+        print(f"first from {r} of {os.environ['WORLD_SIZE']}")
+        time.sleep(1.5)
+        print(f"second from {r}")
+        """), on_output=lambda o: arrivals.append((time.monotonic(), o)))
+    assert cell.ok, cell.outputs
+    lines = sorted(cell.stream().splitlines())
+    assert lines == ["[0] first from 0 of 2", "[0] second from 0", "[1] first from 1 of 2",
+                     "[1] second from 1"]
+    # Live: the first lines reached the notebook well before the cell ended.
+    first = next(t for t, o in arrivals if "first from" in o.get("text", ""))
+    last = max(t for t, o in arrivals if "second from" in o.get("text", ""))
+    assert last - first > 1.0
+
+
+def test_diprun_torch_gloo(kernel):
+    cell = kernel.run("%%diprun -n 2\n" + textwrap.dedent(TORCHRUN_SCRIPT), timeout=180)
+    assert cell.ok, cell.outputs
+    assert sorted(cell.stream().splitlines()) == ["[0] sum 3 world 2", "[1] sum 3 world 2"]
+
+
+def test_diprun_failure_fails_the_cell(kernel):
+    cell = kernel.run(textwrap.dedent("""\
+        %%diprun -n 2
+        import os, sys
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad batch")
+        """))
+    assert not cell.ok
+    err = cell.stream("stderr")
+    assert "ValueError: bad batch" in err
+    assert "rank 1 failed first: exit code 1" in err
+    assert cell.reply["ename"] == "DipRunError"
+
+
+def test_diprun_bad_flags(kernel):
+    for line, message in (("%%diprun -n 2 --gpus 0", "not both"), ("%%diprun --bogus", "unrecognized"),
+                          ("%%diprun -n x", "invalid int")):
+        cell = kernel.run(line + "\nprint('never')")
+        assert not cell.ok
+        assert cell.reply["ename"] == "UsageError"
+        assert message in cell.reply["evalue"] and "usage: %diprun" in cell.reply["evalue"]
+        assert "never" not in cell.stream()
+
+
+def test_diprun_interrupt_reaches_the_ranks(kernel):
+    pids_file = Path(kernel.km.connection_file).with_name(f"diprun-pids-{os.getpid()}")
+    pids_file.unlink(missing_ok=True)
+    outputs = []
+
+    def on_output(o):
+        outputs.append(o)
+        if sum(o.get("text", "").count("ready") for o in outputs) == 2 and not interrupted:
+            interrupted.append(True)
+            kernel.km.interrupt_kernel()
+
+    interrupted = []
+    cell = kernel.run(textwrap.dedent(f"""\
+        %%diprun -n 2
+        import os, time
+        with open({str(pids_file)!r}, "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        try:
+            print("ready", flush=True)
+            time.sleep(600)
+        except KeyboardInterrupt:
+            print(f"rank {{os.environ['RANK']}} interrupted", flush=True)
+        """), on_output=on_output, timeout=60)
+    assert interrupted
+    assert not cell.ok and cell.reply["ename"] == "KeyboardInterrupt"
+    text = cell.stream()
+    assert "[0] rank 0 interrupted" in text and "[1] rank 1 interrupted" in text, cell.stream("stderr")
+    pids = [int(x) for x in pids_file.read_text().split()]
+    assert len(pids) == 2 and wait_until(lambda: not any(alive(p) for p in pids), 10)
+    assert kernel.run("print('kernel fine')").stream() == "kernel fine\n"
