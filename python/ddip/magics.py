@@ -41,10 +41,12 @@ class GroupSpec:
     backend: str = "auto"
     timeout: float = 60.0
     app: str | None = None
+    cold: bool = False  # --cold: start ranks cold instead of forking them from the rank template
 
     def describe(self) -> str:
         where = f"-g {','.join(map(str, self.gpus))}" if self.gpus is not None else f"-n {self.n}"
-        return " ".join([where, f"--backend {self.backend}"] + ([f"-a {self.app}"] if self.app else []))
+        return " ".join([where, f"--backend {self.backend}"] + ([f"-a {self.app}"] if self.app else [])
+                        + (["--cold"] if self.cold else []))
 
 
 class CellError(Exception):
@@ -212,6 +214,7 @@ class DipMagics(Magics):
     @argument("-k", "--kill", action="store_true", help="kill the group")
     @argument("-i", "--info", action="store_true", help="print pids, rank -> device, backend, app and %%autodip")
     @argument("-v", "--verbose", action="store_true", help="print progress while the group starts")
+    @argument("--cold", action="store_true", help="start ranks as fresh processes, not forked from the warm rank template")
     @argument("-t", "--timeout", metavar="TIMEOUT", type=float, help="seconds to wait for the group to come up (60)")
     @argument("--backend", choices=["gloo", "nccl", "none", "auto"],
               help="torch.distributed backend (auto: nccl on GPUs, gloo on CPU, none without torch)")
@@ -221,7 +224,8 @@ class DipMagics(Magics):
         fn = self.makedip
         args = self._parse(fn, line)
         creating = args.gpus is not None or args.nprocs is not None
-        options = creating or args.app is not None or args.timeout is not None or args.backend is not None
+        options = (creating or args.app is not None or args.timeout is not None or args.backend is not None
+                   or args.cold)
 
         if args.kill:
             if args.restart or options or args.info:
@@ -262,7 +266,7 @@ class DipMagics(Magics):
     def _new_spec(self, fn, args, creating) -> GroupSpec | None:
         base = self.spec if (args.restart and self.spec is not None) else None
         if base is None and not creating:
-            if args.app is not None or args.timeout is not None or args.backend is not None:
+            if args.app is not None or args.timeout is not None or args.backend is not None or args.cold:
                 if not args.restart:
                     raise self._usage_error(fn, "say how many ranks: add -n N (CPU) or -g all / -g 0,1 (GPUs)")
             return None
@@ -289,6 +293,8 @@ class DipMagics(Magics):
             spec = replace(spec, timeout=args.timeout)
         if args.app is not None:
             spec = replace(spec, app=args.app)
+        if args.cold:
+            spec = replace(spec, cold=True)
         try:
             resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus)
         except ValueError as exc:
@@ -305,8 +311,11 @@ class DipMagics(Magics):
                 if spec.gpus is not None else f"{spec.n} CPU rank(s)")
         if verbose:
             print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
-            print(_template.status() if _template.enabled() else
-                  "rank template: off (DDIP_PREWARM=0); ranks start cold", flush=True)
+            if spec.cold:
+                print("rank template: not used (--cold); ranks start cold", flush=True)
+            else:
+                print(_template.status() if _template.enabled() else
+                      "rank template: off (DDIP_PREWARM=0); ranks start cold", flush=True)
         t0 = time.monotonic()
         backend = None if spec.backend == "none" else spec.backend
         # Remembered even if the start fails, so `%makedip -r` (perhaps with -t) tries it again.
@@ -314,7 +323,7 @@ class DipMagics(Magics):
         try:
             group = Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
                           if spec.gpus is not None else None,
-                          backend=backend, timeout=spec.timeout)
+                          backend=backend, timeout=spec.timeout, warm=False if spec.cold else None)
         except StartError as exc:
             text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
             text += "\n(no group is running; %makedip -r tries again)"

@@ -173,3 +173,17 @@ def test_killing_the_kernel_leaves_no_rank_and_no_rank_child(tmp_path):
         os.kill(k.km.provisioner.pid, signal.SIGKILL)
         assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), \
             f"still alive: {[p for p in pids if alive(p)]}"
+
+
+def test_cold_flag_bypasses_the_rank_template(kernel):
+    cell = kernel.run("%makedip -n 2 --backend none --cold -v")
+    assert cell.ok and "rank template: not used (--cold); ranks start cold" in cell.stream()
+    out = kernel.run("%%dip --see all\nimport ddip.template; print('forked', ddip.template.forked)").stream()
+    assert out.count("forked False") == 2
+    kernel.run("%makedip -k")
+    cell = kernel.run("%makedip -n 2 --backend none -v")
+    assert cell.ok and "rank template:" in cell.stream()
+    out = kernel.run("%%dip --see all\nimport ddip.template; print('forked', ddip.template.forked)").stream()
+    assert out.count("forked True") == 2
+    assert "--cold" in kernel.run("%makedip -r --cold -i").stream()
+    kernel.run("%makedip -k")
