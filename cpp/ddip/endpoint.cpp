@@ -70,7 +70,7 @@ Endpoint::Endpoint(const std::string& socket_path, int rank, std::string hello,
 void Endpoint::tie_group_to_kernel() {
   // PR_SET_PDEATHSIG was SIGKILL since before exec: that kills the rank alone, and what it
   // started lives on, holding GPU memory. A handler turns the kernel's death into the group's.
-  struct sigaction sa {};
+  struct sigaction sa{};
   sa.sa_handler = detail::kill_own_group;
   sigemptyset(&sa.sa_mask);
   check(::sigaction(kernel_death_signal(), &sa, nullptr), "sigaction",

@@ -56,7 +56,7 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
     // Handlers are the parent's (they would run on its memory): default them all, as
     // posix_spawn does, before unblocking what the parent blocked around clone.
     for (int s = 1; s < NSIG; ++s) {
-      struct sigaction sa {};
+      struct sigaction sa{};
       if (::sigaction(s, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN && sa.sa_handler != SIG_DFL)
         ::signal(s, SIG_DFL);
     }
