@@ -261,6 +261,8 @@ int HostAgent::run() {
   std::map<int, int> local;
   for (auto& [slot, spec] : spawn) {
     spec.env = detail::merged_environment(spec.env);
+    // The notebook's directory, where this host shares it; else the agent's own (the home).
+    if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
     local[slot] = static_cast<int>(co.workers.size());
     global.push_back(slot);
     co.workers.push_back(std::move(spec));
