@@ -513,8 +513,10 @@ void Coordinator::finish() noexcept {
 void Coordinator::tick() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    if (s.conn || (s.said_hello && !s.exited))
-      send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
+    // A host's link hears heartbeats from the start: its agent takes a silent link for a dead
+    // kernel, and its workers may take long to say hello (importing torch, say).
+    bool linked = s.link >= 0 && !s.exited && links_[s.link].conn;
+    if (s.conn || linked) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
     if (s.exit_pending) on_exit(i);
   }
   expire_handshakes(Clock::now());
@@ -856,6 +858,11 @@ void Coordinator::start_links() {
     Link& l = links_[h];
     l.host = options_.hosts[h];
     LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
+    // The agent gives up on a silent kernel as soon as the kernel gives up on a silent host; a
+    // kernel that never does (0) still gets the agent's 10 s.
+    if (options_.heartbeat_timeout.count() > 0)
+      ticket.timeout_ms = static_cast<uint32_t>(std::max<long long>(
+          options_.heartbeat_timeout.count(), 3 * options_.heartbeat_interval.count()));
     // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
     // command line or environment shows it.
     l.host.launcher.stdin_data = ticket.encode();

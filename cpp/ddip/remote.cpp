@@ -168,7 +168,7 @@ std::pair<int, bool> decode_signal(const std::string& payload) {
 
 std::string LinkTicket::encode() const {
   return "ddip-link " + address + " " + std::to_string(port) + " " + std::to_string(host) + " " +
-         to_hex(key) + "\n";
+         to_hex(key) + " " + std::to_string(timeout_ms) + "\n";
 }
 
 LinkTicket LinkTicket::decode(const std::string& line) {
@@ -184,12 +184,17 @@ LinkTicket LinkTicket::decode(const std::string& line) {
   t.port = static_cast<uint16_t>(port);
   t.host = static_cast<uint32_t>(host);
   t.key = from_hex(hex);
+  long long timeout = 0;
+  if (in >> timeout && timeout > 0 && timeout <= 0xffffffffLL)
+    t.timeout_ms = static_cast<uint32_t>(timeout);
   if (t.key.size() < 16) throw std::invalid_argument("the link key is too short");
   return t;
 }
 
 int HostAgent::run() {
   using detail::Clock;
+  if (options_.ticket.timeout_ms > 0)
+    options_.kernel_timeout = std::chrono::milliseconds(options_.ticket.timeout_ms);
   const LinkTicket& t = options_.ticket;
   auto deadline = Clock::now() + options_.connect_timeout;
   Fd sock = connect_tcp(t.address, t.port, options_.connect_timeout);

@@ -36,6 +36,9 @@ struct LinkTicket {
   uint16_t port = 0;
   uint32_t host = 0;  // this host's index in the group
   std::string key;    // raw bytes
+  // The kernel's heartbeat timeout: the agent gives up on a kernel silent this long (0: the
+  // agent's own default).
+  uint32_t timeout_ms = 0;
   std::string encode() const;
   // Throws std::invalid_argument for anything else.
   static LinkTicket decode(const std::string& line);

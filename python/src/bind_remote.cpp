@@ -13,7 +13,7 @@ void init_remote(nb::module_& m) {
       [](const std::string& ticket, int kernel_timeout_ms, int connect_timeout_ms) {
         ddip::AgentOptions o;
         o.ticket = ddip::LinkTicket::decode(ticket);
-        o.kernel_timeout = std::chrono::milliseconds(kernel_timeout_ms);
+        o.kernel_timeout = std::chrono::milliseconds(kernel_timeout_ms);  // the ticket's wins
         o.connect_timeout = std::chrono::milliseconds(connect_timeout_ms);
         ddip::HostAgent agent(o);
         int rc;
