@@ -372,3 +372,30 @@ def test_local_and_template_hosts_run_one_group():
         assert [r.value for r in g.run("int(big.sum())")] == [int(big.sum())] * 3
         back = g.run("big * 2", ranks=[2])[0].value  # a reply buffer: a memfd there, bytes on the link
         assert np.array_equal(back, big * 2)
+
+
+def test_makedip_hosts_flags(tmp_path):
+    # In a plain IPython shell, in a process of its own: the magics' flags for hosts.
+    script = textwrap.dedent("""
+        from IPython.core.interactiveshell import InteractiveShell
+        from IPython.core.error import UsageError
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "ddip")
+        for bad in ("--hosts node1:2 -n 2", "--launcher ssh -n 2", "--hosts 'node1[0,0]'"):
+            try:
+                ip.run_line_magic("makedip", bad)
+                print("accepted", bad)
+            except UsageError as exc:
+                print("usage error:", str(exc).splitlines()[0][:60])
+        ip.run_line_magic("makedip", '--hosts localhost:1,here:1 --launcher "exec {command} # {host}" '
+                                     '--bind 127.0.0.1 --backend none')
+        ip.run_cell_magic("dip", "--see all", "import os; print(os.environ['DDIP_HOST'], os.environ['RANK'])")
+        ip.run_line_magic("makedip", "-i")
+        ip.run_line_magic("makedip", "-k")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("usage error:") == 3, out.stdout
+    assert "localhost 0" in out.stdout and "here 1" in out.stdout, out.stdout
+    assert "here: cpu" in out.stdout, out.stdout

@@ -403,8 +403,9 @@ class Group:
 
     @property
     def pids(self) -> list[int]:
+        """Each rank's pid; a rank on another host has its pid there (None until it is up)."""
         self._check_open()
-        return list(self._coord.pids)
+        return [pid if pid >= 0 else self.info[slot].get("pid") for slot, pid in enumerate(self._coord.pids)]
 
     def device(self, rank: int) -> str:
         slot = self._slot(rank)
