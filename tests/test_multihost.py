@@ -372,6 +372,15 @@ def test_local_and_template_hosts_run_one_group():
         assert [r.value for r in g.run("int(big.sum())")] == [int(big.sum())] * 3
         back = g.run("big * 2", ranks=[2])[0].value  # a reply buffer: a memfd there, bytes on the link
         assert np.array_equal(back, big * 2)
+        # Interrupts, timeouts and stack dumps reach the ranks behind the link.
+        with pytest.raises(TimeoutError):
+            g.run("import time\nwhile True: time.sleep(0.05)", timeout=2)
+        pending = g.apply_async(lambda: __import__("time").sleep(30))
+        time.sleep(0.5)
+        assert "<lambda>" in g.stacks(ranks=[2])[2]
+        pending.cancel()
+        assert all(r.error is not None and r.error.ename == "KeyboardInterrupt" for r in pending.results())
+        assert [r.value for r in g.run("1 + 1")] == [2, 2, 2]
 
 
 def test_makedip_hosts_flags(tmp_path):
