@@ -963,8 +963,7 @@ void Coordinator::on_handshake(uint64_t id) {
   std::vector<std::pair<int, SpawnSpec>> specs;
   for (int slot : l.host.slots)
     if (!slots_[slot].exited) specs.emplace_back(slot, options_.workers[slot]);
-  send_remote(l.host.slots.front(),
-              Frame::make(kSpawn, l.host.slots.front(), 0, encode_spawn(specs)), {});
+  send_link(link, Frame::make(kSpawn, l.host.slots.front(), 0, encode_spawn(specs)));
   for (int slot : l.host.slots) {
     auto waiting = std::move(slots_[slot].link_waiting);
     slots_[slot].link_waiting.clear();
@@ -976,30 +975,30 @@ void Coordinator::on_handshake(uint64_t id) {
 // they are released here), else kept until it is.
 void Coordinator::send_remote(size_t slot, Frame f, std::vector<uint64_t> segments) {
   Slot& s = slots_[slot];
-  auto release = [&] {
-    for (uint64_t id : segments) pool_.release(id);
-  };
-  if (s.exited) return release();
-  Link& l = links_[s.link];
-  if (!l.conn) {
+  if (!s.exited && !links_[s.link].conn) {
     s.link_waiting.emplace_back(std::move(f), std::move(segments));
     return;
   }
+  if (!s.exited) send_link(s.link, std::move(f));
+  for (uint64_t id : segments) pool_.release(id);
+}
+
+void Coordinator::send_link(size_t link, Frame f) {
+  Link& l = links_[link];
+  if (!l.conn) return;
   bool was_writing = l.conn->wants_write();
   try {
     l.conn->queue(std::move(f));
-    release();
     if (was_writing) return;
     if (!l.conn->flush()) {
       epoll_event ev{};
       ev.events = EPOLLIN | EPOLLOUT;
-      ev.data.u64 = detail::tag(detail::kLinkTag, s.link);
+      ev.data.u64 = detail::tag(detail::kLinkTag, link);
       check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, l.conn->fd(), &ev), "epoll_ctl(MOD)",
             "waiting to write to a remote host");
     }
   } catch (const std::exception& e) {
-    release();
-    lose_link(s.link, std::string("could not write to it: ") + e.what());
+    lose_link(link, std::string("could not write to it: ") + e.what());
   }
 }
 

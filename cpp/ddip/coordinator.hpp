@@ -187,6 +187,7 @@ class Coordinator {
   void on_launcher(size_t link, int stream);
   void on_launcher_exit(size_t link);
   void send_remote(size_t slot, Frame f, std::vector<uint64_t> segments);
+  void send_link(size_t link, Frame f);
   void signal_slot(size_t slot, int sig, bool whole_group);
   void deliver(size_t slot, Frame f);
   void expire_handshakes(std::chrono::steady_clock::time_point now);
