@@ -24,6 +24,18 @@ $(STAMPS)/system:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libcli11-dev >/dev/null; \
 	fi
+	@# Groups across hosts: libcrypto to build with (HMAC), ssh to launch, and sshd + iproute2
+	@# for the tests that build hosts out of network namespaces.
+	@missing=""; \
+	[ -f /usr/include/openssl/hmac.h ] || missing="$$missing libssl-dev"; \
+	command -v ssh >/dev/null || missing="$$missing openssh-client"; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: installing$$missing from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
 	@touch $@
 
 $(VENV)/bin/python:

@@ -1,5 +1,7 @@
 #include "ddip/channel.hpp"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -33,6 +35,46 @@ sockaddr_un unix_address(const std::string& path) {
   return addr;
 }
 
+// The bytes of an fd that a sealed channel sends in its frame's place.
+void append_contents(std::string& out, int fd, std::optional<size_t> bytes) {
+  size_t n;
+  if (bytes) {
+    n = *bytes;
+  } else {
+    struct stat st {};
+    check(::fstat(fd, &st), "fstat", "sizing an fd to send over TCP");
+    n = static_cast<size_t>(st.st_size);
+  }
+  size_t start = out.size();
+  out.resize(start + n);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(fd, out.data() + start + done, n - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw_errno("pread", "copying an fd's contents into a TCP frame");
+    if (r == 0) throw std::runtime_error("an fd sent over TCP was shorter than announced");
+    done += static_cast<size_t>(r);
+  }
+}
+
+// A sealed memfd holding `data`: what arrives where a frame's fd was sent over TCP.
+Fd memfd_holding(std::string_view data) {
+  Fd fd(check(::memfd_create("ddip-link", MFD_CLOEXEC | MFD_ALLOW_SEALING), "memfd_create",
+              "receiving a buffer over TCP"));
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t r =
+        ::pwrite(fd.get(), data.data() + done, data.size() - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw_errno("pwrite", "receiving a buffer over TCP");
+    done += static_cast<size_t>(r);
+  }
+  // Its size is final, as a rank's reply memfd's is: no mapping of it can be cut short.
+  check(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), "fcntl(F_ADD_SEALS)",
+        "sealing a buffer received over TCP");
+  return fd;
+}
+
 }  // namespace detail
 
 Frame Frame::make(uint16_t kind, int32_t rank, uint64_t seq, std::string payload) {
@@ -55,11 +97,54 @@ void Channel::queue(Frame f) {
   size_t nfds = f.fds ? f.fds->size() : 0;
   if (nfds > kMaxFdsPerFrame) throw std::invalid_argument("too many fds in one frame");
   Outgoing o;
-  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind,
-                       static_cast<uint16_t>(nfds), f.rank};
-  std::memcpy(o.header, &h, sizeof h);
-  o.frame = std::move(f);
+  if (sealed()) {
+    o.frame = inline_fds(std::move(f), o.header);
+  } else {
+    detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind,
+                         static_cast<uint16_t>(nfds), f.rank};
+    std::memcpy(o.header, &h, sizeof h);
+    o.frame = std::move(f);
+  }
   out_.push_back(std::move(o));
+}
+
+// Sealed: [u32 count, u64 length each, the fds' bytes] when there are fds, the payload, the MAC.
+// The copy is made now, so a pooled segment may be reused as soon as this returns.
+Frame Channel::inline_fds(Frame f, char* header) {
+  size_t nfds = f.fds ? f.fds->size() : 0;
+  std::string body;
+  if (nfds > 0) {
+    uint32_t count = static_cast<uint32_t>(nfds);
+    body.append(reinterpret_cast<const char*>(&count), sizeof count);
+    std::vector<size_t> at(nfds);
+    for (size_t i = 0; i < nfds; ++i) {
+      at[i] = body.size();
+      body.append(sizeof(uint64_t), '\0');
+    }
+    for (size_t i = 0; i < nfds; ++i) {
+      size_t before = body.size();
+      std::optional<size_t> bytes;
+      if (i < f.fd_bytes.size()) bytes = f.fd_bytes[i];
+      detail::append_contents(body, (*f.fds)[i].get(), bytes);
+      uint64_t n = body.size() - before;
+      std::memcpy(body.data() + at[i], &n, sizeof n);
+    }
+  }
+  body += f.data();
+  detail::WireHeader h{body.size() + kMacBytes, f.seq, f.kind, static_cast<uint16_t>(nfds), f.rank};
+  std::memcpy(header, &h, sizeof h);
+  body += send_mac_.sign(std::string_view(header, sizeof h), body);
+  f.payload = std::make_shared<const std::string>(std::move(body));
+  f.fds.reset();
+  f.fd_bytes.clear();
+  return f;
+}
+
+void Channel::seal(LinkKeys keys) {
+  if (!out_.empty() || header_filled_ || reading_payload_ || !complete_.empty())
+    throw std::logic_error("Channel::seal with frames in flight");
+  send_mac_ = FrameMac(std::move(keys.send));
+  recv_mac_ = FrameMac(std::move(keys.recv));
 }
 
 bool Channel::flush() {
@@ -148,6 +233,9 @@ Channel::ReadResult Channel::read_some() {
       detail::WireHeader h;
       std::memcpy(&h, header_, sizeof h);
       if (h.nfds > kMaxFdsPerFrame) throw std::runtime_error("corrupt frame header (fd count)");
+      if (sealed() && (h.length < kMacBytes || h.length > kMaxSealedFrame))
+        throw AuthError("a frame header failed authentication (impossible length)");
+      std::memcpy(reading_header_, header_, sizeof header_);
       reading_.emplace();
       reading_->kind = h.kind;
       reading_->rank = h.rank;
@@ -164,8 +252,9 @@ Channel::ReadResult Channel::read_some() {
 
 void Channel::finish_frame() {
   Frame f = std::move(*reading_);
+  if (sealed()) open_sealed(f);
   f.payload = std::move(reading_payload_);
-  size_t nfds = reading_nfds_;
+  size_t nfds = sealed() ? 0 : reading_nfds_;
   if (received_fds_.size() < nfds) {
     if (!reading_truncated_) throw std::runtime_error("frame announced fds that did not arrive");
     nfds = received_fds_.size();
@@ -182,6 +271,33 @@ void Channel::finish_frame() {
   reading_.reset();
   reading_payload_.reset();
   complete_.push_back(std::move(f));
+}
+
+// Checks the MAC, then turns the fds' contents back into fds.
+void Channel::open_sealed(Frame& f) {
+  std::string& p = *reading_payload_;
+  size_t body = p.size() - kMacBytes;
+  recv_mac_.verify(std::string_view(reading_header_, sizeof reading_header_),
+                   std::string_view(p.data(), body), std::string_view(p.data() + body, kMacBytes));
+  p.resize(body);
+  if (reading_nfds_ == 0) return;
+  // Authenticated, so a bad table is a bug on the other end, not an attack; still, never trust
+  // lengths without checking them.
+  uint32_t count = 0;
+  size_t table = sizeof count + reading_nfds_ * sizeof(uint64_t);
+  if (p.size() < table) throw std::runtime_error("corrupt TCP frame (fd table)");
+  std::memcpy(&count, p.data(), sizeof count);
+  if (count != reading_nfds_) throw std::runtime_error("corrupt TCP frame (fd count)");
+  size_t off = table;
+  f.fds = std::make_shared<std::vector<Fd>>();
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t n;
+    std::memcpy(&n, p.data() + sizeof count + i * sizeof n, sizeof n);
+    if (n > p.size() - off) throw std::runtime_error("corrupt TCP frame (fd length)");
+    f.fds->push_back(detail::memfd_holding(std::string_view(p.data() + off, n)));
+    off += n;
+  }
+  p.erase(0, off);
 }
 
 std::optional<Frame> Channel::next() {

@@ -1,8 +1,12 @@
-// Framed messages over Unix stream sockets, with file descriptors passed out of band (SCM_RIGHTS).
+// Framed messages over Unix stream sockets, with file descriptors passed out of band (SCM_RIGHTS),
+// and over authenticated TCP links to other hosts.
 //
 // A frame on the wire is a fixed 24-byte header (payload length, sequence number, kind, number of
-// fds, rank) followed by the payload. The fds of a frame ride on the sendmsg that carries its
-// header.
+// fds, rank) followed by the payload. On a Unix socket the fds of a frame ride on the sendmsg that
+// carries its header. On a sealed channel (TCP, after the link's handshake) no fd can travel: the
+// payload is preceded by the fds' contents (u32 count, u64 length each, the bytes) and followed
+// by an HMAC of the header and everything before it; the receiver gets the contents back as
+// fresh sealed memfds, so a frame looks the same to both ends either way.
 #pragma once
 
 #include <sys/types.h>
@@ -14,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "ddip/auth.hpp"
 #include "ddip/fd.hpp"
 
 namespace ddip {
@@ -31,6 +36,11 @@ enum FrameKind : uint16_t {
   kRelease = 9,        // worker -> kernel: shared-memory segments it no longer uses (u64 ids)
   kStackRequest = 10,  // kernel -> worker: dump every thread's stack, answered by the watchdog
   kStacks = 11,        // worker -> kernel: the dump (text), with the request's seq
+  // Only on links to other hosts (the kernel's Coordinator and a HostAgent):
+  kSpawn = 12,   // kernel -> host: the workers to start there (payload: encode_specs)
+  kSignal = 13,  // kernel -> host: signal a worker (payload: i32 signal, u8 whole group)
+  kOutput = 14,  // host -> kernel: a worker's output (seq: the stream, 1 or 2; payload: text)
+  kExit = 15,    // host -> kernel: a worker exited (payload: encode_exit)
 };
 
 inline constexpr size_t kMaxFdsPerFrame = 16;
@@ -45,6 +55,9 @@ struct Frame {
   // Received with fewer fds than it was sent with: the receiver was out of file descriptors
   // (recvmsg's MSG_CTRUNC). `fds` holds those that arrived.
   bool truncated = false;
+  // On a sealed channel, how many bytes of each fd travel (a pooled segment is larger than what
+  // it holds); empty: each fd's whole size.
+  std::vector<size_t> fd_bytes;
 
   static Frame make(uint16_t kind, int32_t rank, uint64_t seq, std::string payload = {});
   const std::string& data() const;
@@ -80,6 +93,14 @@ class Channel {
   // The pid of the process on the other end (SO_PEERCRED).
   pid_t peer_pid() const;
 
+  // From now on, frames are authenticated with these keys and fds travel in band (a TCP link
+  // after its handshake). A frame that fails to verify makes read_some() throw AuthError.
+  void seal(LinkKeys keys);
+  bool sealed() const { return send_mac_.enabled(); }
+  // The largest frame a sealed channel accepts: a length beyond it is corruption, and must not
+  // make us allocate before the frame's MAC is checked.
+  static constexpr uint64_t kMaxSealedFrame = uint64_t(1) << 36;
+
  private:
   struct Outgoing {
     char header[24];
@@ -97,10 +118,14 @@ class Channel {
   size_t payload_filled_ = 0;
   uint16_t reading_nfds_ = 0;
   bool reading_truncated_ = false;
+  char reading_header_[24];
   std::deque<Fd> received_fds_;
   std::deque<Frame> complete_;
+  FrameMac send_mac_, recv_mac_;
 
   void finish_frame();
+  Frame inline_fds(Frame f, char* header);
+  void open_sealed(Frame& f);
 };
 
 // A connected pair, for tests and in-process use.

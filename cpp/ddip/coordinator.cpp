@@ -2,15 +2,20 @@
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <stdexcept>
 #include <unordered_set>
+
+#include "ddip/auth.hpp"
+#include "ddip/remote.hpp"
 
 namespace ddip {
 namespace detail {
@@ -18,7 +23,22 @@ namespace detail {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-enum Tag : uint64_t { kListenerTag = 1, kWakeTag, kPidTag, kStdoutTag, kStderrTag, kConnTag };
+enum Tag : uint64_t {
+  kListenerTag = 1,
+  kWakeTag,
+  kPidTag,
+  kStdoutTag,
+  kStderrTag,
+  kConnTag,
+  // Remote hosts: the TCP listener, connections still authenticating, authenticated links, and
+  // each host's launcher process and its output.
+  kTcpTag,
+  kHandshakeTag,
+  kLinkTag,
+  kLauncherPidTag,
+  kLauncherOutTag,
+  kLauncherErrTag,
+};
 
 uint64_t tag(Tag t, size_t slot) { return (static_cast<uint64_t>(t) << 32) | slot; }
 
@@ -46,6 +66,29 @@ struct Coordinator::Slot {
   std::deque<std::vector<Event>> held;
   // Shared-memory segments this worker was sent and has not released.
   std::unordered_multiset<uint64_t> segments;
+  // A worker on another host: its link, whether it said hello, and frames for it (with the
+  // segments they hold until the link has copied them) waiting for the link to come up.
+  int link = -1;
+  bool said_hello = false;
+  std::vector<std::pair<Frame, std::vector<uint64_t>>> link_waiting;
+};
+
+struct Coordinator::Link {
+  RemoteHost host;
+  size_t child = 0;  // the launcher's Supervisor index
+  Fd out, err;
+  RankOutput output;  // the launcher's own output: its stderr tail explains a failed start
+  bool launcher_exited = false;
+  std::optional<Channel> conn;
+  bool ever_connected = false;
+};
+
+struct Coordinator::Handshake {
+  Fd fd;
+  std::string peer;
+  KernelHandshake hs;
+  std::string response;
+  Clock::time_point deadline;
 };
 
 Coordinator::Coordinator(CoordinatorOptions options)
@@ -53,7 +96,17 @@ Coordinator::Coordinator(CoordinatorOptions options)
   if (options_.workers.empty()) throw std::invalid_argument("a group needs at least one worker");
   dir_ = std::make_unique<RuntimeDir>();
   socket_path_ = dir_->socket_path();
-  for (auto& w : options_.workers) {
+  size_t n = options_.workers.size();
+  slots_.resize(n);
+  for (size_t h = 0; h < options_.hosts.size(); ++h)
+    for (int slot : options_.hosts[h].slots) {
+      if (slot < 0 || static_cast<size_t>(slot) >= n || slots_[slot].link >= 0)
+        throw std::invalid_argument("a remote host's slots must be distinct workers");
+      slots_[slot].link = static_cast<int>(h);
+    }
+  for (size_t i = 0; i < n; ++i) {
+    auto& w = options_.workers[i];
+    if (slots_[i].link >= 0) continue;  // its host's agent gives it an address of its own
     // getenv() finds the first of duplicates: ours must be the only ones (a group started inside
     // a rank inherits that rank's).
     std::erase_if(w.env, [](const std::string& kv) {
@@ -62,8 +115,6 @@ Coordinator::Coordinator(CoordinatorOptions options)
     w.env.push_back("DDIP_SOCKET=" + socket_path_);
     w.env.push_back("DDIP_KERNEL_PID=" + std::to_string(::getpid()));
   }
-  size_t n = options_.workers.size();
-  slots_.resize(n);
   last_ack_.resize(n);
   connected_.assign(n, false);
   unread_output_.assign(n, 0);
@@ -71,6 +122,10 @@ Coordinator::Coordinator(CoordinatorOptions options)
   wake_ = Fd(check(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), "eventfd", "creating the wake-up fd"));
   epoll_ = Fd(check(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1", "creating the event loop"));
   listener_ = std::make_unique<Listener>(socket_path_);
+  if (!options_.hosts.empty()) {
+    tcp_ = std::make_unique<TcpListener>(options_.bind_address, options_.bind_port);
+    key_ = random_bytes(kKeyBytes);
+  }
 
   std::promise<void> started;
   auto ready = started.get_future();
@@ -104,13 +159,19 @@ Coordinator::~Coordinator() {
 void Coordinator::start_workers() {
   watch(listener_->fd(), detail::tag(detail::kListenerTag, 0), EPOLLIN);
   watch(wake_.get(), detail::tag(detail::kWakeTag, 0), EPOLLIN);
+  child_of_.assign(options_.workers.size(), -1);
   for (size_t i = 0; i < options_.workers.size(); ++i) {
+    if (slots_[i].link >= 0) {
+      pids_.push_back(-1);  // its pid is on another host (the hello says which)
+      continue;
+    }
     std::optional<ForkedRank> forked;
     if (options_.rank_template) forked = options_.rank_template->fork(options_.workers[i]);
     size_t idx = forked ? supervisor_.adopt(forked->pid, std::move(forked->pidfd),
                                             std::move(forked->out), std::move(forked->err))
                         : supervisor_.spawn(options_.workers[i]);
     Child& c = supervisor_.child(idx);
+    child_of_[i] = static_cast<int>(idx);
     pids_.push_back(c.pid());
     Slot& s = slots_[i];
     s.out = std::move(c.stdout_pipe());
@@ -119,6 +180,7 @@ void Coordinator::start_workers() {
     if (s.out) watch(s.out.get(), detail::tag(detail::kStdoutTag, i), EPOLLIN);
     if (s.err) watch(s.err.get(), detail::tag(detail::kStderrTag, i), EPOLLIN);
   }
+  start_links();
 }
 
 void Coordinator::watch(int fd, uint64_t tag, uint32_t events) {
@@ -187,10 +249,15 @@ void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segme
     for (uint64_t id : segments) {
       frame.fds->push_back(pool_.dup_fd(id));
       pool_.retain(id);
+      frame.fd_bytes.push_back(pool_.length(id));  // a TCP link sends only the bytes put there
     }
   }
   post([this, slot, f = std::move(frame), segments]() mutable {
     Slot& s = slots_[slot];
+    if (s.link >= 0) {
+      send_remote(slot, std::move(f), std::move(segments));
+      return;
+    }
     if (s.exited) {
       for (uint64_t id : segments) pool_.release(id);
       return;
@@ -217,10 +284,12 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
     throw std::out_of_range("no worker slot " + std::to_string(slot));
   if (sig <= 0 || sig >= NSIG) throw std::invalid_argument("no signal " + std::to_string(sig));
   post([this, slot, sig, whole_group] {
-    if (slot < 0)
-      supervisor_.signal_all(sig, whole_group);
-    else
-      supervisor_.signal(slot, sig, whole_group);
+    if (slot >= 0) return signal_slot(slot, sig, whole_group);
+    for (size_t i = 0; i < slots_.size(); ++i) try {
+        signal_slot(i, sig, whole_group);
+      } catch (const std::exception&) {
+        // One worker we could not signal does not keep the others from it.
+      }
   });
 }
 
@@ -310,13 +379,20 @@ void Coordinator::begin_stop(std::chrono::milliseconds grace) {
 
 // True once stopping is over: every worker reaped, or the last deadline passed.
 bool Coordinator::advance_stop(Clock::time_point now) {
-  if (std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; })) return true;
+  if (std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; }) &&
+      std::all_of(links_.begin(), links_.end(), [](auto& l) { return l.launcher_exited; }))
+    return true;
   if (now < stop_deadline_) return false;
   auto signal_running = [this](int sig) {
     for (size_t i = 0; i < slots_.size(); ++i) try {
-        if (!slots_[i].exited) supervisor_.signal(i, sig);
+        if (!slots_[i].exited) signal_slot(i, sig, true);
       } catch (const std::exception&) {
         // One worker we could not signal does not stop the others from being stopped.
+      }
+    // A launcher normally leaves with its agent; one still there after the grace is stopped.
+    for (auto& l : links_) try {
+        if (!l.launcher_exited) supervisor_.signal(l.child, sig);
+      } catch (const std::exception&) {
       }
   };
   switch (stop_) {
@@ -372,6 +448,24 @@ void Coordinator::loop() {
             break;
           case detail::kConnTag:
             on_connection(slot, evs[k].events);
+            break;
+          case detail::kTcpTag:
+            on_tcp_accept();
+            break;
+          case detail::kHandshakeTag:
+            on_handshake(slot);
+            break;
+          case detail::kLinkTag:
+            on_link(slot, evs[k].events);
+            break;
+          case detail::kLauncherPidTag:
+            on_launcher_exit(slot);
+            break;
+          case detail::kLauncherOutTag:
+            on_launcher(slot, RankOutput::kStdout);
+            break;
+          case detail::kLauncherErrTag:
+            on_launcher(slot, RankOutput::kStderr);
             break;
         }
       }
@@ -437,12 +531,15 @@ void Coordinator::fail(const std::string& why) noexcept {
 void Coordinator::finish() noexcept {
   std::vector<pid_t> unreaped;
   for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].link >= 0) continue;  // its agent stops it when the link closes, just below
     try {
       if (!slots_[i].exited) on_exit(i);  // it may have just gone
     } catch (...) {
     }
     if (!slots_[i].exited) unreaped.push_back(pids_[i]);
   }
+  for (auto& l : links_) l.conn.reset();
+  handshakes_.clear();
   {
     std::lock_guard lock(mu_);
     thread_done_ = true;
@@ -454,9 +551,14 @@ void Coordinator::finish() noexcept {
 
 void Coordinator::tick() {
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].conn) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
-    if (slots_[i].exit_pending) on_exit(i);
+    Slot& s = slots_[i];
+    // A host's link hears heartbeats from the start: its agent takes a silent link for a dead
+    // kernel, and its workers may take long to say hello (importing torch, say).
+    bool linked = s.link >= 0 && !s.exited && links_[s.link].conn;
+    if (s.conn || linked) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
+    if (s.exit_pending) on_exit(i);
   }
+  expire_handshakes(Clock::now());
   if (options_.pool_idle.count() > 0) pool_.trim(options_.pool_idle);
 }
 
@@ -464,7 +566,8 @@ void Coordinator::check_responsive(Clock::time_point now) {
   if (options_.heartbeat_timeout.count() <= 0) return;
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    if (!s.conn || s.unresponsive) continue;
+    bool live = s.conn || (s.said_hello && !s.exited);
+    if (!live || s.unresponsive) continue;
     Clock::time_point last;
     {
       std::lock_guard lock(mu_);
@@ -527,6 +630,7 @@ void Coordinator::on_accept() {
 
 void Coordinator::send_now(size_t slot, Frame f) {
   Slot& s = slots_[slot];
+  if (s.link >= 0) return send_remote(slot, std::move(f), {});
   if (!s.conn) {
     if (!s.exited) s.waiting.push_back(std::move(f));
     return;
@@ -573,7 +677,7 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
     } catch (const std::exception&) {
       // A corrupt frame: this worker can't be trusted any more, but the others are fine.
       try {
-        supervisor_.signal(slot, SIGKILL);
+        supervisor_.signal(child_of_[slot], SIGKILL);
       } catch (const std::exception&) {
         // Then it is gone already; dropping the connection is all that is left.
       }
@@ -582,52 +686,7 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
     while (s.conn) {
       auto f = s.conn->next();
       if (!f) break;
-      if (f->truncated) {
-        if (f->kind == kDone) {  // still the end of the request: its output goes first
-          drain_output(slot, false);
-          flush_partial(slot, true);
-          release_held(slot, true);
-        }
-        Event e;
-        e.kind = Event::kTruncated;
-        e.slot = static_cast<int>(slot);
-        e.frame = std::move(*f);
-        emit(std::move(e));
-        continue;
-      }
-      if (f->kind == kHeartbeatAck) {
-        {
-          std::lock_guard lock(mu_);
-          last_ack_[slot] = Clock::now();
-        }
-        if (s.unresponsive) {
-          s.unresponsive = false;
-          Event e;
-          e.kind = Event::kResponsive;
-          e.slot = static_cast<int>(slot);
-          emit(std::move(e));
-        }
-        continue;
-      }
-      if (f->kind == kDisplay) {
-        on_display(slot, std::move(*f));
-        continue;
-      }
-      if (f->kind == kRelease) {
-        release_segments(slot, f->data());
-        continue;
-      }
-      if (f->kind == kDone) {
-        // Everything the cell printed was written to the pipes before "done" was sent.
-        drain_output(slot, false);
-        flush_partial(slot, true);
-        release_held(slot, true);
-      }
-      Event e;
-      e.kind = Event::kFrame;
-      e.slot = static_cast<int>(slot);
-      e.frame = std::move(*f);
-      emit(std::move(e));
+      deliver(slot, std::move(*f));
     }
     if (r == Channel::ReadResult::kEof) {
       drop_connection(slot);
@@ -635,6 +694,57 @@ void Coordinator::on_connection(size_t slot, uint32_t events) {
     }
     if (r == Channel::ReadResult::kWouldBlock) return;
   }
+}
+
+// A frame from worker `slot` (over its Unix socket, or its host's link), in arrival order.
+void Coordinator::deliver(size_t slot, Frame f) {
+  Slot& s = slots_[slot];
+  if (f.truncated) {
+    if (f.kind == kDone) {  // still the end of the request: its output goes first
+      drain_output(slot, false);
+      flush_partial(slot, true);
+      release_held(slot, true);
+    }
+    Event e;
+    e.kind = Event::kTruncated;
+    e.slot = static_cast<int>(slot);
+    e.frame = std::move(f);
+    emit(std::move(e));
+    return;
+  }
+  if (f.kind == kHeartbeatAck) {
+    {
+      std::lock_guard lock(mu_);
+      last_ack_[slot] = Clock::now();
+    }
+    if (s.unresponsive) {
+      s.unresponsive = false;
+      Event e;
+      e.kind = Event::kResponsive;
+      e.slot = static_cast<int>(slot);
+      emit(std::move(e));
+    }
+    return;
+  }
+  if (f.kind == kDisplay) {
+    on_display(slot, std::move(f));
+    return;
+  }
+  if (f.kind == kRelease) {
+    release_segments(slot, f.data());
+    return;
+  }
+  if (f.kind == kDone) {
+    // Everything the cell printed was written to the pipes before "done" was sent.
+    drain_output(slot, false);
+    flush_partial(slot, true);
+    release_held(slot, true);
+  }
+  Event e;
+  e.kind = Event::kFrame;
+  e.slot = static_cast<int>(slot);
+  e.frame = std::move(f);
+  emit(std::move(e));
 }
 
 void Coordinator::drop_connection(size_t slot) {
@@ -731,18 +841,18 @@ void Coordinator::on_exit(size_t slot) {
   drain_output(slot, true);
   flush_partial(slot, true);
   release_held(slot, true);
-  auto status = supervisor_.poll(slot);
+  auto status = supervisor_.poll(child_of_[slot]);
   if (!status) {
     if (!s.exit_pending) {
       // Its pidfd says it exited, yet it can't be reaped: a tracer holds the zombie. Level-
       // triggered, that fd would wake us forever; the tick looks again instead.
       s.exit_pending = true;
-      unwatch(supervisor_.child(slot).pidfd());
+      unwatch(supervisor_.child(child_of_[slot]).pidfd());
     }
     return;
   }
   s.exited = true;
-  if (!s.exit_pending) unwatch(supervisor_.child(slot).pidfd());
+  if (!s.exit_pending) unwatch(supervisor_.child(child_of_[slot]).pidfd());
   s.waiting.clear();
   for (uint64_t id : s.segments) pool_.release(id);  // a dead worker's mappings are gone
   s.segments.clear();
@@ -752,6 +862,342 @@ void Coordinator::on_exit(size_t slot) {
   e.status = *status;
   e.text = s.output.stderr_tail();
   emit(std::move(e));
+}
+
+// ---- Workers on other hosts ----------------------------------------------------------------
+//
+// Each remote host has a launcher here and, once its agent has authenticated, a sealed TCP link
+// that carries the frames of all its workers (their slot in the frame's rank field), their output
+// (kOutput) and their exits (kExit). A link that fails, or a launcher that exits before its host
+// connected, is the death of that host's workers (kLost). Nothing from a connection reaches a
+// handler before it has authenticated.
+
+std::string Coordinator::link_address() const {
+  if (!tcp_) return {};
+  const std::string& a = tcp_->address();
+  std::string host = a.find(':') != std::string::npos ? "[" + a + "]" : a;
+  return host + ":" + std::to_string(tcp_->port());
+}
+
+size_t Coordinator::rejected_connections() const {
+  std::lock_guard lock(mu_);
+  return rejected_;
+}
+
+std::string Coordinator::last_rejection() const {
+  std::lock_guard lock(mu_);
+  return last_rejection_;
+}
+
+void Coordinator::start_links() {
+  if (!tcp_) return;
+  watch(tcp_->fd(), detail::tag(detail::kTcpTag, 0), EPOLLIN);
+  links_.resize(options_.hosts.size());
+  for (size_t h = 0; h < options_.hosts.size(); ++h) {
+    Link& l = links_[h];
+    l.host = options_.hosts[h];
+    LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
+    // The agent gives up on a silent kernel as soon as the kernel gives up on a silent host; a
+    // kernel that never does (0) still gets the agent's 10 s.
+    if (options_.heartbeat_timeout.count() > 0)
+      ticket.timeout_ms = static_cast<uint32_t>(std::max<long long>(
+          options_.heartbeat_timeout.count(), 3 * options_.heartbeat_interval.count()));
+    // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
+    // command line or environment shows it.
+    l.host.launcher.stdin_data = ticket.encode();
+    l.host.launcher.null_stdin = false;
+    l.child = supervisor_.spawn(l.host.launcher);
+    Child& c = supervisor_.child(l.child);
+    l.out = std::move(c.stdout_pipe());
+    l.err = std::move(c.stderr_pipe());
+    watch(c.pidfd(), detail::tag(detail::kLauncherPidTag, h), EPOLLIN);
+    if (l.out) watch(l.out.get(), detail::tag(detail::kLauncherOutTag, h), EPOLLIN);
+    if (l.err) watch(l.err.get(), detail::tag(detail::kLauncherErrTag, h), EPOLLIN);
+  }
+}
+
+void Coordinator::on_tcp_accept() {
+  while (true) {
+    std::string peer;
+    Fd fd = tcp_->accept(&peer);
+    if (!fd) return;  // out of fds: the connection waits in the backlog, the heartbeat retries
+    uint64_t id = next_handshake_++ & 0xffffffffu;
+    // Connections still authenticating are few (one per host): many means someone is probing.
+    if (handshakes_.size() >= 64) {
+      Handshake dropped{std::move(fd), peer, KernelHandshake(key_), {}, Clock::now()};
+      handshakes_.emplace(id, std::move(dropped));
+      reject(id, "too many connections authenticating at once");
+      continue;
+    }
+    Handshake h{
+        std::move(fd), peer, KernelHandshake(key_), {}, Clock::now() + options_.handshake_timeout};
+    ssize_t n = ::send(h.fd.get(), h.hs.challenge().data(), h.hs.challenge().size(),
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    int fdnum = h.fd.get();
+    handshakes_.emplace(id, std::move(h));
+    if (n != static_cast<ssize_t>(KernelHandshake::kChallengeBytes)) {
+      reject(id, "could not send the challenge");
+      continue;
+    }
+    watch(fdnum, detail::tag(detail::kHandshakeTag, id), EPOLLIN);
+  }
+}
+
+void Coordinator::reject(uint64_t id, const std::string& why) {
+  auto it = handshakes_.find(id);
+  if (it == handshakes_.end()) return;
+  std::string text = "refused a connection from " + it->second.peer + ": " + why;
+  {
+    std::lock_guard lock(mu_);
+    ++rejected_;
+    last_rejection_ = text;
+  }
+  unwatch(it->second.fd.get());
+  handshakes_.erase(it);  // closes it: nothing it sent was ever parsed beyond the handshake
+  // The kernel's log (the terminal that runs Jupyter): someone may be probing the port.
+  std::fprintf(stderr, "ddip: %s\n", text.c_str());
+}
+
+void Coordinator::expire_handshakes(Clock::time_point now) {
+  std::vector<uint64_t> late;
+  for (auto& [id, h] : handshakes_)
+    if (now >= h.deadline) late.push_back(id);
+  for (uint64_t id : late)
+    reject(id, "no valid handshake within " + std::to_string(options_.handshake_timeout.count()) +
+                   " ms");
+}
+
+void Coordinator::on_handshake(uint64_t id) {
+  auto it = handshakes_.find(id);
+  if (it == handshakes_.end()) return;
+  Handshake& h = it->second;
+  char buf[KernelHandshake::kResponseBytes];
+  size_t want = KernelHandshake::kResponseBytes - h.response.size();
+  ssize_t n = ::recv(h.fd.get(), buf, want, MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  if (n <= 0) return reject(id, "closed during the handshake");
+  h.response.append(buf, static_cast<size_t>(n));
+  if (h.response.size() < KernelHandshake::kResponseBytes) return;
+  KernelHandshake::Accepted accepted;
+  try {
+    accepted = h.hs.accept(h.response);
+  } catch (const AuthError& e) {
+    return reject(id, e.what());
+  }
+  if (accepted.host >= links_.size() || links_[accepted.host].conn)
+    return reject(id, "authenticated, but for host " + std::to_string(accepted.host) +
+                          ", which is not expected (or already connected)");
+  Link& l = links_[accepted.host];
+  if (::send(h.fd.get(), accepted.proof.data(), accepted.proof.size(),
+             MSG_NOSIGNAL | MSG_DONTWAIT) != static_cast<ssize_t>(accepted.proof.size()))
+    return reject(id, "could not send the proof");
+  unwatch(h.fd.get());
+  Channel ch(std::move(h.fd));
+  handshakes_.erase(it);
+  ch.seal(std::move(accepted.keys));
+  size_t link = accepted.host;
+  watch(ch.fd(), detail::tag(detail::kLinkTag, link), EPOLLIN);
+  l.conn.emplace(std::move(ch));
+  l.ever_connected = true;
+  std::vector<std::pair<int, SpawnSpec>> specs;
+  for (int slot : l.host.slots)
+    if (!slots_[slot].exited) specs.emplace_back(slot, options_.workers[slot]);
+  send_link(link, Frame::make(kSpawn, l.host.slots.front(), 0, encode_spawn(specs)));
+  for (int slot : l.host.slots) {
+    auto waiting = std::move(slots_[slot].link_waiting);
+    slots_[slot].link_waiting.clear();
+    for (auto& [f, segments] : waiting) send_remote(slot, std::move(f), std::move(segments));
+  }
+}
+
+// Queued on the link when it is up (the sealed channel copies the segments' bytes at once, so
+// they are released here), else kept until it is.
+void Coordinator::send_remote(size_t slot, Frame f, std::vector<uint64_t> segments) {
+  Slot& s = slots_[slot];
+  if (!s.exited && !links_[s.link].conn) {
+    s.link_waiting.emplace_back(std::move(f), std::move(segments));
+    return;
+  }
+  if (!s.exited) send_link(s.link, std::move(f));
+  for (uint64_t id : segments) pool_.release(id);
+}
+
+void Coordinator::send_link(size_t link, Frame f) {
+  Link& l = links_[link];
+  if (!l.conn) return;
+  bool was_writing = l.conn->wants_write();
+  try {
+    l.conn->queue(std::move(f));
+    if (was_writing) return;
+    if (!l.conn->flush()) {
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLOUT;
+      ev.data.u64 = detail::tag(detail::kLinkTag, link);
+      check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, l.conn->fd(), &ev), "epoll_ctl(MOD)",
+            "waiting to write to a remote host");
+    }
+  } catch (const std::exception& e) {
+    lose_link(link, std::string("could not write to it: ") + e.what());
+  }
+}
+
+void Coordinator::signal_slot(size_t slot, int sig, bool whole_group) {
+  Slot& s = slots_[slot];
+  if (s.link < 0) return supervisor_.signal(child_of_[slot], sig, whole_group);
+  if (s.exited) return;
+  if (!links_[s.link].conn && sig == SIGKILL) {
+    // Never connected and being killed: its launcher goes, and with it any hope of the host.
+    return lose_slot(slot, "stopped before its host " + links_[s.link].host.name + " connected");
+  }
+  send_remote(slot,
+              Frame::make(kSignal, static_cast<int32_t>(slot), 0, encode_signal(sig, whole_group)),
+              {});
+}
+
+void Coordinator::on_link(size_t link, uint32_t events) {
+  Link& l = links_[link];
+  if (!l.conn) return;
+  if (events & EPOLLOUT) {
+    try {
+      if (l.conn->flush()) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.u64 = detail::tag(detail::kLinkTag, link);
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, l.conn->fd(), &ev);
+      }
+    } catch (const std::exception& e) {
+      return lose_link(link, std::string("could not write to it: ") + e.what());
+    }
+  }
+  if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
+  while (l.conn) {
+    Channel::ReadResult r;
+    try {
+      r = l.conn->read_some();
+    } catch (const AuthError& e) {
+      std::fprintf(stderr, "ddip: dropped the link to host %s: %s\n", l.host.name.c_str(),
+                   e.what());
+      return lose_link(link, e.what());
+    } catch (const std::exception& e) {
+      return lose_link(link, e.what());
+    }
+    while (l.conn) {
+      auto f = l.conn->next();
+      if (!f) break;
+      on_link_frame(link, std::move(*f));
+    }
+    if (r == Channel::ReadResult::kEof) return lose_link(link, "the connection closed");
+    if (r == Channel::ReadResult::kWouldBlock) return;
+  }
+}
+
+void Coordinator::on_link_frame(size_t link, Frame f) {
+  Link& l = links_[link];
+  int slot = f.rank;
+  if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
+    return lose_link(link, "it sent a frame for rank slot " + std::to_string(slot) +
+                               ", which is not on that host");
+  Slot& s = slots_[slot];
+  if (s.exited) return;
+  if (f.kind == kOutput) {
+    emit_output(slot, f.seq == RankOutput::kStderr ? RankOutput::kStderr : RankOutput::kStdout,
+                std::string(f.data()));
+    return;
+  }
+  if (f.kind == kExit) {
+    std::pair<ExitStatus, std::string> exit;
+    try {
+      exit = decode_exit(f.data());
+    } catch (const std::exception& e) {
+      return lose_link(link, e.what());
+    }
+    s.exited = true;
+    s.link_waiting.clear();
+    {
+      std::lock_guard lock(mu_);
+      connected_[slot] = false;
+    }
+    Event e;
+    e.kind = Event::kExited;
+    e.slot = slot;
+    e.status = exit.first;
+    e.text = std::move(exit.second);
+    emit(std::move(e));
+    return;
+  }
+  if (f.kind == kHello && !s.said_hello) {
+    s.said_hello = true;
+    std::lock_guard lock(mu_);
+    connected_[slot] = true;
+    last_ack_[slot] = Clock::now();
+  }
+  deliver(slot, std::move(f));
+}
+
+void Coordinator::lose_slot(size_t slot, const std::string& why) {
+  Slot& s = slots_[slot];
+  if (s.exited) return;
+  s.exited = true;
+  for (auto& [f, segments] : s.link_waiting)
+    for (uint64_t id : segments) pool_.release(id);
+  s.link_waiting.clear();
+  {
+    std::lock_guard lock(mu_);
+    connected_[slot] = false;
+  }
+  Event e;
+  e.kind = Event::kLost;
+  e.slot = static_cast<int>(slot);
+  e.text = why;
+  emit(std::move(e));
+}
+
+void Coordinator::lose_link(size_t link, const std::string& why) {
+  Link& l = links_[link];
+  if (l.conn) {
+    unwatch(l.conn->fd());
+    l.conn.reset();  // closed: the agent stops its workers when it sees that
+  }
+  for (int slot : l.host.slots)
+    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
+}
+
+void Coordinator::on_launcher(size_t link, int stream) {
+  Link& l = links_[link];
+  Fd& fd = stream == RankOutput::kStdout ? l.out : l.err;
+  if (!fd) return;
+  char buf[8192];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {
+      unwatch(fd.get());
+      fd.reset();
+      return;
+    }
+    // Kept for the tail only (ssh's and the agent's own complaints), both streams as one.
+    l.output.feed(RankOutput::kStderr, std::string_view(buf, static_cast<size_t>(n)));
+  }
+}
+
+void Coordinator::on_launcher_exit(size_t link) {
+  Link& l = links_[link];
+  if (l.launcher_exited) return;
+  on_launcher(link, RankOutput::kStdout);
+  on_launcher(link, RankOutput::kStderr);
+  auto status = supervisor_.poll(l.child);
+  if (!status) return;  // woken early; the pidfd stays watched
+  l.launcher_exited = true;
+  unwatch(supervisor_.child(l.child).pidfd());
+  if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
+  std::string tail = l.output.flush(RankOutput::kStderr, true);
+  std::string lines = l.output.stderr_tail();
+  if (!tail.empty()) lines += (lines.empty() ? "" : "\n") + tail;
+  std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
+                    status->describe() + " before host " + l.host.name + " connected";
+  if (!lines.empty()) why += "; its last lines:\n" + lines;
+  for (int slot : l.host.slots) lose_slot(slot, why);
 }
 
 }  // namespace ddip

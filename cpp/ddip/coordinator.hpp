@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "ddip/rank_template.hpp"
 #include "ddip/shm.hpp"
 #include "ddip/supervisor.hpp"
+#include "ddip/tcp.hpp"
 
 namespace ddip {
 
@@ -34,6 +36,7 @@ struct Event {
     kUnresponsive = 5,  // worker `slot` has answered no heartbeat for `age_ms` (said once)
     kResponsive = 6,    // worker `slot`, unresponsive before, answers again
     kTruncated = 7,     // `frame` from worker `slot` came without all its fds: out of fds here
+    kLost = 8,          // worker `slot` on another host is gone with its host's link (`text`: why)
   };
   Kind kind = kOutput;
   int slot = 0;
@@ -42,6 +45,15 @@ struct Event {
   std::string text;
   Frame frame;
   ExitStatus status;
+};
+
+// A host other than this one. Its launcher (ssh, srun, a template) is started here with the
+// link's address and key on its stdin and runs a HostAgent there (remote.hpp), which connects
+// back over authenticated TCP and starts the host's workers.
+struct RemoteHost {
+  std::string name;  // in messages
+  SpawnSpec launcher;
+  std::vector<int> slots;  // the workers that run there; their specs are sent to the agent
 };
 
 struct CoordinatorOptions {
@@ -66,6 +78,15 @@ struct CoordinatorOptions {
   // reported in the stream): a rank printing while the notebook reads nothing must not grow the
   // kernel's memory without bound.
   size_t max_unread_output = size_t(16) << 20;
+
+  // Workers on other hosts. Their slots' specs in `workers` hold only what the kernel adds to
+  // the host's environment; argv[0] is looked up there.
+  std::vector<RemoteHost> hosts;
+  // Where hosts connect: a literal address of this machine, and a port (0: any free one).
+  std::string bind_address = "127.0.0.1";
+  uint16_t bind_port = 0;
+  // A connection that has not authenticated within this long is closed.
+  std::chrono::milliseconds handshake_timeout{10000};
 };
 
 class Coordinator {
@@ -80,6 +101,11 @@ class Coordinator {
   size_t size() const { return pids_.size(); }
   const std::vector<pid_t>& pids() const { return pids_; }
   const std::string& socket_path() const { return socket_path_; }
+  // "address:port" where remote hosts connect; empty without remote hosts.
+  std::string link_address() const;
+  // Connections closed because they failed to authenticate, and why the last one was.
+  size_t rejected_connections() const;
+  std::string last_rejection() const;
 
   // Queue a frame to one worker; frames to a worker that has not connected yet wait for it.
   // `segments` (ids from pool().put) travel with it as fds; the worker holds a reference to each
@@ -110,6 +136,8 @@ class Coordinator {
 
  private:
   struct Slot;
+  struct Link;
+  struct Handshake;
   CoordinatorOptions options_;
   std::unique_ptr<RuntimeDir> dir_;
   std::string socket_path_;
@@ -127,6 +155,8 @@ class Coordinator {
   bool thread_done_ = false;
   std::vector<pid_t> unreaped_;
   Fd wake_;  // eventfd: commands queued
+  size_t rejected_ = 0;
+  std::string last_rejection_;
   std::mutex join_mu_;
 
   SegmentPool pool_;  // thread-safe
@@ -145,7 +175,30 @@ class Coordinator {
   std::chrono::milliseconds close_grace_{1000};
   std::thread thread_;
 
+  // Remote hosts, owned by the IO thread.
+  std::vector<int> child_of_;  // per slot: its Supervisor index, -1 on another host
+  std::vector<Link> links_;
+  std::unique_ptr<TcpListener> tcp_;
+  std::string key_;
+  std::map<uint64_t, Handshake> handshakes_;
+  uint64_t next_handshake_ = 0;
+
   void start_workers();
+  void start_links();
+  void on_tcp_accept();
+  void on_handshake(uint64_t id);
+  void reject(uint64_t id, const std::string& why);
+  void on_link(size_t link, uint32_t events);
+  void on_link_frame(size_t link, Frame f);
+  void lose_link(size_t link, const std::string& why);
+  void lose_slot(size_t slot, const std::string& why);
+  void on_launcher(size_t link, int stream);
+  void on_launcher_exit(size_t link);
+  void send_remote(size_t slot, Frame f, std::vector<uint64_t> segments);
+  void send_link(size_t link, Frame f);
+  void signal_slot(size_t slot, int sig, bool whole_group);
+  void deliver(size_t slot, Frame f);
+  void expire_handshakes(std::chrono::steady_clock::time_point now);
   void loop();
   void fail(const std::string& why) noexcept;
   void begin_stop(std::chrono::milliseconds grace);

@@ -66,7 +66,7 @@ uint64_t SegmentPool::put(const void* data, size_t n) {
   if (n > 0) std::memcpy(seg->data(), data, n);  // the one copy, outside the lock
   std::lock_guard lock(mu_);
   uint64_t id = next_id_++;
-  used_.emplace(id, Entry{std::move(*seg), 1});
+  used_.emplace(id, Entry{std::move(*seg), 1, n});
   return id;
 }
 
@@ -116,6 +116,13 @@ Fd SegmentPool::dup_fd(uint64_t id) const {
   if (it == used_.end()) throw std::out_of_range("no shared-memory segment " + std::to_string(id));
   return Fd(check(::fcntl(it->second.segment.fd(), F_DUPFD_CLOEXEC, 0), "fcntl(F_DUPFD_CLOEXEC)",
                   "duplicating a segment's fd"));
+}
+
+size_t SegmentPool::length(uint64_t id) const {
+  std::lock_guard lock(mu_);
+  auto it = used_.find(id);
+  if (it == used_.end()) throw std::out_of_range("no shared-memory segment " + std::to_string(id));
+  return it->second.length;
 }
 
 size_t SegmentPool::in_use() const {

@@ -55,6 +55,8 @@ class SegmentPool {
   void release(uint64_t id);
   // A new fd for the segment, for sending (the frame owns and closes it).
   Fd dup_fd(uint64_t id) const;
+  // The bytes put() stored in it (the segment itself may be larger): what a TCP link sends.
+  size_t length(uint64_t id) const;
   // Frees the unused segments that have been unused for longer than `max_idle` (all of them for
   // 0); returns the bytes freed. The pool only speeds up pushes that follow each other.
   size_t trim(std::chrono::steady_clock::duration max_idle,
@@ -68,6 +70,7 @@ class SegmentPool {
   struct Entry {
     Segment segment;
     int refs = 0;
+    size_t length = 0;
   };
   mutable std::mutex mu_;
   size_t keep_free_;

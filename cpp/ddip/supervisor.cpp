@@ -157,9 +157,24 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   auto envp = detail::c_strings(spec.env);
   Pipe report = make_pipe();
   Fd null_in;
-  if (spec.null_stdin)
+  if (!spec.stdin_data.empty()) {
+    // Written before the child exists: it fits the pipe's buffer, so nothing can block.
+    if (spec.stdin_data.size() > 60000)
+      throw std::invalid_argument("SpawnSpec.stdin_data is larger than a pipe holds");
+    Pipe in = make_pipe();
+    size_t done = 0;
+    while (done < spec.stdin_data.size()) {
+      ssize_t n =
+          ::write(in.write.get(), spec.stdin_data.data() + done, spec.stdin_data.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      check(n, "write", "filling a child's stdin");
+      done += static_cast<size_t>(n);
+    }
+    null_in = std::move(in.read);
+  } else if (spec.null_stdin) {
     null_in = Fd(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open(/dev/null)",
                        "giving a worker an empty stdin"));
+  }
   Pipe out, err;
   if (spec.capture_output) {
     out = make_pipe(true);

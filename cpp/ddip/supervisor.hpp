@@ -25,6 +25,9 @@ struct SpawnSpec {
   std::string cwd;                // empty: inherit
   bool capture_output = true;     // fd 1 and 2 become pipes the caller reads
   bool null_stdin = true;         // fd 0 is /dev/null: input() in a rank must not wait on ours
+  // When set, fd 0 is a pipe holding this (at most 60000 bytes), then end of file: how a
+  // launcher hands a secret to what it starts without a command line or environment showing it.
+  std::string stdin_data = {};
 };
 
 struct ExitStatus {

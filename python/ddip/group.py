@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from . import _core, gpus as _gpus
+from . import hosts as _hosts
 from . import template as _template
 from .errors import RankFailure, RemoteError, StartError
 from .messages import dumps_framed, loads, loads_framed, picklable
 
 # Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
 _OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED, _UNRESPONSIVE, _RESPONSIVE, _TRUNCATED = range(8)
+_LOST = 8  # a rank on another host, gone with its host's link or launcher (multi-host groups)
 _STREAMS = {1: "stdout", 2: "stderr"}
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
 INTERRUPT_GRACE_S = 5.0
@@ -162,8 +164,23 @@ class Group:
                  timeout: float = 60.0, env: dict | None = None, *,
                  world_size: int | None = None, rank_ids: Sequence[int] | None = None,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 heartbeat_timeout: float = 10.0, warm: bool | None = None):
+                 heartbeat_timeout: float = 10.0, warm: bool | None = None,
+                 hosts=None, launcher: str | None = None, python: str | None = None,
+                 bind: str | None = None):
         # Everything is checked before anything starts: bad input changes nothing.
+        # hosts= (see ddip.hosts): ranks on several hosts, reached by `launcher` (ssh, slurm or a
+        # template) running `python` there, connecting back to this machine's address `bind`.
+        self._layout = None
+        if hosts is not None:
+            if n is not None or gpus is not None or rank_ids is not None or world_size is not None:
+                raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
+                                 "leave out n=, gpus=, rank_ids= and world_size=")
+            self._layout = _hosts.layout(hosts, launcher, python, bind)
+            n = self._layout.size
+            master_addr = self._layout.master_addr
+            warm = False  # remote ranks can't fork from this kernel's template; keep all alike
+        elif launcher is not None or python is not None or bind is not None:
+            raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
         if n is not None and gpus is not None:
             raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -192,7 +209,8 @@ class Group:
         if timeout is None:
             raise ValueError("timeout must be a positive number of seconds, got None")
         _positive_timeout(heartbeat_timeout, "heartbeat_timeout")
-        self.backend = resolve_backend(backend, gpu_ids)
+        self.backend = resolve_backend(backend, gpu_ids if self._layout is None else
+                                       [g for h in self._layout.hosts for g in (h.gpus or [])])
         self.gpus = gpu_ids
         self.rank_ids = rank_ids if rank_ids is not None else list(range(size))
         if len(self.rank_ids) != size:
@@ -238,7 +256,29 @@ class Group:
         else:
             env.pop("DDIP_BACKEND", None)
         env.pop("DDIP_SOCKET", None)
+        if self._layout is not None:
+            env = self._host_env(slot, env)
         return [f"{k}={v}" for k, v in env.items()]
+
+    def _host_env(self, slot: int, env: dict) -> dict:
+        """A multi-host group's rank: torchrun's per-host variables; on another host, only what
+        ddip sets (and env=), on top of that host's own environment."""
+        env.update(self._layout.env(slot))
+        if "CUDA_VISIBLE_DEVICES" in self._env:
+            env["CUDA_VISIBLE_DEVICES"] = self._env["CUDA_VISIBLE_DEVICES"]
+        if not self._layout.remote(slot):
+            host = self._layout.hosts[self._layout.slot_host[slot]]
+            if "OMP_NUM_THREADS" not in self._env and "OMP_NUM_THREADS" not in os.environ:
+                env["OMP_NUM_THREADS"] = str(omp_threads(host.ranks))
+            return env
+        keys = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "PYTHONUNBUFFERED", "DDIP_SLOT", "DDIP_SYS_PATH", "DDIP_HOST", "CUDA_VISIBLE_DEVICES",
+                "DDIP_BACKEND", "DDIP_RENDEZVOUS_TIMEOUT", *self._env}
+        out = {k: v for k, v in env.items() if k in keys}
+        # Its cores are not counted from here: torchrun's choice for several ranks on a host.
+        if "OMP_NUM_THREADS" not in self._env:
+            out["OMP_NUM_THREADS"] = "1"
+        return out
 
     @property
     def omp_num_threads(self) -> tuple[str, str]:
@@ -250,14 +290,24 @@ class Group:
         return str(omp_threads(self.world_size)), f"ddip: {cpu_count()} cores / {self.world_size} ranks"
 
     def _start(self):
-        self.master_port = self._fixed_port or free_port()
+        layout = self._layout
+        if layout is None:
+            self.master_port = self._fixed_port or free_port()
+        else:
+            self.master_port = self._fixed_port or layout.master_port(free_port)
         size = len(self.rank_ids)
-        specs = [([sys.executable, "-c", "import ddip.worker; ddip.worker.main()"],
+        specs = [([sys.executable if layout is None or not layout.remote(slot) else layout.python,
+                   "-c", "import ddip.worker; ddip.worker.main()"],
                   self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
         tmpl = _template.choose(specs, self._warm, self.timeout)
         refusals = tmpl.refusals if tmpl is not None else 0
+        remote = {}
+        if layout is not None:
+            launcher_env = [f"{k}={v}" for k, v in os.environ.items()]
+            remote = dict(hosts=[(name, argv, launcher_env, slots) for name, argv, slots in layout.launchers()],
+                          bind_address=layout.bind)
         self._coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
-                                        rank_template=tmpl)
+                                        rank_template=tmpl, **remote)
         _template.after_start(tmpl, refusals)
         self._generation += 1
         self._broken = None
@@ -291,6 +341,9 @@ class Group:
                     f = self._death(slot, a, b, data)
                     raise StartError(f"rank {f.rank} exited while starting ({f.evalue})"
                                      + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""))
+                elif kind == _LOST:
+                    f = self._lost(slot, data)
+                    raise StartError(f"rank {f.rank} could not start: {f.evalue}")
                 elif kind == _FAILED:
                     raise StartError(data.decode(errors="replace"))
                 else:
@@ -357,11 +410,17 @@ class Group:
 
     @property
     def pids(self) -> list[int]:
+        """Each rank's pid; a rank on another host has its pid there (None until it is up)."""
         self._check_open()
-        return list(self._coord.pids)
+        return [pid if pid >= 0 else self.info[slot].get("pid") for slot, pid in enumerate(self._coord.pids)]
 
     def device(self, rank: int) -> str:
         slot = self._slot(rank)
+        if self._layout is not None:
+            gpus = self._layout.gpus(slot)
+            where = self._layout.hosts[self._layout.slot_host[slot]].name
+            lr = self._layout.local_rank[slot]
+            return f"{where}: cuda:{lr} (GPU {gpus[lr]})" if gpus else f"{where}: cpu"
         if self.gpus is None:
             return "cpu"
         r = self.rank_ids[slot]
@@ -381,8 +440,12 @@ class Group:
                 state = self._state[slot]
                 if slot in self._unresponsive and state != "dead":
                     state = "unresponsive"
+                local = pid >= 0  # a rank on another host: its pid there, from its hello
+                if not local:
+                    pid = self.info[slot].get("pid")
                 rows.append({"rank": self.rank_ids[slot], "pid": pid, "device": self.device(self.rank_ids[slot]),
-                             "state": state, "rss_mb": _rss_mb(pid),
+                             "state": state, "rss_mb": _rss_mb(pid) if local else None,
+                             "host": self.info[slot].get("host"),
                              "heartbeat_ms": self._coord.heartbeat_age_ms(slot),
                              "busy_s": (now - req.started) if req is not None else None,
                              "gpu": gpu_use.get(pid)})
@@ -548,6 +611,13 @@ class Group:
             raise ValueError(f"ranks={list(ranks)} lists a rank twice")
         return slots
 
+    def _lost(self, slot, why: bytes) -> RankFailure:
+        """A rank on another host, gone with its host's link (or launcher): a death."""
+        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=why.decode(errors="replace"))
+        self._state[slot] = "dead"
+        self._exits[slot] = f
+        return f
+
     def _death(self, slot, code, sig, tail) -> RankFailure:
         if code < 0:
             cause = "exit status unknown (something else in the notebook's process reaped it)"
@@ -621,8 +691,8 @@ class Group:
                     self._state[slot] = "idle"
         elif kind == _FRAME:
             _close_fds(fds)
-        elif kind == _EXITED:
-            f = self._death(slot, a, b, data)
+        elif kind in (_EXITED, _LOST):
+            f = self._death(slot, a, b, data) if kind == _EXITED else self._lost(slot, data)
             self._unresponsive.pop(slot, None)
             if req is not None:
                 del self._running[slot]

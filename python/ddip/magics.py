@@ -26,6 +26,7 @@ from IPython.display import clear_output, publish_display_data
 
 from .errors import RemoteError, StartError, merge_failures
 from .group import Group, resolve_backend, parse_gpus
+from . import hosts as _hosts
 from . import template as _template
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
@@ -42,9 +43,18 @@ class GroupSpec:
     timeout: float = 60.0
     app: str | None = None
     cold: bool = False  # --cold: start ranks cold instead of forking them from the rank template
+    # Groups across hosts (see ddip.hosts): --hosts, --launcher, --python, --bind.
+    hosts: str | None = None
+    launcher: str | None = None
+    python: str | None = None
+    bind: str | None = None
 
     def describe(self) -> str:
         where = f"-g {','.join(map(str, self.gpus))}" if self.gpus is not None else f"-n {self.n}"
+        if self.hosts is not None:
+            where = f"--hosts {self.hosts}" + "".join(
+                f" --{k} {v!r}" for k, v in (("launcher", self.launcher), ("python", self.python),
+                                             ("bind", self.bind)) if v is not None)
         return " ".join([where, f"--backend {self.backend}"] + ([f"-a {self.app}"] if self.app else [])
                         + (["--cold"] if self.cold else []))
 
@@ -218,12 +228,22 @@ class DipMagics(Magics):
     @argument("-t", "--timeout", metavar="TIMEOUT", type=float, help="seconds to wait for the group to come up (60)")
     @argument("--backend", choices=["gloo", "nccl", "none", "auto"],
               help="torch.distributed backend (auto: nccl on GPUs, gloo on CPU, none without torch)")
+    @argument("--hosts", metavar="HOSTS",
+              help="ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU ranks) or "
+                   "'node1[0,1] node2[2,3]' (one rank per listed GPU); localhost runs here")
+    @argument("--launcher", metavar="LAUNCHER",
+              help="how --hosts are reached: ssh (default; 'ssh -F cfg' adds ssh options), slurm "
+                   "(srun in an allocation), or a template with {host} and {command}")
+    @argument("--python", metavar="PATH", help="the Python to run on the hosts (default: this one's path)")
+    @argument("--bind", metavar="ADDRESS",
+              help="this machine's address the hosts connect back to (default: the one that routes "
+                   "to the first remote host)")
     @line_magic
     def makedip(self, line=""):
         """Create (-n/-g), restart (-r), kill (-k) or describe (-i) the group of ranks."""
         fn = self.makedip
         args = self._parse(fn, line)
-        creating = args.gpus is not None or args.nprocs is not None
+        creating = args.gpus is not None or args.nprocs is not None or args.hosts is not None
         options = (creating or args.app is not None or args.timeout is not None or args.backend is not None
                    or args.cold)
 
@@ -264,6 +284,8 @@ class DipMagics(Magics):
             self._print_info()
 
     def _new_spec(self, fn, args, creating) -> GroupSpec | None:
+        if args.hosts is None and (args.launcher is not None or args.python is not None or args.bind is not None):
+            raise self._usage_error(fn, "--launcher, --python and --bind go with --hosts")
         base = self.spec if (args.restart and self.spec is not None) else None
         if base is None and not creating:
             if args.app is not None or args.timeout is not None or args.backend is not None or args.cold:
@@ -284,7 +306,10 @@ class DipMagics(Magics):
                 raise self._usage_error(fn, f"-n {n}: give a positive number of ranks")
             if n is not None and gpus is not None and n != len(gpus):
                 raise self._usage_error(fn, f"-n {n} but -g lists {len(gpus)} GPUs; give one or the other")
-            spec = replace(spec, n=None if gpus is not None else n, gpus=gpus)
+            spec = replace(spec, n=None if gpus is not None else n, gpus=gpus, hosts=None, launcher=None,
+                           python=None, bind=None)
+            if args.hosts is not None:
+                spec = self._hosts_spec(fn, args, spec)
         if args.backend is not None:
             spec = replace(spec, backend=args.backend)
         if args.timeout is not None:
@@ -296,7 +321,8 @@ class DipMagics(Magics):
         if args.cold:
             spec = replace(spec, cold=True)
         try:
-            resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus)
+            resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus if spec.hosts is None
+                            else [g for h in _hosts.parse_hosts(spec.hosts) for g in (h.gpus or [])])
         except ValueError as exc:
             raise self._usage_error(fn, f"--backend {spec.backend}: {exc}") from None
         if spec.app is not None:
@@ -306,9 +332,24 @@ class DipMagics(Magics):
                                             f"{', '.join(known) if known else '(none installed)'}")
         return spec
 
+    def _hosts_spec(self, fn, args, spec: GroupSpec) -> GroupSpec:
+        if args.gpus is not None or args.nprocs is not None:
+            raise self._usage_error(fn, "--hosts says the ranks (and GPUs) of every host: leave out -n and -g "
+                                        "(write node1[0,1] for GPUs)")
+        hosts = _unquote(args.hosts)
+        launcher = _unquote(args.launcher) if args.launcher is not None else None
+        try:
+            _hosts.layout(hosts, launcher, args.python, args.bind)  # checked before anything starts
+        except ValueError as exc:
+            raise self._usage_error(fn, f"--hosts {hosts}: {exc}") from None
+        return replace(spec, hosts=hosts, launcher=launcher, python=args.python, bind=args.bind)
+
     def _start(self, spec: GroupSpec, verbose: bool):
-        what = (f"{len(parse_gpus(list(spec.gpus) if spec.gpus != ('all',) else 'all'))} GPU rank(s)"
-                if spec.gpus is not None else f"{spec.n} CPU rank(s)")
+        if spec.hosts is not None:
+            what = f"{_hosts.layout(spec.hosts, spec.launcher, spec.python, spec.bind).size} rank(s) on {spec.hosts}"
+        else:
+            what = (f"{len(parse_gpus(list(spec.gpus) if spec.gpus != ('all',) else 'all'))} GPU rank(s)"
+                    if spec.gpus is not None else f"{spec.n} CPU rank(s)")
         if verbose:
             print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
             if spec.cold:
@@ -321,9 +362,13 @@ class DipMagics(Magics):
         # Remembered even if the start fails, so `%makedip -r` (perhaps with -t) tries it again.
         self.spec = replace(spec, app=None)
         try:
-            group = Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
-                          if spec.gpus is not None else None,
-                          backend=backend, timeout=spec.timeout, warm=False if spec.cold else None)
+            if spec.hosts is not None:
+                group = Group(hosts=spec.hosts, launcher=spec.launcher, python=spec.python, bind=spec.bind,
+                              backend=backend, timeout=spec.timeout)
+            else:
+                group = Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
+                              if spec.gpus is not None else None,
+                              backend=backend, timeout=spec.timeout, warm=False if spec.cold else None)
         except StartError as exc:
             text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
             text += "\n(no group is running; %makedip -r tries again)"

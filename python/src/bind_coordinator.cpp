@@ -12,6 +12,9 @@ using namespace nb::literals;
 namespace {
 
 using WorkerSpec = std::tuple<std::vector<std::string>, std::vector<std::string>, std::string>;
+// (name, launcher argv, launcher env, slots that run there)
+using HostSpec =
+    std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<int>>;
 
 nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
 
@@ -23,7 +26,8 @@ std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.siz
 // process reaped it); Disconnected (3, slot, 0, 0, b""); Failed (4, -1, 0, 0, message);
 // Unresponsive (5, slot, ms since its last heartbeat answer, 0, b""); Responsive (6, slot, 0, 0,
 // b""); Truncated (7, slot, frame kind, seq, payload, the fds that did arrive): a frame that
-// lost fds on the way in, this process being out of them.
+// lost fds on the way in, this process being out of them; Lost (8, slot, 0, 0, why): a worker
+// on another host, gone with its host's link or launcher.
 nb::object event_tuple(ddip::Event& e) {
   nb::list fds;
   auto take_fds = [&] {
@@ -52,6 +56,8 @@ nb::object event_tuple(ddip::Event& e) {
       take_fds();
       return nb::make_tuple(7, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
                             to_bytes(e.frame.data()), fds);
+    case ddip::Event::kLost:
+      return nb::make_tuple(8, e.slot, 0, 0, to_bytes(e.text), fds);
   }
   return nb::none();
 }
@@ -66,7 +72,8 @@ void init_coordinator(nb::module_& m) {
           "__init__",
           [](ddip::Coordinator* self, const std::vector<WorkerSpec>& workers, int heartbeat_ms,
              int partial_line_ms, int heartbeat_timeout_ms, int pool_idle_ms,
-             ddip::RankTemplate* rank_template) {
+             ddip::RankTemplate* rank_template, const std::vector<HostSpec>& hosts,
+             const std::string& bind_address, int bind_port) {
             ddip::CoordinatorOptions o;
             for (const auto& [argv, env, cwd] : workers) {
               ddip::SpawnSpec s;
@@ -80,20 +87,38 @@ void init_coordinator(nb::module_& m) {
             o.rank_template = rank_template;  // used only while starting, inside this call
             o.heartbeat_timeout = std::chrono::milliseconds(heartbeat_timeout_ms);
             o.pool_idle = std::chrono::milliseconds(pool_idle_ms);
+            for (const auto& [name, argv, env, slots] : hosts) {
+              ddip::RemoteHost h;
+              h.name = name;
+              h.launcher.argv = argv;
+              h.launcher.env = env;
+              h.slots = slots;
+              o.hosts.push_back(std::move(h));
+            }
+            o.bind_address = bind_address;
+            if (bind_port < 0 || bind_port > 65535)
+              throw std::invalid_argument("bind_port must be 0..65535");
+            o.bind_port = static_cast<uint16_t>(bind_port);
             nb::gil_scoped_release release;
             new (self) ddip::Coordinator(std::move(o));
           },
           "workers"_a, "heartbeat_ms"_a = 1000, "partial_line_ms"_a = 50,
           "heartbeat_timeout_ms"_a = 10000, "pool_idle_ms"_a = 5000,
-          nb::arg("rank_template").none() = nb::none(),
+          nb::arg("rank_template").none() = nb::none(), "hosts"_a = std::vector<HostSpec>{},
+          "bind_address"_a = "127.0.0.1", "bind_port"_a = 0,
           "heartbeat_timeout_ms: a worker silent this long is reported unresponsive (0: never); "
           "pool_idle_ms: pooled shared memory unused this long is freed (0: kept); rank_template: "
-          "fork workers from this warm template.")
+          "fork workers from this warm template; hosts: (name, launcher argv, launcher env, "
+          "slots) for workers on other hosts, whose agents connect back to bind_address:bind_port "
+          "(0: any free port) over authenticated TCP.")
       .def_prop_ro("pids",
                    [](const ddip::Coordinator& c) {
                      return std::vector<int>(c.pids().begin(), c.pids().end());
                    })
       .def_prop_ro("socket_path", &ddip::Coordinator::socket_path)
+      .def_prop_ro("link_address", &ddip::Coordinator::link_address)
+      .def_prop_ro("rejected_connections", &ddip::Coordinator::rejected_connections)
+      .def_prop_ro("last_rejection", &ddip::Coordinator::last_rejection)
       .def_prop_ro("running", &ddip::Coordinator::running)
       .def(
           "send",

@@ -1,0 +1,175 @@
+#include "ddip/auth.hpp"
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
+#include <openssl/rand.h>
+
+#include <cstring>
+#include <memory>
+
+namespace ddip {
+namespace detail {
+namespace {
+
+constexpr std::string_view kMagic{"ddiplnk1", 8};
+constexpr std::string_view kHostLabel = "ddip host";
+constexpr std::string_view kKernelLabel = "ddip kernel";
+
+[[noreturn]] void throw_openssl(const char* call) {
+  char buf[256] = "unknown error";
+  if (unsigned long e = ERR_get_error()) ERR_error_string_n(e, buf, sizeof buf);
+  throw std::runtime_error(std::string(call) + " failed: " + buf);
+}
+
+struct MacDeleter {
+  void operator()(EVP_MAC* m) const { EVP_MAC_free(m); }
+  void operator()(EVP_MAC_CTX* c) const { EVP_MAC_CTX_free(c); }
+};
+
+std::string_view u32_bytes(const uint32_t& v) {
+  return {reinterpret_cast<const char*>(&v), sizeof v};
+}
+
+// Both frame keys come from both nonces: a connection's keys are its own.
+LinkKeys derive(std::string_view key, std::string_view kernel_nonce, std::string_view host_nonce,
+                bool kernel_side) {
+  std::string to_host = hmac_sha256(key, {"ddip frames to host", kernel_nonce, host_nonce});
+  std::string to_kernel = hmac_sha256(key, {"ddip frames to kernel", kernel_nonce, host_nonce});
+  if (kernel_side) return {std::move(to_host), std::move(to_kernel)};
+  return {std::move(to_kernel), std::move(to_host)};
+}
+
+}  // namespace
+}  // namespace detail
+
+std::string random_bytes(size_t n) {
+  std::string out(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1)
+    detail::throw_openssl("RAND_bytes");
+  return out;
+}
+
+std::string hmac_sha256(std::string_view key, std::initializer_list<std::string_view> parts) {
+  // One fetch per process: fetching is the slow part of EVP_MAC.
+  static const std::unique_ptr<EVP_MAC, detail::MacDeleter> mac(
+      EVP_MAC_fetch(nullptr, "HMAC", nullptr));
+  if (!mac) detail::throw_openssl("EVP_MAC_fetch(HMAC)");
+  std::unique_ptr<EVP_MAC_CTX, detail::MacDeleter> ctx(EVP_MAC_CTX_new(mac.get()));
+  if (!ctx) detail::throw_openssl("EVP_MAC_CTX_new");
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+                         OSSL_PARAM_construct_end()};
+  if (EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(key.data()), key.size(),
+                   params) != 1)
+    detail::throw_openssl("EVP_MAC_init");
+  for (std::string_view p : parts)
+    if (!p.empty() &&
+        EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(p.data()), p.size()) != 1)
+      detail::throw_openssl("EVP_MAC_update");
+  std::string out(kMacBytes, '\0');
+  size_t len = 0;
+  if (EVP_MAC_final(ctx.get(), reinterpret_cast<unsigned char*>(out.data()), &len, out.size()) !=
+          1 ||
+      len != kMacBytes)
+    detail::throw_openssl("EVP_MAC_final");
+  return out;
+}
+
+bool same_mac(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string FrameMac::compute(std::string_view header, std::string_view body) const {
+  char count[sizeof count_];
+  std::memcpy(count, &count_, sizeof count_);
+  return hmac_sha256(key_, {std::string_view(count, sizeof count), header, body});
+}
+
+std::string FrameMac::sign(std::string_view header, std::string_view body) {
+  std::string mac = compute(header, body);
+  ++count_;
+  return mac;
+}
+
+void FrameMac::verify(std::string_view header, std::string_view body, std::string_view mac) {
+  if (!same_mac(compute(header, body), mac))
+    throw AuthError("a frame failed authentication (wrong key, tampered, replayed or reordered)");
+  ++count_;
+}
+
+KernelHandshake::KernelHandshake(std::string key)
+    : key_(std::move(key)), nonce_(random_bytes(kNonceBytes)) {
+  if (key_.size() < 16) throw std::invalid_argument("a link key needs at least 16 bytes");
+  challenge_ = std::string(detail::kMagic) + nonce_;
+}
+
+KernelHandshake::Accepted KernelHandshake::accept(std::string_view response) const {
+  if (response.size() != kResponseBytes || response.substr(0, 8) != detail::kMagic)
+    throw AuthError("not a ddip host's response");
+  std::string_view host_nonce = response.substr(8, kNonceBytes);
+  std::string_view host_id = response.substr(8 + kNonceBytes, 4);
+  std::string_view mac = response.substr(8 + kNonceBytes + 4);
+  if (!same_mac(hmac_sha256(key_, {detail::kHostLabel, nonce_, host_nonce, host_id}), mac))
+    throw AuthError("the host's response was not made with the group's key");
+  Accepted a;
+  std::memcpy(&a.host, host_id.data(), sizeof a.host);
+  a.proof = hmac_sha256(key_, {detail::kKernelLabel, nonce_, host_nonce, host_id});
+  a.keys = detail::derive(key_, nonce_, host_nonce, true);
+  return a;
+}
+
+HostHandshake::HostHandshake(std::string key, uint32_t host)
+    : key_(std::move(key)), host_(host), nonce_(random_bytes(kNonceBytes)) {
+  if (key_.size() < 16) throw std::invalid_argument("a link key needs at least 16 bytes");
+}
+
+std::string HostHandshake::respond(std::string_view challenge) {
+  if (challenge.size() != KernelHandshake::kChallengeBytes ||
+      challenge.substr(0, 8) != detail::kMagic)
+    throw AuthError("not a ddip kernel's challenge");
+  kernel_nonce_ = std::string(challenge.substr(8));
+  std::string_view id = detail::u32_bytes(host_);
+  return std::string(detail::kMagic) + nonce_ + std::string(id) +
+         hmac_sha256(key_, {detail::kHostLabel, kernel_nonce_, nonce_, id});
+}
+
+LinkKeys HostHandshake::verify(std::string_view proof) const {
+  if (kernel_nonce_.empty()) throw std::logic_error("HostHandshake::verify before respond");
+  std::string_view id = detail::u32_bytes(host_);
+  if (!same_mac(hmac_sha256(key_, {detail::kKernelLabel, kernel_nonce_, nonce_, id}), proof))
+    throw AuthError("the kernel's proof was not made with the group's key");
+  return detail::derive(key_, kernel_nonce_, nonce_, false);
+}
+
+std::string to_hex(std::string_view bytes) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
+std::string from_hex(std::string_view hex) {
+  auto value = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  if (hex.size() % 2) throw std::invalid_argument("a hex string has an even length");
+  std::string out;
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    int hi = value(hex[i]), lo = value(hex[i + 1]);
+    if (hi < 0 || lo < 0) throw std::invalid_argument("not a hex string");
+    out.push_back(static_cast<char>(hi << 4 | lo));
+  }
+  return out;
+}
+
+}  // namespace ddip

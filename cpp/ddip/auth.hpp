@@ -1,0 +1,109 @@
+// Authentication of the TCP links between the kernel and remote hosts, with libcrypto's
+// HMAC-SHA256 and a per-group random key.
+//
+// The handshake is a mutual challenge-response on fixed-size messages, so nothing an
+// unauthenticated peer sends is ever parsed as a frame:
+//
+//   kernel -> host: challenge = magic | nonce_k                      (kChallengeBytes)
+//   host -> kernel: response  = magic | nonce_h | host id | MAC_c    (kResponseBytes)
+//   kernel -> host: proof     = MAC_k                                (kProofBytes)
+//
+// MAC_c = HMAC(key, "ddip host" | nonce_k | nonce_h | host id) proves the host knows the key;
+// MAC_k = HMAC(key, "ddip kernel" | nonce_k | nonce_h | host id) proves the kernel does. Both
+// sides then derive one frame key per direction from both nonces, so every connection has fresh
+// keys, and a FrameMac per direction authenticates each frame together with its position in the
+// stream: a frame replayed, reordered, dropped or moved to another connection fails to verify.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace ddip {
+
+inline constexpr size_t kKeyBytes = 32;
+inline constexpr size_t kMacBytes = 32;
+inline constexpr size_t kNonceBytes = 32;
+
+class AuthError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// `n` bytes from the OpenSSL CSPRNG.
+std::string random_bytes(size_t n);
+// HMAC-SHA256 of the concatenation of `parts`.
+std::string hmac_sha256(std::string_view key, std::initializer_list<std::string_view> parts);
+// Constant-time comparison (CRYPTO_memcmp); false when the sizes differ.
+bool same_mac(std::string_view a, std::string_view b);
+
+// The frame keys of one authenticated connection.
+struct LinkKeys {
+  std::string send;
+  std::string recv;
+};
+
+// Authenticates frames in one direction. Each call covers the next frame: the count of frames
+// before it is part of what is authenticated, so the two ends must see the same stream.
+class FrameMac {
+ public:
+  FrameMac() = default;
+  explicit FrameMac(std::string key) : key_(std::move(key)) {}
+  bool enabled() const { return !key_.empty(); }
+  // The MAC of the next frame, made of `header` and `body`.
+  std::string sign(std::string_view header, std::string_view body);
+  // Throws AuthError unless `mac` is that of the next frame.
+  void verify(std::string_view header, std::string_view body, std::string_view mac);
+
+ private:
+  std::string key_;
+  uint64_t count_ = 0;
+  std::string compute(std::string_view header, std::string_view body) const;
+};
+
+class KernelHandshake {
+ public:
+  static constexpr size_t kChallengeBytes = 8 + kNonceBytes;
+  static constexpr size_t kResponseBytes = 8 + kNonceBytes + 4 + kMacBytes;
+  static constexpr size_t kProofBytes = kMacBytes;
+
+  explicit KernelHandshake(std::string key);
+  const std::string& challenge() const { return challenge_; }
+
+  struct Accepted {
+    uint32_t host = 0;
+    std::string proof;  // to send back, so the host knows it talks to the kernel
+    LinkKeys keys;
+  };
+  // Throws AuthError when the response is not one made with the key for this challenge.
+  Accepted accept(std::string_view response) const;
+
+ private:
+  std::string key_;
+  std::string nonce_;
+  std::string challenge_;
+};
+
+class HostHandshake {
+ public:
+  HostHandshake(std::string key, uint32_t host);
+  // The response to the kernel's challenge; throws AuthError when it is no challenge of ours.
+  std::string respond(std::string_view challenge);
+  // Throws AuthError unless the proof shows the kernel knows the key.
+  LinkKeys verify(std::string_view proof) const;
+
+ private:
+  std::string key_;
+  uint32_t host_;
+  std::string kernel_nonce_;
+  std::string nonce_;
+};
+
+// The key travels to hosts as text (on the launcher's stdin): lowercase hex.
+std::string to_hex(std::string_view bytes);
+// Throws std::invalid_argument for anything but an even-length hex string.
+std::string from_hex(std::string_view hex);
+
+}  // namespace ddip

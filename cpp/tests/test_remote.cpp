@@ -1,0 +1,297 @@
+// Workers on "another host": the coordinator's launcher re-executes this test binary as a
+// HostAgent (DDIP_TEST_AGENT=1), which connects back over authenticated TCP on loopback and runs
+// this binary again as workers (DDIP_TEST_WORKER=1) that speak through an Endpoint.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "ddip/coordinator.hpp"
+#include "ddip/endpoint.hpp"
+#include "ddip/remote.hpp"
+#include "ddip/tcp.hpp"
+
+using namespace ddip;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return std::string(buf, n > 0 ? n : 0);
+}
+
+void write_fd(int fd, const std::string& s) {
+  ssize_t ignored = ::write(fd, s.data(), s.size());
+  (void)ignored;
+}
+
+// Requests: "echo:TEXT" prints TEXT on stdout and stderr, then replies "pid"; "exit:N" exits
+// with N after a line on stderr; "segment" replies with the first fd's contents; "memfd:TEXT"
+// replies with a memfd holding TEXT.
+int worker_main() {
+  int slot = std::atoi(std::getenv("DDIP_TEST_SLOT"));
+  Endpoint ep(std::getenv("DDIP_SOCKET"), slot, "pid=" + std::to_string(::getpid()),
+              EndpointOptions::from_environment());
+  while (true) {
+    std::optional<Frame> f;
+    try {
+      f = ep.recv(1000ms);
+    } catch (const EndpointClosed&) {
+      return 0;
+    }
+    if (!f) continue;
+    if (f->kind == kShutdown) return 0;
+    const std::string& req = f->data();
+    if (req.rfind("echo:", 0) == 0) {
+      write_fd(1, req.substr(5) + "\n");
+      write_fd(2, "err " + req.substr(5) + "\n");
+      ep.send(Frame::make(kDone, slot, f->seq, std::to_string(::getpid())));
+    } else if (req.rfind("exit:", 0) == 0) {
+      write_fd(2, "about to exit\n");
+      ::_exit(std::atoi(req.c_str() + 5));
+    } else if (req == "segment") {
+      std::string got;
+      if (f->fds && !f->fds->empty()) {
+        char buf[64] = {};
+        ssize_t n = ::pread((*f->fds)[0].get(), buf, sizeof buf, 0);
+        got.assign(buf, n > 0 ? static_cast<size_t>(n) : 0);
+      }
+      ep.send(Frame::make(kDone, slot, f->seq, got));
+    } else if (req.rfind("memfd:", 0) == 0) {
+      Frame r = Frame::make(kDone, slot, f->seq, "with a buffer");
+      Fd m(::memfd_create("reply", MFD_CLOEXEC));
+      write_fd(m.get(), req.substr(6));
+      r.fds = std::make_shared<std::vector<Fd>>();
+      r.fds->push_back(std::move(m));
+      ep.send(std::move(r));
+    }
+  }
+}
+
+int agent_main() {
+  std::string line;
+  std::getline(std::cin, line);
+  AgentOptions o;
+  o.ticket = LinkTicket::decode(line);
+  o.kernel_timeout = 3000ms;
+  HostAgent agent(o);
+  int rc = agent.run();
+  if (rc) std::cerr << "agent: " << agent.why() << "\n";
+  return rc;
+}
+
+SpawnSpec worker(int slot) {
+  return SpawnSpec{
+      {self_exe()}, {"DDIP_TEST_WORKER=1", "DDIP_TEST_SLOT=" + std::to_string(slot)}, "", true};
+}
+
+// Slot 0 here, slots 1 and 2 on a "host" whose launcher is `launcher`.
+CoordinatorOptions options(std::vector<std::string> launcher = {}) {
+  CoordinatorOptions o;
+  for (int s = 0; s < 3; ++s) o.workers.push_back(worker(s));
+  RemoteHost h;
+  h.name = "loopback-host";
+  h.launcher.argv = launcher.empty() ? std::vector<std::string>{self_exe()} : launcher;
+  h.launcher.env = {"DDIP_TEST_AGENT=1", "PATH=/usr/bin:/bin"};
+  h.slots = {1, 2};
+  o.hosts.push_back(h);
+  o.heartbeat_interval = 100ms;
+  o.heartbeat_timeout = 1500ms;
+  return o;
+}
+
+struct Seen {
+  std::string out, err;
+  std::optional<Event> last;
+};
+
+// Events until one of `kind` for `slot` arrives (or the deadline); output is collected.
+Seen wait_for(Coordinator& c, Event::Kind kind, int slot, std::chrono::milliseconds limit = 10s,
+              int frame_kind = -1) {
+  Seen seen;
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto e = c.next_event(100ms);
+    if (!e) continue;
+    if (e->kind == Event::kOutput && e->slot == slot)
+      (e->stream == 1 ? seen.out : seen.err) += e->text;
+    if (e->kind == kind && e->slot == slot &&
+        (frame_kind < 0 || e->frame.kind == static_cast<uint16_t>(frame_kind))) {
+      seen.last = std::move(e);
+      return seen;
+    }
+  }
+  return seen;
+}
+
+bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+}  // namespace
+
+TEST(Remote, WorkersOnAHostSpeakThroughTheLink) {
+  Coordinator c(options());
+  EXPECT_EQ(c.pids()[1], -1);
+  EXPECT_FALSE(c.link_address().empty());
+  auto hello = wait_for(c, Event::kFrame, 1, 10s, kHello);
+  ASSERT_TRUE(hello.last) << "the remote worker never said hello";
+  c.send(1, Frame::make(kRequest, 1, 7, "echo:over the link"));
+  auto done = wait_for(c, Event::kFrame, 1, 10s, kDone);
+  ASSERT_TRUE(done.last);
+  EXPECT_EQ(done.last->frame.seq, 7u);
+  // Its output came first, labelled with its slot, from its own pipes on its host.
+  EXPECT_EQ(done.out, "over the link\n");
+  EXPECT_EQ(done.err, "err over the link\n");
+  std::this_thread::sleep_for(400ms);
+  long long age = c.heartbeat_age_ms(1);
+  EXPECT_GE(age, 0);
+  EXPECT_LT(age, 1000) << "heartbeats are answered across the link";
+  c.close();
+}
+
+TEST(Remote, BuffersTravelInBandBothWays) {
+  Coordinator c(options());
+  uint64_t id = c.pool().put("segment bytes", 13);
+  c.send(2, Frame::make(kRequest, 2, 1, "segment"), {id});
+  c.pool().release(id);
+  auto done = wait_for(c, Event::kFrame, 2, 10s, kDone);
+  ASSERT_TRUE(done.last);
+  EXPECT_EQ(done.last->frame.data(), "segment bytes");  // only the bytes put, not the segment
+  EXPECT_EQ(c.pool().in_use(), 0u) << "a remote slot holds no segment once its frame is copied";
+  c.send(2, Frame::make(kRequest, 2, 2, "memfd:reply bytes"));
+  done = wait_for(c, Event::kFrame, 2, 10s, kDone);
+  ASSERT_TRUE(done.last);
+  ASSERT_TRUE(done.last->frame.fds);
+  ASSERT_EQ(done.last->frame.fds->size(), 1u);
+  char buf[32] = {};
+  ssize_t n = ::pread((*done.last->frame.fds)[0].get(), buf, sizeof buf, 0);
+  EXPECT_EQ(std::string(buf, n), "reply bytes");
+  c.close();
+}
+
+TEST(Remote, ExitStatusAndStderrTailComeBack) {
+  Coordinator c(options());
+  c.send(1, Frame::make(kRequest, 1, 1, "exit:3"));
+  auto exited = wait_for(c, Event::kExited, 1);
+  ASSERT_TRUE(exited.last);
+  EXPECT_EQ(exited.last->status.code, 3);
+  EXPECT_NE(exited.last->text.find("about to exit"), std::string::npos);
+  // The other worker on that host goes on.
+  c.send(2, Frame::make(kRequest, 2, 2, "echo:still here"));
+  EXPECT_TRUE(wait_for(c, Event::kFrame, 2, 10s, kDone).last);
+  c.close();
+}
+
+TEST(Remote, SignalsReachTheRemoteWorker) {
+  Coordinator c(options());
+  ASSERT_TRUE(wait_for(c, Event::kFrame, 2, 10s, kHello).last);
+  c.signal(2, SIGKILL, true);
+  auto exited = wait_for(c, Event::kExited, 2);
+  ASSERT_TRUE(exited.last);
+  EXPECT_EQ(exited.last->status.signal, SIGKILL);
+  c.close();
+}
+
+TEST(Remote, LauncherThatFailsNamesItsCause) {
+  Coordinator c(
+      options({"/bin/sh", "-c", "echo 'ssh: connect to host nowhere: refused' >&2; exit 255"}));
+  auto lost = wait_for(c, Event::kLost, 1);
+  ASSERT_TRUE(lost.last);
+  EXPECT_NE(lost.last->text.find("exit code 255"), std::string::npos) << lost.last->text;
+  EXPECT_NE(lost.last->text.find("connect to host nowhere"), std::string::npos) << lost.last->text;
+  EXPECT_TRUE(c.close().empty());
+}
+
+TEST(Remote, WrongKeyAndGarbageAreRefusedAndTheGroupGoesOn) {
+  Coordinator c(options());
+  ASSERT_TRUE(wait_for(c, Event::kFrame, 1, 10s, kHello).last);
+  std::string addr = c.link_address();
+  auto colon = addr.rfind(':');
+  uint16_t port = static_cast<uint16_t>(std::stoi(addr.substr(colon + 1)));
+  auto deadline = std::chrono::steady_clock::now() + 5s;
+  {  // garbage
+    Fd s = connect_tcp("127.0.0.1", port, 5s);
+    read_exact(s.get(), KernelHandshake::kChallengeBytes, deadline);
+    write_all(s.get(), std::string(KernelHandshake::kResponseBytes, 'G'), deadline);
+    char b;
+    EXPECT_LE(::recv(s.get(), &b, 1, 0), 0) << "closed without an answer";
+  }
+  {  // a well-formed response made with the wrong key
+    Fd s = connect_tcp("127.0.0.1", port, 5s);
+    HostHandshake hs(random_bytes(kKeyBytes), 0);
+    write_all(s.get(), hs.respond(read_exact(s.get(), KernelHandshake::kChallengeBytes, deadline)),
+              deadline);
+    char b;
+    EXPECT_LE(::recv(s.get(), &b, 1, 0), 0);
+  }
+  EXPECT_EQ(c.rejected_connections(), 2u);
+  EXPECT_NE(c.last_rejection().find("not made with the group's key"), std::string::npos);
+  c.send(1, Frame::make(kRequest, 1, 9, "echo:unharmed"));
+  EXPECT_TRUE(wait_for(c, Event::kFrame, 1, 10s, kDone).last);
+  c.close();
+}
+
+TEST(Remote, AgentDeathIsItsWorkersDeathAndLeavesNoneBehind) {
+  Coordinator c(options());
+  c.send(1, Frame::make(kRequest, 1, 1, "echo:x"));
+  auto done = wait_for(c, Event::kFrame, 1, 10s, kDone);
+  ASSERT_TRUE(done.last);
+  pid_t worker = std::stoi(done.last->frame.data());
+  ASSERT_TRUE(alive(worker));
+  // The agent is the worker's parent.
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", worker);
+  FILE* f = std::fopen(path, "r");
+  ASSERT_TRUE(f);
+  int pid, ppid;
+  char comm[256], state;
+  ASSERT_EQ(std::fscanf(f, "%d %255s %c %d", &pid, comm, &state, &ppid), 4);
+  std::fclose(f);
+  ::kill(ppid, SIGKILL);
+  auto lost = wait_for(c, Event::kLost, 1, 5s);
+  ASSERT_TRUE(lost.last);
+  EXPECT_NE(lost.last->text.find("loopback-host"), std::string::npos);
+  for (int i = 0; i < 50 && alive(worker); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(alive(worker)) << "a worker outlived its agent";
+  c.close();
+}
+
+TEST(Remote, CloseEndsEveryRemoteWorker) {
+  pid_t worker;
+  {
+    Coordinator c(options());
+    c.send(2, Frame::make(kRequest, 2, 1, "echo:x"));
+    auto done = wait_for(c, Event::kFrame, 2, 10s, kDone);
+    ASSERT_TRUE(done.last);
+    worker = std::stoi(done.last->frame.data());
+    EXPECT_TRUE(c.close().empty());
+  }
+  for (int i = 0; i < 30 && alive(worker); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(alive(worker));
+}
+
+TEST(Remote, TicketsRoundTrip) {
+  LinkTicket t{"10.0.0.1", 4242, 3, random_bytes(32)};
+  LinkTicket back = LinkTicket::decode(t.encode());
+  EXPECT_EQ(back.address, "10.0.0.1");
+  EXPECT_EQ(back.port, 4242);
+  EXPECT_EQ(back.host, 3u);
+  EXPECT_EQ(back.key, t.key);
+  EXPECT_THROW(LinkTicket::decode("hello"), std::invalid_argument);
+}
+
+int main(int argc, char** argv) {
+  if (std::getenv("DDIP_TEST_WORKER")) return worker_main();
+  if (std::getenv("DDIP_TEST_AGENT")) return agent_main();
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,31 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "ddip/remote.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+void init_remote(nb::module_& m) {
+  m.def(
+      "run_host_agent",
+      [](const std::string& ticket, int kernel_timeout_ms, int connect_timeout_ms) {
+        ddip::AgentOptions o;
+        o.ticket = ddip::LinkTicket::decode(ticket);
+        o.kernel_timeout = std::chrono::milliseconds(kernel_timeout_ms);  // the ticket's wins
+        o.connect_timeout = std::chrono::milliseconds(connect_timeout_ms);
+        ddip::HostAgent agent(o);
+        int rc;
+        {
+          nb::gil_scoped_release release;
+          rc = agent.run();
+        }
+        return std::make_tuple(rc, agent.why());
+      },
+      "ticket"_a, "kernel_timeout_ms"_a = 10000, "connect_timeout_ms"_a = 15000,
+      "Runs this host's part of a group (python -m ddip.remote): connects back to the kernel with "
+      "the ticket its launcher gave on stdin, starts the workers the kernel names, relays them, "
+      "and returns (exit code, why) once they are gone. Raises when it can't connect or "
+      "authenticate.");
+}

@@ -1,0 +1,410 @@
+"""Groups across hosts, on one machine: each "host" is a Linux network namespace with its own
+address and its own sshd (Debian's openssh-server), joined by veth pairs to a bridge in a hub
+namespace, which the notebook's (root) namespace reaches through a veth of its own. ssh uses a
+user key and a host key made for the test, through an ssh config given with -F. Traffic goes
+only to addresses inside namespaces made here. Everything is removed at the end (by pid, by
+name).
+
+Needs root, iproute2, openssh-server and openssh-client (`make setup` installs them); skipped
+otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+import ddip
+from ddip import hosts as H
+from ddip.errors import RemoteError, StartError
+
+from conftest import alive, wait_until
+
+SSHD = "/usr/sbin/sshd"
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (make setup installs iproute2 and openssh-client)"
+    if not os.path.exists(SSHD):
+        return "needs sshd (make setup installs openssh-server)"
+    probe = f"ddipprobe{os.getpid() % 100000}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "can't create network namespaces here"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+_why_not = _missing()
+needs_netns = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
+
+
+def _run(*argv, ns=None):
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + [str(a) for a in argv]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
+    return out.stdout
+
+
+class Hosts:
+    """Two hosts (namespaces A and B) with sshd each; the notebook at .1 of the same subnet."""
+
+    def __init__(self):
+        self.id = os.getpid() % 100000
+        self.net = f"10.213.{20 + self.id % 200}"
+        self.ns = {"A": f"ddipA{self.id}", "B": f"ddipB{self.id}"}
+        self.hub = f"ddipHub{self.id}"
+        self.addr = {"A": f"{self.net}.2", "B": f"{self.net}.3"}
+        self.me = f"{self.net}.1"
+        self.root_if = f"ddr{self.id}"
+        self.sshd: list[subprocess.Popen] = []
+        self.dir = tempfile.mkdtemp(prefix="ddip-hosts-")
+        try:
+            self._network()
+            self._ssh()
+        except BaseException:
+            self.close()
+            raise
+
+    def _network(self):
+        _run("ip", "netns", "add", self.hub)
+        _run("ip", "link", "add", "br0", "type", "bridge", ns=self.hub)
+        _run("ip", "link", "set", "br0", "up", ns=self.hub)
+        for name, ns in self.ns.items():
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "set", "lo", "up", ns=ns)
+            outer, inner = f"ddh{name}{self.id}", f"ddn{name}{self.id}"
+            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            _run("ip", "link", "set", outer, "netns", self.hub)
+            _run("ip", "link", "set", outer, "master", "br0", "up", ns=self.hub)
+            _run("ip", "link", "set", inner, "netns", ns)
+            # The same interface name on every host, so GLOO_SOCKET_IFNAME fits them all.
+            _run("ip", "link", "set", inner, "name", "ddip0", ns=ns)
+            _run("ip", "addr", "add", f"{self.addr[name]}/24", "dev", "ddip0", ns=ns)
+            _run("ip", "link", "set", "ddip0", "up", ns=ns)
+        peer = f"ddhR{self.id}"
+        _run("ip", "link", "add", self.root_if, "type", "veth", "peer", "name", peer)
+        _run("ip", "link", "set", peer, "netns", self.hub)
+        _run("ip", "link", "set", peer, "master", "br0", "up", ns=self.hub)
+        _run("ip", "addr", "add", f"{self.me}/24", "dev", self.root_if)
+        _run("ip", "link", "set", self.root_if, "up")
+
+    def _ssh(self):
+        d = self.dir
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{d}/host_key")
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{d}/user_key")
+        shutil.copy(f"{d}/user_key.pub", f"{d}/authorized_keys")
+        with open(f"{d}/host_key.pub") as f:
+            host_pub = " ".join(f.read().split()[:2])
+        with open(f"{d}/known_hosts", "w") as f:
+            for a in self.addr.values():
+                f.write(f"{a} {host_pub}\n")
+        with open(f"{d}/ssh_config", "w") as f:
+            f.write(textwrap.dedent(f"""\
+                Host *
+                  User root
+                  IdentityFile {d}/user_key
+                  IdentitiesOnly yes
+                  UserKnownHostsFile {d}/known_hosts
+                  StrictHostKeyChecking yes
+                  ConnectTimeout 5
+                """))
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+        for name, ns in self.ns.items():
+            self.sshd.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", "/dev/null",
+                 "-o", f"ListenAddress={self.addr[name]}", "-o", f"HostKey={d}/host_key",
+                 "-o", f"AuthorizedKeysFile={d}/authorized_keys", "-o", "StrictModes=no",
+                 "-o", "UsePAM=no", "-o", "PidFile=none", "-o", "PermitRootLogin=prohibit-password"],
+                stdout=subprocess.DEVNULL, stderr=open(f"{d}/sshd-{name}.log", "w")))
+        for a in self.addr.values():
+            assert wait_until(lambda: _port_open(a, 22), 10), f"sshd on {a} did not come up"
+
+    @property
+    def launcher(self) -> str:
+        return f"ssh -F {self.dir}/ssh_config"
+
+    def set_link(self, name: str, up: bool):
+        _run("ip", "link", "set", "ddip0", "up" if up else "down", ns=self.ns[name])
+
+    def close(self):
+        for p in self.sshd:
+            p.terminate()
+        for p in self.sshd:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for ns in [*self.ns.values(), self.hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.root_if], capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _port_open(addr, port) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    h = Hosts()
+    yield h
+    h.close()
+
+
+def _pids(g) -> list[int]:
+    return [row["pid"] for row in g.status()]
+
+
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+t = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(t)
+print("sum", int(t.item()), "on", os.environ["DDIP_HOST"])
+(int(t.item()), os.environ["MASTER_ADDR"], os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"],
+ os.environ["WORLD_SIZE"])
+"""
+
+
+@needs_netns
+def test_two_hosts_train_together_fail_restart_and_close(hosts):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:2,{b}:2", launcher=hosts.launcher, backend="gloo", timeout=120,
+                   env={"GLOO_SOCKET_IFNAME": "ddip0"}, heartbeat_timeout=5)
+    try:
+        seen = []
+        results = g.run(ALL_REDUCE, on_output=lambda rank, stream, text: seen.append((rank, stream, text)))
+        assert [r.value for r in results] == [(10, a, "0", "2", "4"), (10, a, "1", "2", "4"),
+                                              (10, a, "0", "2", "4"), (10, a, "1", "2", "4")]
+        assert sorted((r, t) for r, s, t in seen if s == "stdout") == [
+            (0, f"sum 10 on {a}\n"), (1, f"sum 10 on {a}\n"), (2, f"sum 10 on {b}\n"), (3, f"sum 10 on {b}\n")]
+        # The agents connected back to the address that routes to the hosts, not 0.0.0.0.
+        assert g._coord.link_address.startswith(hosts.me + ":")
+
+        # The key never shows in a process listing: not on a command line, not in an environment.
+        key_like = re.compile(rb"[0-9a-f]{64}")
+        for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+            for what in ("cmdline", "environ"):
+                try:
+                    with open(f"/proc/{pid}/{what}", "rb") as f:
+                        assert not key_like.search(f.read()), f"something like a key in /proc/{pid}/{what}"
+                except OSError:
+                    pass
+
+        # Strangers on the network: refused before anything is parsed, and the group goes on.
+        host, port = g._coord.link_address.rsplit(":", 1)
+        for junk in (b"GET / HTTP/1.1\r\n\r\n" * 8, b"\x80\x05\x95" + os.urandom(200)):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.settimeout(5)
+                s.recv(64)  # the challenge
+                s.sendall(junk)
+                try:
+                    answer = s.recv(64)
+                except ConnectionResetError:  # closed with our junk unread
+                    answer = b""
+                assert answer == b"", "a connection with the wrong key must be closed unanswered"
+        assert wait_until(lambda: g._coord.rejected_connections == 2, 5)
+        assert "refused a connection from" in g._coord.last_rejection
+        assert [r.value[0] for r in g.run(ALL_REDUCE)] == [10] * 4
+
+        # One host's workers die: the error names those ranks and the cause.
+        victims = _pids(g)[2:]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RemoteError) as err:
+            g.run("import time; time.sleep(30)", timeout=60)
+        assert {2, 3} <= set(err.value.ranks)
+        assert "killed by SIGKILL" in str(err.value)
+        assert all(wait_until(lambda p=p: not alive(p), 5) for p in victims)
+
+        g.restart()
+        assert [r.value[0] for r in g.run(ALL_REDUCE)] == [10] * 4
+        pids = _pids(g)
+    finally:
+        g.close()
+    assert all(wait_until(lambda p=p: not alive(p), 10) for p in pids), "a remote worker outlived close()"
+
+
+@needs_netns
+def test_a_host_that_drops_off_the_network_fails_within_the_heartbeat_timeout(hosts):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=hosts.launcher, backend=None, heartbeat_timeout=3)
+    try:
+        pids = _pids(g)
+        hosts.set_link("B", False)
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            g.run("import time; time.sleep(60)")
+        took = time.monotonic() - start
+        assert err.value.ranks[0] == 1 or 1 in err.value.ranks
+        assert "no heartbeat" in str(err.value) or "lost the link" in str(err.value)
+        assert took < 3 + 8, f"the dropped host was reported after {took:.1f} s"
+        t0 = time.monotonic()
+        g.close(grace=0.5)
+        assert time.monotonic() - t0 < 15, "close() must not hang on an unreachable host"
+    finally:
+        hosts.set_link("B", True)
+        g.close()
+    # The agent on B heard nothing from the kernel for its timeout, and ended its worker.
+    assert all(wait_until(lambda p=p: not alive(p), 15) for p in pids), "a worker on the cut-off host survived"
+
+
+@needs_netns
+def test_no_remote_worker_survives_the_sigkill_of_the_notebook(hosts):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    script = textwrap.dedent(f"""
+        import ddip, sys
+        g = ddip.Group(hosts="{a}:1,{b}:1", launcher={hosts.launcher!r}, backend=None)
+        print(*[row["pid"] for row in g.status()], flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(x) for x in pids)
+    finally:
+        p.kill()
+        p.wait()
+    assert all(wait_until(lambda x=x: not alive(x), 10) for x in pids), "a remote worker outlived the notebook"
+
+
+@needs_netns
+def test_an_unreachable_host_is_a_clear_start_error(hosts):
+    nobody = f"{hosts.net}.99"  # in the subnet, but no host has it
+    with pytest.raises(StartError) as err:
+        ddip.Group(hosts=f"{hosts.addr['A']}:1,{nobody}:1", launcher=hosts.launcher, backend=None, timeout=60)
+    text = str(err.value)
+    assert nobody in text and "ssh" in text and "exit code 255" in text
+
+
+# -- without namespaces: the launchers, host lists and rank layout as data ----------------------
+
+def test_host_lists():
+    hs = H.parse_hosts("node1:4,node2:2")
+    assert [(h.name, h.ranks, h.gpus, h.local) for h in hs] == [("node1", 4, None, False), ("node2", 2, None, False)]
+    hs = H.parse_hosts("node1[0,1] node2[3]")
+    assert [(h.name, h.ranks, h.gpus) for h in hs] == [("node1", 2, ["0", "1"]), ("node2", 1, ["3"])]
+    assert H.parse_hosts({"localhost": 2, "node2": [2, 3]})[0].local
+    for bad in ("", "node1", "node1:0", "node1:2,node1:2", "node1[]", "node1[0,0]", "node1:x"):
+        with pytest.raises(ValueError):
+            H.parse_hosts(bad)
+
+
+def test_layout_numbers_ranks_host_by_host():
+    lay = H.layout("localhost:2,node2[5,6]", launcher="ssh", bind="10.0.0.1")
+    assert lay.slot_host == [0, 0, 1, 1] and lay.local_rank == [0, 1, 0, 1]
+    assert lay.master_addr == "10.0.0.1"  # rank 0 here: the address the other hosts reach
+    assert lay.env(3) == {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
+                          "DDIP_HOST": "node2", "CUDA_VISIBLE_DEVICES": "5,6"}
+    lay = H.layout("node1:1,node2:1", launcher="ssh", bind="10.0.0.1")
+    assert lay.master_addr == "node1"
+    assert H.REMOTE_MASTER_PORTS[0] <= lay.master_port(None) <= H.REMOTE_MASTER_PORTS[1]
+
+
+def test_launcher_commands():
+    py = "/venv/bin/python"
+    assert H.launcher_argv("ssh", "n1", py) == ["ssh", "-T", "-o", "BatchMode=yes", "n1",
+                                                 "exec /venv/bin/python -m ddip.remote"]
+    assert H.launcher_argv("ssh -F cfg -p 2222", "n1", py)[4:7] == ["-F", "cfg", "-p"]
+    assert H.launcher_argv("docker exec -i {host} {command}", "c1", py) == [
+        "/bin/sh", "-c", "docker exec -i c1 /venv/bin/python -m ddip.remote"]
+    with pytest.raises(ValueError):
+        H.launcher_argv("mpirun", "n1", py)
+    with pytest.raises(ValueError):
+        H.launcher_argv("ssh {host}", "n1", py)
+
+
+def test_srun_command_as_data():
+    # Checked as data: no Slurm cluster is started by this suite.
+    argv = H.srun_argv("gpu07", ["/venv/bin/python", "-m", "ddip.remote"], ["--gres=gpu:4"],
+                       env={"SLURM_CPUS_ON_NODE": "32"})
+    assert argv == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--overlap",
+                    "--kill-on-bad-exit=1", "--job-name=ddip", "--cpus-per-task=32", "--gres=gpu:4",
+                    "/venv/bin/python", "-m", "ddip.remote"]
+    assert H.launcher_argv("slurm", "gpu07", "/p")[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07"]
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
+        H.slurm_hosts(env={})
+
+
+def test_bad_multihost_input_changes_nothing():
+    for kwargs in (dict(hosts="node1:2", n=2), dict(launcher="ssh", n=2), dict(hosts="node1:2", bind="nope"),
+                   dict(hosts="localhost:1,node2:1", launcher="mpirun", bind="127.0.0.1")):
+        with pytest.raises(ValueError):
+            ddip.Group(**kwargs)
+
+
+def test_a_launcher_that_fails_names_the_host_and_its_output():
+    with pytest.raises(StartError) as err:
+        ddip.Group(hosts="localhost:1,far:1", launcher="echo 'no route to {host}' >&2; exit 3; {command}",
+                   bind="127.0.0.1", backend=None)
+    assert "far" in str(err.value) and "exit code 3" in str(err.value) and "no route to far" in str(err.value)
+
+
+def test_local_and_template_hosts_run_one_group():
+    # A "remote" host reached by a template that runs the agent right here, over loopback TCP.
+    with ddip.Group(hosts="localhost:1,here:2", launcher="exec {command} # {host}", bind="127.0.0.1",
+                    backend="gloo") as g:
+        r = g.run(ALL_REDUCE)
+        assert [x.value[0] for x in r] == [6, 6, 6]
+        assert [x.value[2:4] for x in r] == [("0", "1"), ("0", "2"), ("1", "2")]
+        import numpy as np
+        big = np.arange(1 << 19, dtype=np.int64)  # 4 MiB: a shared-memory segment here, in band over TCP
+        g.push(big=big)
+        assert [r.value for r in g.run("int(big.sum())")] == [int(big.sum())] * 3
+        back = g.run("big * 2", ranks=[2])[0].value  # a reply buffer: a memfd there, bytes on the link
+        assert np.array_equal(back, big * 2)
+        # Interrupts, timeouts and stack dumps reach the ranks behind the link.
+        with pytest.raises(TimeoutError):
+            g.run("import time\nwhile True: time.sleep(0.05)", timeout=2)
+        pending = g.apply_async(lambda: __import__("time").sleep(30))
+        time.sleep(0.5)
+        assert "<lambda>" in g.stacks(ranks=[2])[2]
+        pending.cancel()
+        assert all(r.error is not None and r.error.ename == "KeyboardInterrupt" for r in pending.results())
+        assert [r.value for r in g.run("1 + 1")] == [2, 2, 2]
+
+
+def test_makedip_hosts_flags(tmp_path):
+    # In a plain IPython shell, in a process of its own: the magics' flags for hosts.
+    script = textwrap.dedent("""
+        from IPython.core.interactiveshell import InteractiveShell
+        from IPython.core.error import UsageError
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "ddip")
+        for bad in ("--hosts node1:2 -n 2", "--launcher ssh -n 2", "--hosts 'node1[0,0]'"):
+            try:
+                ip.run_line_magic("makedip", bad)
+                print("accepted", bad)
+            except UsageError as exc:
+                print("usage error:", str(exc).splitlines()[0][:60])
+        ip.run_line_magic("makedip", '--hosts localhost:1,here:1 --launcher "exec {command} # {host}" '
+                                     '--bind 127.0.0.1 --backend none')
+        ip.run_cell_magic("dip", "--see all", "import os; print(os.environ['DDIP_HOST'], os.environ['RANK'])")
+        ip.run_line_magic("makedip", "-i")
+        ip.run_line_magic("makedip", "-k")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("usage error:") == 3, out.stdout
+    assert "localhost 0" in out.stdout and "here 1" in out.stdout, out.stdout
+    assert "here: cpu" in out.stdout, out.stdout
