@@ -548,6 +548,7 @@ class _Launch:
         if self.group is not None:
             self.group.close(0.5)
             self.group = None
+        torchdist.release()  # the children are gone: the notebook's store server can go too
 
 
 class _Collector(threading.Thread):

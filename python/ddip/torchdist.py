@@ -68,6 +68,20 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
     if collective_timeout is not None:
         kw["timeout"] = timedelta(seconds=collective_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+    global _kept_store
+    # Rank 0 hosts the store, and its fn may end (tearing its process group down) while a peer is
+    # still building its own on the store: the store outlives the process group, until
+    # release() (ranch calls it once every child has exited) or the next init.
+    _kept_store = store
+
+
+_kept_store = None
+
+
+def release():
+    """Drops the store kept by the last init (its server, in rank 0)."""
+    global _kept_store
+    _kept_store = None
 
 
 def shutdown():
