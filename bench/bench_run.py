@@ -15,8 +15,9 @@ MASTER_ADDR, MASTER_PORT set by hand for all_reduce): what any launcher must pay
 
 Training: the same 2-rank DDP loop (an MLP 256-512-512-10, batch 64 of synthetic data, SGD,
 gloo) run 300 timed steps after 30 warm-up steps, between two barriers; rank 0 reports steps/s.
-Under `ddip run`, under torchrun, and in a `ddip.Group(n=2, env={"OMP_NUM_THREADS": "1"})` with
-`g.run(code)` (the group joins gloo itself). Every way gives OMP_NUM_THREADS=1 to its ranks.
+Under `ddip run`, under torchrun, and in a `ddip.Group(n=2)` with `g.run(code)` (the group joins
+gloo itself), each with its own default OMP_NUM_THREADS: 1 for 2 ranks on this machine for all
+three (torchrun and `ddip run` set 1; a group divides the cores among its ranks).
 
 The tools run interleaved, so load on the machine hits them alike. Clean-up: after every launch,
 each descendant of this process still there after a grace period is killed by pid (psutil
@@ -195,7 +196,8 @@ def main() -> str:
 
     rates = {"ddip run": [], "torchrun": [], "ddip.Group": []}
     before = {p.pid for p in me.children(recursive=True)}
-    with ddip.Group(n=2, env={"OMP_NUM_THREADS": "1"}) as g:
+    os.environ.pop("OMP_NUM_THREADS", None)  # the group's default: ddip divides the cores (1 each here)
+    with ddip.Group(n=2) as g:
         g.run("pass")
         for rep in range(TRAIN_REPS):
             for name, call in (("ddip run", ddip_run), ("torchrun", torchrun)):
