@@ -236,6 +236,7 @@ def _shutdown_torch():
 
 def main():
     global _endpoint, _current_seq, _busy
+    kernel_gone = False
     signal.signal(signal.SIGINT, _on_sigint)
     from traitlets.config import Config
 
@@ -266,6 +267,7 @@ def main():
             try:
                 frame = _endpoint.recv(-1)
             except _core.EndpointClosed:
+                kernel_gone = True
                 break
             kind, seq, payload, fds, truncated = frame
             if kind == _core.SHUTDOWN:
@@ -321,6 +323,10 @@ def main():
         sys.stdout.flush()
         sys.stderr.flush()
         _core.flush_stdio()
+    if kernel_gone and os.environ.get("DDIP_KERNEL_PID") and os.getpgrp() == os.getpid():
+        # The kernel died (its socket closed before its death signal reached us): what this
+        # rank started must not outlive it either (the parent-death handler would do the same).
+        os.killpg(0, signal.SIGKILL)
     os._exit(exit_code)
 
 
