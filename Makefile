@@ -9,7 +9,7 @@ CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp python/src/*.cpp python/
 
 .PHONY: setup test cpp-test py-test demo bench clean format
 
-setup: $(STAMPS)/system $(STAMPS)/package
+setup: $(STAMPS)/system $(STAMPS)/browser $(STAMPS)/package
 
 # System packages the build and the C++ tests need, installed only when missing.
 $(STAMPS)/system:
@@ -18,6 +18,18 @@ $(STAMPS)/system:
 	  echo "setup: installing GoogleTest (libgtest-dev) from Debian"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgtest-dev >/dev/null; \
+	fi
+	@touch $@
+
+# Debian's Chromium and its WebDriver, for tests/test_browser.py (JupyterLab in a real browser);
+# installed only when missing. Where they can't be installed, those tests skip and say so.
+$(STAMPS)/browser:
+	@mkdir -p $(STAMPS)
+	@if ! { command -v chromium && command -v chromedriver; } >/dev/null; then \
+	  echo "setup: installing Chromium (chromium, chromium-driver) from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	    echo "setup: could not install Chromium; tests/test_browser.py will be skipped"; \
 	fi
 	@touch $@
 

@@ -151,9 +151,11 @@ class Page:
         return self.d.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
 
     def kernel_idle(self) -> bool:
-        return self.d.execute_script(
-            "const s = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator');"
-            "return s ? s.getAttribute('data-status') : null;") == "idle"
+        """The status bar says the current notebook's kernel is connected and idle."""
+        return bool(self.d.execute_script(
+            "const bar = document.querySelector('#jp-main-statusbar');"
+            "return bar && [...bar.querySelectorAll('.jp-StatusBar-TextItem')]"
+            "  .some(e => /\\| Idle$/.test(e.textContent.trim()));"))
 
     def prompt(self, i) -> str:
         return self.cells()[i].find_element(By.CSS_SELECTOR, ".jp-InputPrompt").text.strip()
@@ -169,10 +171,16 @@ class Page:
                 return False
             return "jp-mod-active" in self.cells()[i].get_attribute("class")
 
-        self.wait(click, 30, f"cell {i} to take a click")
-        webdriver.ActionChains(self.d).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
-        self.wait(lambda: self.prompt(i) == "[*]:" or re.fullmatch(r"\[\d+\]:", self.prompt(i)), 30,
-                  f"cell {i} to start")
+        before = self.prompt(i)
+        for attempt in range(3):
+            self.wait(click, 30, f"cell {i} to take a click")
+            webdriver.ActionChains(self.d).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
+            try:  # the prompt turns to [*] (or, for a quick cell, straight to its new count)
+                self.wait(lambda: self.prompt(i) not in (before, "[ ]:"), 10, f"cell {i} to start")
+                break
+            except AssertionError:
+                if attempt == 2:  # a person presses again when nothing happens; not forever
+                    raise
         if not until_started:
             self.wait_done(i, timeout)
 
