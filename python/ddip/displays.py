@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Callable
 
 UPDATE_INTERVAL_S = 0.1  # at most ~10 redraws a second reach the notebook per display id
@@ -90,6 +91,14 @@ class DisplayFrames:
         self._waiting: dict[str, dict] = {}  # display id -> its newest update, oldest id first
         self._last: dict[str, float] = {}  # display id -> when its last update was sent
         self._thread: threading.Thread | None = None
+        # A process forked from a rank (a DataLoader worker) has no thread of ours and may have
+        # a copy of the lock held by it: it starts afresh.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: ref() is not None and ref()._after_fork())
+
+    def _after_fork(self):
+        self._cond = threading.Condition()
+        self._waiting, self._last, self._thread = {}, {}, None
 
     def publish(self, msg: dict) -> None:
         display_id = (msg.get("transient") or {}).get("display_id") if msg.get("update") else None
