@@ -377,4 +377,7 @@ def test_the_executed_user_guide_opens_and_shows_its_outputs(page, browser, lab)
     page_text = g.d.find_element(By.CSS_SELECTOR, ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").text
     assert re.search(r"Out\[0:\d+\]", page_text), page_text[:2000]
     assert "[rank 1]" in page_text
+    # Its progress bar, as saved: one bar at 100 %.
+    [bar] = g.d.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output progress")
+    assert bar.get_attribute("value") == bar.get_attribute("max") == "40"
     g.screenshot("user-guide")
