@@ -9,7 +9,7 @@ CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tool
 
 .PHONY: setup test cpp-test py-test demo bench clean format
 
-setup: $(STAMPS)/system $(STAMPS)/package
+setup: $(STAMPS)/system $(STAMPS)/browser $(STAMPS)/package
 
 # System packages the build and the C++ tests need, installed only when missing.
 $(STAMPS)/system:
@@ -35,6 +35,18 @@ $(STAMPS)/system:
 	  echo "setup: installing$$missing from Debian"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+# Debian's Chromium and its WebDriver, for tests/test_browser.py (JupyterLab in a real browser);
+# installed only when missing. Where they can't be installed, those tests skip and say so.
+$(STAMPS)/browser:
+	@mkdir -p $(STAMPS)
+	@if ! { command -v chromium && command -v chromedriver; } >/dev/null; then \
+	  echo "setup: installing Chromium (chromium, chromium-driver) from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	    echo "setup: could not install Chromium; tests/test_browser.py will be skipped"; \
 	fi
 	@touch $@
 

@@ -78,6 +78,8 @@ def test_user_guide_runs_and_shows_every_feature():
     assert sum("text/html" in o.get("data", {}) for o in rich.outputs) == 2
     plot = _cell(nb, "%%dip\n%matplotlib inline")
     assert any("image/png" in o.get("data", {}) for o in plot.outputs)
+    [bar] = _cell(nb, "%%dip\nimport time\nfrom tqdm.auto").outputs  # one bar, saved at its last state
+    assert "<progress value='40' max='40'" in bar["data"]["text/html"]
 
     merged = [o for o in _cell(nb, "%%dip\ndef train_step").outputs if o.output_type == "error"]
     assert len(merged) == 1 and "ranks 0, 1, 2" in strip_ansi(merged[0].traceback[0])

@@ -25,6 +25,7 @@ import traceback as _traceback
 from typing import Callable
 
 from . import gpus as _gpus, torchdist
+from .displays import RankDisplays, notebook_env
 from .errors import RankFailure, RemoteError
 from .group import LabelledOutput, Group, free_port
 from .messages import dumps
@@ -284,6 +285,7 @@ class _Launch:
         self.main_ident = None
         self.saved_env: dict[str, str] | None = None
         self.warm = None  # Group(warm=...) for the children
+        self.displays = RankDisplays()  # the children's display() calls, shown in the notebook
 
     # The notebook's environment is restored exactly, whatever fn or ctx did to it.
     def _set_env(self, rank, port):
@@ -308,15 +310,15 @@ class _Launch:
             if self.selected is not None:
                 gpus = [s.position if s.position is not None else s.entry for s in self.selected]
                 self.group = Group(gpus=gpus, backend=None, world_size=self.nprocs, rank_ids=self.child_ranks,
-                                   warm=self.warm)
+                                   warm=self.warm, env=notebook_env() or None)
             else:
                 self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
-                                   rank_ids=self.child_ranks, warm=self.warm)
+                                   rank_ids=self.child_ranks, warm=self.warm, env=notebook_env() or None)
             port = self.group.master_port
             out = LabelledOutput()
             if imports.strip():
                 try:
-                    self.group.run(imports, on_output=out)
+                    self.group.run(imports, on_output=out, on_display=self._on_display)
                 except RemoteError as exc:
                     raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
             if needed:
@@ -457,6 +459,17 @@ class _Launch:
             with self.lock:
                 self.running.discard(result.rank)
 
+    def _on_display(self, rank: int, msg):
+        # display() in a child, in the notebook when there is one (its display ids its own, as
+        # in %%dip); in a script, only the text form, labelled like the child's other output.
+        if notebook_env():
+            sys.stdout.flush()
+            self.displays.show(rank, msg)
+        elif not msg.get("clear") and not msg.get("update"):
+            text = (msg.get("data") or {}).get("text/plain", "")
+            if text:
+                print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), flush=True)
+
     def _kill(self, ranks, sig=signal.SIGKILL):
         """Signals child ranks (their whole process groups) through the runtime, which knows
         whether each is still running; after the group closed this does nothing."""
@@ -466,7 +479,8 @@ class _Launch:
     # -- collecting -------------------------------------------------------------------------------
 
     def _collect(self, pending, out):
-        results = pending.results(on_output=out, on_message=self._on_message, on_done=self._on_done)
+        results = pending.results(on_output=out, on_display=self._on_display, on_message=self._on_message,
+                                  on_done=self._on_done)
         if any(not r.ok for r in results) or self.failed_at:
             # Ranks that raised may still hold connections their peers wait on.
             self.group.close(0)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import clear_output, publish_display_data
+from IPython.display import publish_display_data
 
+from .displays import RankDisplays, notebook_env
 from .errors import RemoteError, StartError, merge_failures
 from .group import Group, resolve_backend, parse_gpus
 from . import hosts as _hosts
@@ -128,6 +129,7 @@ class _RankOutput:
         self.labelled = len(shown) > 1
         self.last_rank = None
         self.at_line_start = {"stdout": True, "stderr": True}
+        self.displays = RankDisplays()
 
     def _label(self, rank, stream_name):
         if self.labelled and rank != self.last_rank:
@@ -150,15 +152,17 @@ class _RankOutput:
     def on_display(self, rank, msg):
         if rank not in self.shown:
             return
-        self._label(rank, "stdout")
+        if msg.get("clear"):
+            # The cell's output goes (now, or with wait=True when the next output comes), labels
+            # with it: the next output is labelled again.
+            self.last_rank = None
+            self.at_line_start = {"stdout": True, "stderr": True}
+        elif not msg.get("update"):  # an update redraws a display in place: nothing new to label
+            self._label(rank, "stdout")
         # Keep display output after the text printed before it.
         sys.stdout.flush()
         sys.stderr.flush()
-        if msg.get("clear"):
-            clear_output(wait=msg.get("wait", False))
-        else:
-            publish_display_data(msg["data"], msg.get("metadata") or {},
-                                 transient=msg.get("transient") or {}, update=msg.get("update", False))
+        self.displays.show(rank, msg)
 
 
 def show_value(rank: int, count, fmt):
@@ -364,11 +368,12 @@ class DipMagics(Magics):
         try:
             if spec.hosts is not None:
                 group = Group(hosts=spec.hosts, launcher=spec.launcher, python=spec.python, bind=spec.bind,
-                              backend=backend, timeout=spec.timeout)
+                              backend=backend, timeout=spec.timeout, env=notebook_env() or None)
             else:
                 group = Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
                               if spec.gpus is not None else None,
-                              backend=backend, timeout=spec.timeout, warm=False if spec.cold else None)
+                              backend=backend, timeout=spec.timeout, warm=False if spec.cold else None,
+                              env=notebook_env() or None)
         except StartError as exc:
             text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
             text += "\n(no group is running; %makedip -r tries again)"

@@ -33,9 +33,11 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
+from ddip.displays import DisplayFrames, install_notebook_progress  # noqa: E402
 from ddip.messages import RemoteValue, dumps, dumps_framed, loads, loads_framed, memfd_with  # noqa: E402
 
 _endpoint = None  # set in main(); the display publisher sends through it
+_displays = None  # DisplayFrames over _send_display, set in main()
 _current_seq = 0
 _busy = False
 
@@ -57,14 +59,21 @@ class RankDisplayHook(DisplayHook):
 
 
 class RankDisplayPublisher(DisplayPublisher):
-    """display() in a rank becomes a display frame to the kernel."""
+    """display() in a rank becomes a display frame to the kernel (updates of one display id
+    coalesced: see ddip.displays)."""
 
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
-        _send_display({"data": data, "metadata": metadata or {}, "transient": transient or {},
-                       "update": update})
+        _publish({"data": data, "metadata": metadata or {}, "transient": transient or {},
+                  "update": update})
 
     def clear_output(self, wait=False):
-        _send_display({"clear": True, "wait": wait})
+        _publish({"clear": True, "wait": wait})
+
+
+def _publish(msg):
+    if _displays is None:
+        return
+    _displays.publish(msg)
 
 
 def notify(obj) -> None:
@@ -164,6 +173,8 @@ def _reply(seq, reply):
                 "ename": "PicklingError",
                 "evalue": f"the result could not be sent back to the notebook: {type(exc).__name__}: {exc}",
                 "traceback": [], "exception": None}})
+    if _displays is not None:
+        _displays.flush(forget=True)  # a progress bar's last redraw, before "done"
     sys.stdout.flush()
     sys.stderr.flush()
     _core.flush_stdio()  # C extensions' printf too: "done" means the output is all in the pipe
@@ -235,7 +246,7 @@ def _shutdown_torch():
 
 
 def main():
-    global _endpoint, _current_seq, _busy
+    global _endpoint, _current_seq, _busy, _displays
     kernel_gone = False
     signal.signal(signal.SIGINT, _on_sigint)
     from traitlets.config import Config
@@ -254,6 +265,8 @@ def main():
     hello = {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
              "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
+    _displays = DisplayFrames(_send_display)
+    install_notebook_progress()  # only in a notebook's group (DDIP_NOTEBOOK=1)
     # Stack dumps on request, answered even while Python is stuck in C code (faulthandler's handler
     # is C-level). A real-time signal: Python, torch and user code leave those alone, while
     # SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX is the runtime's kernel-death one.

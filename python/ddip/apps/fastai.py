@@ -15,7 +15,9 @@ loaders; what it needs from us: torch.distributed initialized (gloo on CPU, whic
 setup can't do: it hard-codes NCCL), accelerate told whether it is on CPU or which GPU is this
 rank's, fastai's data-order broadcast working on CPU tensors, and accelerate's process-wide state
 reset between launches. Progress bars and metrics come from rank 0 only (fastai removes them
-from the other ranks). With BatchNorm on CPU, use `learn.distrib_ctx(sync_bn=False)`.
+from the other ranks); in a notebook's group they are fastprogress's notebook bar and results
+table, updating in place (ddip.displays switches fastprogress to its notebook classes in ranks
+whose kernel is a notebook). With BatchNorm on CPU, use `learn.distrib_ctx(sync_bn=False)`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,381 @@
+"""Rich output from ranks: display frames with redraws coalesced, and progress bars in the
+notebook's form.
+
+In a rank, `display()`, `handle.update()` and `clear_output()` become display frames to the
+kernel (worker.RankDisplayPublisher). A progress bar may redraw its display thousands of times a
+second; `DisplayFrames` sends at most one update per display id every UPDATE_INTERVAL_S (the
+newest; the ones in between are dropped) and always the last one before the cell's reply.
+
+A rank runs a plain IPython InteractiveShell, so progress-bar libraries that ask "am I in a
+notebook?" hear no and draw text. When the group belongs to a notebook (the kernel sets
+DDIP_NOTEBOOK=1 in the ranks' environment), `install_notebook_progress()` gives them their
+notebook form, drawn with display updates: fastprogress (fastai's bars) through its own
+notebook classes, and tqdm.notebook / tqdm.auto as an HTML bar. Widgets (tqdm's usual notebook
+bar) are not used: a widget is a model living in the kernel that talks to the browser over a
+comm channel, and a rank has no such channel; a display update needs none and survives saving
+the notebook.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.abc
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Callable
+
+UPDATE_INTERVAL_S = 0.1  # at most ~10 redraws a second reach the notebook per display id
+NOTEBOOK_ENV = "DDIP_NOTEBOOK"
+
+
+# -- in the kernel --------------------------------------------------------------------------------
+
+
+def notebook_env() -> dict:
+    """The environment to give ranks started from here: DDIP_NOTEBOOK=1 when this process is a
+    Jupyter kernel (whose display output a browser renders), else nothing."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    shell = get_ipython()
+    if shell is None:
+        return {}
+    if type(shell).__name__ == "ZMQInteractiveShell" or "IPKernelApp" in getattr(shell, "config", {}):
+        return {NOTEBOOK_ENV: "1"}
+    return {}
+
+
+class RankDisplays:
+    """Shows ranks' display frames in the notebook as the same operations on the cell's output.
+    A rank's display id becomes one of its own ("ID@rankN"), so ranks never update each
+    other's displays; ids stay the same across cells, as in a plain notebook."""
+
+    @staticmethod
+    def display_id(rank: int, display_id: str) -> str:
+        return f"{display_id}@rank{rank}"
+
+    def show(self, rank: int, msg: dict) -> None:
+        from IPython.display import clear_output, publish_display_data
+
+        if msg.get("clear"):
+            clear_output(wait=msg.get("wait", False))
+            return
+        transient = dict(msg.get("transient") or {})
+        if "display_id" in transient:
+            transient["display_id"] = self.display_id(rank, transient["display_id"])
+        publish_display_data(msg["data"], msg.get("metadata") or {}, transient=transient,
+                             update=bool(msg.get("update", False)))
+
+
+# -- in a rank: display frames ----------------------------------------------------------------------
+
+
+class DisplayFrames:
+    """Sends display messages through `send(msg)` in order, coalescing updates of one display id.
+
+    An update goes at once when its id's last one went UPDATE_INTERVAL_S ago or more; otherwise
+    it waits (replacing any older one waiting for that id) and a thread sends it when its time
+    comes. Anything else (a new display, clear_output) first sends the updates waiting, so the
+    notebook sees every operation in the order the rank made it. flush() before the cell's
+    reply sends whatever still waits: the final state is always shown."""
+
+    def __init__(self, send: Callable[[dict], None], interval: float = UPDATE_INTERVAL_S):
+        self._send = send
+        self._interval = interval
+        self._cond = threading.Condition()
+        self._waiting: dict[str, dict] = {}  # display id -> its newest update, oldest id first
+        self._last: dict[str, float] = {}  # display id -> when its last update was sent
+        self._thread: threading.Thread | None = None
+        # A process forked from a rank (a DataLoader worker) has no thread of ours and may have
+        # a copy of the lock held by it: it starts afresh.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: ref() is not None and ref()._after_fork())
+
+    def _after_fork(self):
+        self._cond = threading.Condition()
+        self._waiting, self._last, self._thread = {}, {}, None
+
+    def publish(self, msg: dict) -> None:
+        display_id = (msg.get("transient") or {}).get("display_id") if msg.get("update") else None
+        with self._cond:
+            if display_id is None:
+                self._flush_locked()
+                self._send(msg)
+                return
+            now = time.monotonic()
+            last = self._last.get(display_id)
+            if display_id not in self._waiting and (last is None or now - last >= self._interval):
+                self._last[display_id] = now
+                self._send(msg)
+                return
+            self._waiting[display_id] = msg
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ddip-display-updates", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def flush(self, forget: bool = False) -> None:
+        """Sends every waiting update now; forget=True also forgets when ids were last updated
+        (the cell is over: the next cell's first redraw goes at once)."""
+        with self._cond:
+            self._flush_locked()
+            if forget:
+                self._last.clear()
+
+    def _flush_locked(self):
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, {}
+        now = time.monotonic()
+        for display_id, msg in waiting.items():
+            self._last[display_id] = now
+            self._send(msg)
+
+    def _run(self):
+        with self._cond:
+            while True:
+                if not self._waiting:
+                    self._cond.wait()
+                    continue
+                now = time.monotonic()
+                due = [d for d in self._waiting if now - self._last.get(d, 0.0) >= self._interval]
+                for display_id in due:
+                    msg = self._waiting.pop(display_id)
+                    self._last[display_id] = now
+                    try:
+                        self._send(msg)
+                    except Exception:  # the kernel is gone: the worker ends by itself
+                        pass
+                if self._waiting:
+                    nxt = min(self._last.get(d, 0.0) for d in self._waiting) + self._interval
+                    self._cond.wait(max(0.0, nxt - time.monotonic()))
+
+
+# -- in a rank: progress bars in notebook form ------------------------------------------------------
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs a module's own loader, then patch(module); the module keeps its own loader."""
+
+    def __init__(self, loader, patch):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _apply(self._patch, module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _apply(patch, module):
+    try:
+        patch(module)
+    except Exception:  # a library changed under us: keep its own behaviour, say why
+        print(f"ddip: could not switch {module.__name__} to notebook display:", file=sys.stderr)
+        traceback.print_exc()
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A post-import hook: patches[name](module) runs right after module `name` is executed, so
+    names imported from it (`from tqdm.auto import tqdm`) are already the patched ones."""
+
+    def __init__(self, patches: dict):
+        self.patches = patches
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def _fastprogress_notebook(mod):
+    """fastprogress decides once, at import, from the shell's class name (ZMQInteractiveShell or
+    not); its notebook classes draw with display(HTML, display_id=True) and handle.update(),
+    which work in a rank. This is its own switch, turned the other way from
+    force_console_behavior(): the module-level names fastai imports, and what the notebook
+    branch would have imported."""
+    from IPython.display import HTML, clear_output, display
+
+    mod.HTML, mod.clear_output, mod.display = HTML, clear_output, display
+    if not hasattr(mod, "plt"):
+        mod.plt = _LazyPyplot()  # only graphs (ShowGraphCallback) use it
+    mod.IN_NOTEBOOK = True  # printing() asks this
+    console = {mod.ConsoleMasterBar: mod.NBMasterBar, mod.ConsoleProgressBar: mod.NBProgressBar}
+    # Modules that imported the console classes already (fastai, preloaded by a rank template).
+    for other in list(sys.modules.values()):
+        for name in ("master_bar", "progress_bar"):
+            try:
+                value = getattr(other, name, None)
+                if value in console:
+                    setattr(other, name, console[value])
+            except Exception:  # an odd module object: not ours to fix
+                pass
+
+
+class _LazyPyplot:
+    def __getattr__(self, name):
+        import matplotlib.pyplot as plt
+
+        return getattr(plt, name)
+
+
+def _tqdm_notebook(mod):
+    bar = _rank_tqdm_class(mod.tqdm_notebook)
+    mod.tqdm = mod.tqdm_notebook = bar
+    mod.trange = mod.tnrange = lambda *args, **kwargs: bar(range(*args), **kwargs)
+
+
+def _tqdm_autonotebook(mod):
+    # It chose tqdm.std (no ipykernel here); the notebook's choice is tqdm.notebook.
+    import tqdm.notebook as nb
+
+    mod.tqdm, mod.trange = nb.tqdm, nb.trange
+
+
+_PATCHES = {
+    "fastprogress.fastprogress": _fastprogress_notebook,
+    "tqdm.notebook": _tqdm_notebook,
+    "tqdm.autonotebook": _tqdm_autonotebook,
+}
+_installed: _PatchOnImport | None = None
+
+
+def install_notebook_progress() -> bool:
+    """In a rank of a notebook's group: progress bars imported from now on take their notebook
+    form. Modules imported already are patched now (names bound from them earlier stay as they
+    were). Returns whether it was installed (only with DDIP_NOTEBOOK=1)."""
+    global _installed
+    if os.environ.get(NOTEBOOK_ENV) != "1":
+        return False
+    if _installed is None:
+        _installed = _PatchOnImport(_PATCHES)
+        sys.meta_path.insert(0, _installed)
+        for name, patch in _PATCHES.items():
+            if name in sys.modules:
+                _apply(patch, sys.modules[name])
+    return True
+
+
+_BAR_COLOURS = {"success": "#5cb85c", "danger": "#d9534f", "info": "#5bc0de"}
+
+
+class _HTMLBar:
+    """Stands where tqdm.notebook keeps its widget (`container`): the bar's state, drawn as HTML
+    into one display that is updated in place."""
+
+    def __init__(self, total=None, desc=None, ncols=None):
+        self.total, self.n = total, 0
+        self.left, self.right = (desc or ""), ""
+        self.bar_style, self.colour, self.hidden = "", None, False
+        self.width = ncols
+        self.handle = None
+        self.pbar = None
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        self.handle = display(self._bundle(), raw=True, display_id=True)
+
+    def draw(self):
+        if self.handle is not None:
+            self.handle.update(self._bundle(), raw=True)
+
+    def _bundle(self):
+        if self.hidden:
+            return {"text/plain": "", "text/html": ""}
+        colour = self.colour or _BAR_COLOURS.get(self.bar_style)
+        accent = f"accent-color:{colour};" if colour else ""
+        value = f" value='{self.n}'" if self.total else ""
+        maximum = self.total if self.total else 1
+        if not self.total:
+            value = " value='1'"
+        width = self.width or "300px"
+        if isinstance(width, int) or str(width).isdigit():
+            width = f"{width}px"
+        markup = (f"<div class='ddip-progress' data-bar-style='{self.bar_style}' "
+                  f"style='display:flex;align-items:center;gap:0.5em'>"
+                  f"<span>{self.left}</span>"
+                  f"<progress{value} max='{maximum}' style='width:{html.escape(str(width))};"
+                  f"height:20px;{accent}'></progress><span>{self.right}</span></div>")
+        plain = self.pbar.__str__() if self.pbar is not None else f"{self.left} {self.right}"
+        return {"text/plain": plain, "text/html": markup}
+
+
+def _rank_tqdm_class(tqdm_notebook):
+    """tqdm.notebook's bar with `_HTMLBar` in place of its widgets: same arguments, same
+    behaviour (danger style on errors, leave=False hides it, reset, delay)."""
+
+    class tqdm_rank(tqdm_notebook):
+        """tqdm.notebook's bar in a ddip rank: HTML redrawn through display updates."""
+
+        @staticmethod
+        def status_printer(_, total=None, desc=None, ncols=None):
+            return _HTMLBar(total, html.escape(desc) if desc else desc, ncols)
+
+        def display(self, msg=None, pos=None, close=False, bar_style=None, check_delay=True):
+            bar = self.container
+            if not msg and not close:
+                d = self.format_dict
+                d["bar_format"] = (d["bar_format"] or "{l_bar}<bar/>{r_bar}").replace("{bar}", "<bar/>")
+                msg = self.format_meter(**d)
+            bar.n = self.n
+            if msg:
+                msg = msg.replace(" ", "\u2007")  # keeps the text's columns in HTML
+                if "<bar/>" in msg:
+                    import re
+
+                    left, right = (html.escape(s) for s in re.split(r"\|?<bar/>\|?", msg, maxsplit=1))
+                else:
+                    left, right = "", html.escape(msg)
+                bar.left = left
+                if right:
+                    bar.right = right
+            if bar_style and (bar.bar_style != "danger" or bar_style != "success"):
+                bar.bar_style = bar_style
+            if close and bar.bar_style != "danger":
+                bar.hidden = True
+            if check_delay and self.delay > 0 and not self.displayed:
+                bar._ipython_display_()
+                self.displayed = True
+            bar.draw()
+
+        @property
+        def colour(self):
+            return getattr(getattr(self, "container", None), "colour", None)
+
+        @colour.setter
+        def colour(self, value):
+            if hasattr(self, "container"):
+                self.container.colour = value
+
+        def reset(self, total=None):
+            if self.disable:
+                return super(tqdm_notebook, self).reset(total=total)
+            self.container.bar_style = ""
+            if total is not None:
+                self.container.total = total
+            return super(tqdm_notebook, self).reset(total=total)
+
+    tqdm_rank.__module__ = tqdm_notebook.__module__
+    return tqdm_rank
