@@ -489,7 +489,8 @@ def test_large_replies_come_back_through_shared_memory_without_leaking_fds():
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
     with ddip.Group(n=2, backend=None) as g:
-        g.run("import numpy as np\nbig = np.arange(1 << 20, dtype=np.float64) * (1 + int(__import__('os').environ['RANK']))")
+        # torch imported before the count: importing it opens files of its own (cold ranks)
+        g.run("import numpy as np, torch\nbig = np.arange(1 << 20, dtype=np.float64) * (1 + int(__import__('os').environ['RANK']))")
         fds = lambda pid: len(os.listdir(f"/proc/{pid}/fd"))  # noqa: E731
         before = (fds(os.getpid()), [fds(p) for p in g.pids])
         for _ in range(5):
