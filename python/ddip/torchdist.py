@@ -15,7 +15,8 @@ import time
 from datetime import timedelta
 
 RENDEZVOUS_TIMEOUT_S = 60.0
-_POLL_S = 0.01
+# Polls start at 1 ms (a warm launch's peers arrive within milliseconds) and back off to 50 ms.
+_POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.05
 
 
 class RendezvousError(RuntimeError):
@@ -29,6 +30,7 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
     from torch.distributed import TCPStore
 
     deadline = time.monotonic() + timeout
+    poll = _POLL_FIRST_S
     store = TCPStore(addr, port, world, rank == 0, timedelta(seconds=timeout), wait_for_workers=False)
     store.set(f"ddip/arrived/{rank}", "1")
     while True:
@@ -54,7 +56,8 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
             except Exception:
                 pass
             raise RendezvousError(f"torch.distributed rendezvous failed on rank {rank}: {why}")
-        time.sleep(_POLL_S)
+        time.sleep(poll)
+        poll = min(poll * 2, _POLL_MAX_S)
 
 
 def init(backend: str, rank: int, world: int, *, collective_timeout: float | None = None,
