@@ -170,6 +170,10 @@ def _start(modules) -> None:
     env = dict(os.environ)
     for k in ("DDIP_SOCKET", "DDIP_SLOT", "DDIP_BACKEND", "DDIP_TEMPLATE_SOCKET"):
         env.pop(k, None)
+    if "OMP_NUM_THREADS" not in env:
+        # Sized as the usual group's ranks will be (one per GPU, else 2): a fork whose thread
+        # counts differ from the template's must resize its pools, ~20 ms per rank.
+        env["OMP_NUM_THREADS"] = str(_usual_rank_threads())
     env.update({"PYTHONUNBUFFERED": "1", "DDIP_TEMPLATE_MODULES": ",".join(modules),
                 "DDIP_SYS_PATH": os.pathsep.join(p for p in sys.path if p)})
     argv = [sys.executable, "-c", "import ddip.template; ddip.template.main()"]
@@ -179,6 +183,18 @@ def _start(modules) -> None:
 
 
 _started_at = 0.0
+
+
+def _usual_rank_threads() -> int:
+    from .gpus import visible_entries
+    from .group import omp_threads
+
+    try:
+        physical = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        physical = 0
+    gpus = len(visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"), physical))
+    return omp_threads(gpus if gpus > 0 else 2)
 
 
 def _info(detail: bytes) -> dict:
