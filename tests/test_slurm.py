@@ -165,6 +165,30 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
         assert out.returncode == 0, out.stderr
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
+    def strays(self) -> list[str]:
+        """Processes, other than the three daemons, started under this cluster's config: srun,
+        slurmstepd, the agent and the ranks all inherit SLURM_CONF from the notebook or slurmd."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        daemons = {p.pid for p in self.procs.values()}
+        ctld = self.procs["slurmctld"].pid if "slurmctld" in self.procs else None
+        found = []
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            if pid in daemons or pid == os.getpid() or not alive(pid):
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == ctld:
+                        continue  # slurmctld's own helper, slurmscriptd
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid}: {cmd}")
+            except OSError:
+                pass
+        return found
+
     def close(self):
         if self.job is not None and self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
             self.slurm("scancel", self.job)
@@ -178,6 +202,7 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.left = self.strays() if hasattr(self, "conf") else []
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -188,6 +213,22 @@ def cluster():
         yield c
     finally:
         c.close()
+    assert c.left == [], f"left running after the cluster stopped: {c.left}"
+
+
+def _children() -> list[str]:
+    """This process's children, zombies included (an unreaped srun would show here)."""
+    out = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        state, ppid = tail.split()[:2]
+        if int(ppid) == os.getpid():
+            out.append(f"{pid} {head.split('(', 1)[1]} {state}")
+    return out
 
 
 ALL_REDUCE = """
@@ -210,6 +251,7 @@ def test_a_group_started_by_srun_inside_an_allocation(cluster, monkeypatch):
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "2")
     assert ddip.hosts.slurm_hosts() == [NODE]
 
+    before = _children()
     t0 = time.monotonic()
     g = ddip.Group(hosts={NODE: 2}, launcher="slurm", backend="gloo", bind="127.0.0.1", timeout=60)
     try:
@@ -233,6 +275,8 @@ def test_a_group_started_by_srun_inside_an_allocation(cluster, monkeypatch):
     # No rank and no job step outlives close(); the allocation itself is still there.
     assert all(wait_until(lambda p=p: not alive(p), 10) for p in pids), "a rank outlived close()"
     assert wait_until(lambda: cluster.steps() == [], 15), f"a job step outlived close(): {cluster.steps()}"
+    assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"
+    assert wait_until(lambda: _children() == before, 10), f"children of the notebook left: {_children()}"
     out = cluster.slurm("squeue", "-h", "-j", job, "-o", "%T")
     assert out.stdout.strip() == "RUNNING", out
     assert time.monotonic() - t0 < 60
