@@ -35,7 +35,7 @@ TOOLS = ("mungekey", "srun", "salloc", "sinfo", "squeue", "scancel")
 
 def _missing() -> str | None:
     if os.geteuid() != 0:
-        return "needs root (slurmd runs job steps as any user only as root)"
+        return "needs root (to run munged, slurmctld and slurmd of its own)"
     for name, path in DAEMONS.items():
         if not os.access(path, os.X_OK):
             return f"needs {name} (make setup installs slurmctld, slurmd, slurm-client and munge)"
@@ -270,6 +270,9 @@ def test_a_group_started_by_srun_inside_an_allocation(cluster, monkeypatch):
         pids = [v[7] for v in values]
         assert [row["pid"] for row in g.status()] == pids and all(alive(p) for p in pids)
         assert [r.value for r in g.run("1 + 1")] == [2, 2]
+        # What the check after close() looks for is there now: srun, slurmstepd, agent and ranks.
+        running = " ".join(cluster.strays())
+        assert all(what in running for what in ("srun", "slurmstepd", "ddip.remote", *map(str, pids))), running
     finally:
         g.close()
     # No rank and no job step outlives close(); the allocation itself is still there.
