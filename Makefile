@@ -25,12 +25,17 @@ $(STAMPS)/system:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libcli11-dev >/dev/null; \
 	fi
 	@# Groups across hosts: libcrypto to build with (HMAC), ssh to launch, and sshd + iproute2
-	@# for the tests that build hosts out of network namespaces.
+	@# for the tests that build hosts out of network namespaces; Slurm and munge for the test
+	@# that starts a single-node Slurm cluster of its own (tests/test_slurm.py).
 	@missing=""; \
 	[ -f /usr/include/openssl/hmac.h ] || missing="$$missing libssl-dev"; \
 	command -v ssh >/dev/null || missing="$$missing openssh-client"; \
 	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
 	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	[ -x /usr/sbin/slurmctld ] || missing="$$missing slurmctld"; \
+	[ -x /usr/sbin/slurmd ] || missing="$$missing slurmd"; \
+	command -v srun >/dev/null || missing="$$missing slurm-client"; \
+	[ -x /usr/sbin/munged ] || missing="$$missing munge"; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: installing$$missing from Debian"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

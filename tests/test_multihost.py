@@ -334,7 +334,7 @@ def test_launcher_commands():
 
 
 def test_srun_command_as_data():
-    # Checked as data: no Slurm cluster is started by this suite.
+    # The command as data; tests/test_slurm.py runs it on a real single-node Slurm.
     argv = H.srun_argv("gpu07", ["/venv/bin/python", "-m", "ddip.remote"], ["--gres=gpu:4"],
                        env={"SLURM_CPUS_ON_NODE": "32"})
     assert argv == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--overlap",
