@@ -14,13 +14,12 @@ import threading
 import time
 
 import pytest
-from jupyter_client import KernelManager
 
 import ddip
 from ddip.displays import DisplayFrames
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_magics import KERNEL_NAME, install_kernelspec  # noqa: E402
+from test_magics import running_kernel  # noqa: E402
 
 
 class Outputs(list):
@@ -76,26 +75,9 @@ class RawKernel:
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jupyter")
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = install_kernelspec(root)
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    try:
-        km.start_kernel(cwd=str(root))
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
-        k = RawKernel(km, kc)
-        assert k.run("%load_ext ddip").ok
+    with running_kernel(tmp_path_factory.mktemp("jupyter"), wrap=RawKernel) as k:
         yield k
         k.run("%makedip -k")
-        kc.stop_channels()
-    finally:
-        km.shutdown_kernel(now=False)
-        if old is None:
-            os.environ.pop("JUPYTER_PATH", None)
-        else:
-            os.environ["JUPYTER_PATH"] = old
 
 
 HAVE_FASTAI = all(__import__("importlib").util.find_spec(m) for m in ("fastai", "accelerate"))

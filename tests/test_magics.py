@@ -104,8 +104,9 @@ class Kernel:
 
 
 @contextlib.contextmanager
-def running_kernel(root, cwd=None):
-    """A real ipykernel (this interpreter's) with %load_ext ddip done; shut down on exit."""
+def running_kernel(root, cwd=None, wrap=None):
+    """A real ipykernel (this interpreter's) with %load_ext ddip done, as wrap(km, kc) (a
+    Kernel by default); shut down on exit."""
     old = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = install_kernelspec(root)
     km = KernelManager(kernel_name=KERNEL_NAME)
@@ -114,7 +115,7 @@ def running_kernel(root, cwd=None):
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=60)
-        k = Kernel(km, kc)
+        k = (wrap or Kernel)(km, kc)
         assert k.run("%load_ext ddip").ok
         try:
             yield k

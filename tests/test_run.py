@@ -436,29 +436,10 @@ def test_torch_gloo_all_reduce_written_for_torchrun(launcher, tmp_path):
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    from jupyter_client import KernelManager
+    from test_magics import running_kernel
 
-    from test_magics import KERNEL_NAME, Kernel, install_kernelspec
-
-    root = tmp_path_factory.mktemp("jupyter")
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = install_kernelspec(root)
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    try:
-        km.start_kernel(cwd=str(root))
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
-        k = Kernel(km, kc)
-        assert k.run("%load_ext ddip").ok
+    with running_kernel(tmp_path_factory.mktemp("jupyter")) as k:
         yield k
-        kc.stop_channels()
-    finally:
-        km.shutdown_kernel(now=True)
-        if old is None:
-            os.environ.pop("JUPYTER_PATH", None)
-        else:
-            os.environ["JUPYTER_PATH"] = old
 
 
 def test_diprun_shows_labelled_output_live(kernel):
