@@ -296,6 +296,165 @@ def test_an_unreachable_host_is_a_clear_start_error(hosts):
     assert nobody in text and "ssh" in text and "exit code 255" in text
 
 
+# -- `ddip run --hosts`: the native launcher across hosts ------------------------------------------
+
+DDIP = os.path.join(os.path.dirname(sys.executable), "ddip")
+
+# Written for torchrun: joins gloo from env://, all_reduces RANK+1, reports what it was given.
+RUN_ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+if os.path.exists("/sys/class/net/ddip0"):
+    os.environ["GLOO_SOCKET_IFNAME"] = "ddip0"  # the test hosts' network
+dist.init_process_group("gloo")
+t = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(t)
+e = os.environ
+print("rank", e["RANK"], "local", e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], "group", e["GROUP_RANK"],
+      e["GROUP_WORLD_SIZE"], "world", e["WORLD_SIZE"], "master", e["MASTER_ADDR"], "sum", int(t.item()),
+      "cwd", os.getcwd(), flush=True)
+dist.destroy_process_group()
+"""
+
+# Every rank says where it is; rank 3 fails, the others wait to be stopped (or interrupted).
+RUN_FAIL = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print("pid", os.getpid(), flush=True)
+if rank == int(os.environ.get("FAIL_RANK", "-1")):
+    time.sleep(1)
+    print("rank", rank, "is giving up", file=sys.stderr, flush=True)
+    sys.exit(7)
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def _ddip_run(args, script, tmp_path, **kw):
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    return subprocess.Popen([DDIP, "run", *args, "--", sys.executable, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=tmp_path, **kw)
+
+
+def _finish(p, timeout=120):
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        p.kill()
+        p.communicate()
+        raise
+    return p.returncode, out, err
+
+
+def _rank_pids(out: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^\[\d+\] pid (\d+)$", out, re.M)]
+
+
+@needs_netns
+def test_ddip_run_spans_two_hosts_over_ssh(hosts, tmp_path):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    p = _ddip_run(["--hosts", f"{a}:2,{b}:2", "--launcher", hosts.launcher], RUN_ALL_REDUCE, tmp_path)
+    code, out, err = _finish(p)
+    assert code == 0, err
+    lines = sorted(l for l in out.splitlines() if l.strip())
+    # Numbered host by host; torchrun's meaning of every variable; rank 0's host is MASTER_ADDR;
+    # each remote rank runs in the launching directory (it exists there: one filesystem here).
+    assert lines == [f"[{r}] rank {r} local {r % 2} 2 group {r // 2} 2 world 4 master {a} sum 10 cwd {tmp_path}"
+                     for r in range(4)], out + err
+
+
+@needs_netns
+def test_ddip_run_across_hosts_names_the_first_failure_and_stops_every_host(hosts, tmp_path):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    # --env reaches ranks on every host (they start with their host's own environment).
+    p = _ddip_run(["--hosts", f"{a}:2,{b}:2", "--launcher", hosts.launcher, "--env", "FAIL_RANK=3"],
+                  RUN_FAIL, tmp_path)
+    code, out, err = _finish(p)
+    pids = _rank_pids(out)
+    assert len(pids) == 4, out + err
+    assert code == 7, err
+    assert f"ddip run: rank 3 (on {b}) failed first: exit code 7" in err
+    assert "  | rank 3 is giving up" in err  # its stderr's last lines, from the other host
+    for r, host in ((0, a), (1, a), (2, b)):
+        assert f"rank {r} (on {host}): killed by SIGTERM (stopped by ddip run)" in err, err
+    assert "giving up" not in out
+    assert all(wait_until(lambda x=x: not alive(x), 10) for x in pids), "a rank outlived ddip run"
+
+
+@needs_netns
+def test_ddip_run_forwards_ctrl_c_to_ranks_on_every_host(hosts, tmp_path):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    p = _ddip_run(["--hosts", f"{a}:1,{b}:2", "--launcher", hosts.launcher], RUN_FAIL, tmp_path)
+    seen = []
+    while len(seen) < 3:  # every rank has started: its pid line arrived
+        line = p.stdout.readline()
+        assert line, p.stderr.read()
+        seen.append(line)
+    p.send_signal(signal.SIGINT)
+    code, out, err = _finish(p)
+    out = "".join(seen) + out
+    assert sorted(l for l in out.splitlines() if "interrupted" in l) == ["[0] interrupted", "[1] interrupted",
+                                                                         "[2] interrupted"], out + err
+    assert code == 3 and "(after ddip run forwarded SIGINT)" in err, err
+    assert all(wait_until(lambda x=x: not alive(x), 10) for x in _rank_pids(out))
+
+
+@needs_netns
+def test_ddip_run_kill_of_the_launcher_leaves_no_rank_on_any_host(hosts, tmp_path):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    p = _ddip_run(["--hosts", f"{a}:1,{b}:1", "--launcher", hosts.launcher], RUN_FAIL, tmp_path)
+    seen = [p.stdout.readline(), p.stdout.readline()]
+    pids = _rank_pids("".join(seen))
+    assert len(pids) == 2, seen
+    p.kill()  # no chance to stop anything: each host's ddip run hears its channel close
+    _finish(p)
+    assert all(wait_until(lambda x=x: not alive(x), 15) for x in pids), "a rank outlived the launcher's SIGKILL"
+
+
+@needs_netns
+def test_ddip_run_names_a_host_it_cannot_reach(hosts, tmp_path):
+    nobody = f"{hosts.net}.99"  # in the subnet, but no host has it
+    p = _ddip_run(["--hosts", f"{hosts.addr['A']}:1,{nobody}:1", "--launcher", hosts.launcher], RUN_FAIL, tmp_path)
+    code, out, err = _finish(p)
+    assert code == 255, err
+    assert f"ddip run: the launcher of host {nobody} failed first: exit code 255" in err
+    assert "ssh" in err.split("failed first")[1]  # ssh's own words, from the launcher's stderr
+    assert "stopped by ddip run" in err
+    assert all(wait_until(lambda x=x: not alive(x), 10) for x in _rank_pids(out))
+
+
+def test_ddip_run_with_this_machine_and_a_template_host(tmp_path):
+    # A "remote" host reached by a template that runs its ddip run right here: two ranks of
+    # this machine's own, one behind the launcher, in one gloo group over loopback.
+    p = _ddip_run(["--hosts", "localhost:2,here:1", "--launcher", "exec {command} # {host}",
+                   "--master-addr", "127.0.0.1"], RUN_ALL_REDUCE, tmp_path)
+    code, out, err = _finish(p)
+    assert code == 0, err
+    assert sorted(l for l in out.splitlines() if l.strip()) == [
+        f"[0] rank 0 local 0 2 group 0 2 world 3 master 127.0.0.1 sum 6 cwd {tmp_path}",
+        f"[1] rank 1 local 1 2 group 0 2 world 3 master 127.0.0.1 sum 6 cwd {tmp_path}",
+        f"[2] rank 2 local 0 1 group 1 2 world 3 master 127.0.0.1 sum 6 cwd {tmp_path}"], out + err
+
+
+def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
+    for args, words in (
+        (["--hosts", "node1"], "has no rank count"),
+        (["--hosts", "node1:0"], "needs 1 to 1024 ranks"),
+        (["--hosts", "a:1,a:2"], "listed twice"),
+        (["--hosts", "a:1", "-n", "2"], "excludes"),
+        (["--hosts", "a[0,0]"], "lists a GPU twice"),
+        (["--hosts", "a:1", "--launcher", "telnet"], "must be ssh, slurm or a template"),
+        (["--hosts", "a:1", "--launcher", "ssh {host}"], "needs both {host} and {command}"),
+        (["--launcher", "ssh", "-n", "2"], "requires --hosts"),
+    ):
+        p = _ddip_run(args, "print('never')", tmp_path)
+        code, out, err = _finish(p, 30)
+        assert code == 2 and words in err and "never" not in out, (args, err)
+
+
 # -- without namespaces: the launchers, host lists and rank layout as data ----------------------
 
 def test_host_lists():

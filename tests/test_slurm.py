@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -283,3 +284,37 @@ def test_a_group_started_by_srun_inside_an_allocation(cluster, monkeypatch):
     out = cluster.slurm("squeue", "-h", "-j", job, "-o", "%T")
     assert out.stdout.strip() == "RUNNING", out
     assert time.monotonic() - t0 < 60
+
+
+RUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(t)
+e = os.environ
+print("rank", e["RANK"], "local", e["LOCAL_RANK"], "of", e["LOCAL_WORLD_SIZE"], "sum", int(t.item()),
+      "job", e.get("SLURM_JOB_ID"), "step", e.get("SLURM_STEP_ID"), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_slurm
+def test_ddip_run_starts_a_hosts_ranks_through_srun(cluster, tmp_path):
+    job = cluster.job or cluster.allocate()
+    env = dict(os.environ, SLURM_CONF=cluster.conf, SLURM_JOB_ID=job, SLURM_JOB_NODELIST=NODE,
+               SLURM_CPUS_ON_NODE="2")
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    ddip_cmd = os.path.join(os.path.dirname(sys.executable), "ddip")
+    p = subprocess.run([ddip_cmd, "run", "--hosts", f"{NODE}:2", "--launcher", "slurm", "--",
+                        sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = sorted(l for l in p.stdout.splitlines() if l.startswith("["))
+    assert len(lines) == 2, p.stdout + p.stderr
+    for r, line in enumerate(lines):
+        # A job step of the allocation runs the host's ddip run, which starts its ranks.
+        assert line.startswith(f"[{r}] rank {r} local {r} of 2 sum 3 job {job} step "), line
+        assert not line.endswith("step None"), line
+    assert wait_until(lambda: cluster.steps() == [], 15), f"a job step outlived ddip run: {cluster.steps()}"
+    assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"

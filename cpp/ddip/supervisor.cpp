@@ -156,8 +156,12 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   auto argv = detail::c_strings(spec.argv);
   auto envp = detail::c_strings(spec.env);
   Pipe report = make_pipe();
-  Fd null_in;
-  if (!spec.stdin_data.empty()) {
+  Fd null_in, stdin_write;
+  if (spec.stdin_pipe) {
+    Pipe in = make_pipe();
+    null_in = std::move(in.read);
+    stdin_write = std::move(in.write);
+  } else if (!spec.stdin_data.empty()) {
     // Written before the child exists: it fits the pipe's buffer, so nothing can block.
     if (spec.stdin_data.size() > 60000)
       throw std::invalid_argument("SpawnSpec.stdin_data is larger than a pipe holds");
@@ -228,6 +232,7 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
     c.out_ = std::move(out.read);
     c.err_ = std::move(err.read);
   }
+  c.in_ = std::move(stdin_write);
   children_.push_back(std::move(c));
   return children_.size() - 1;
 }

@@ -28,6 +28,9 @@ struct SpawnSpec {
   // When set, fd 0 is a pipe holding this (at most 60000 bytes), then end of file: how a
   // launcher hands a secret to what it starts without a command line or environment showing it.
   std::string stdin_data = {};
+  // When set, fd 0 is a pipe whose write end the caller keeps (Child::stdin_pipe()): a channel
+  // to tell a long-running child things later, and end of file when the caller closes it.
+  bool stdin_pipe = false;
 };
 
 struct ExitStatus {
@@ -46,13 +49,14 @@ class Child {
   int pidfd() const { return pidfd_.get(); }  // readable once the child has exited
   Fd& stdout_pipe() { return out_; }
   Fd& stderr_pipe() { return err_; }
+  Fd& stdin_pipe() { return in_; }  // SpawnSpec::stdin_pipe's write end
   const std::optional<ExitStatus>& status() const { return status_; }
 
  private:
   friend class Supervisor;
   pid_t pid_ = -1;
   Fd pidfd_;
-  Fd out_, err_;
+  Fd out_, err_, in_;
   std::optional<ExitStatus> status_;
 };
 

@@ -252,3 +252,132 @@ TEST(RankEnvironment, GpusListedInRankOrderForEveryRank) {
     EXPECT_EQ(env["LOCAL_RANK"], std::to_string(r));
   }
 }
+
+// -- --hosts ---------------------------------------------------------------------------------
+
+namespace {
+bool only_localhost(const std::string& name) { return name == "localhost"; }
+
+std::string hosts_error(const std::string& text) {
+  try {
+    parse_hosts(text, only_localhost);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Hosts, CountsAndGpuListsInRankOrder) {
+  auto h = parse_hosts("node1:4, node2[3,1] localhost:1", only_localhost);
+  ASSERT_EQ(h.size(), 3u);
+  EXPECT_EQ(h[0].name, "node1");
+  EXPECT_EQ(h[0].ranks, 4);
+  EXPECT_TRUE(h[0].gpus.empty());
+  EXPECT_FALSE(h[0].local);
+  EXPECT_EQ(h[1].name, "node2");
+  EXPECT_EQ(h[1].ranks, 2);
+  EXPECT_EQ(h[1].gpus, (std::vector<std::string>{"3", "1"}));
+  EXPECT_TRUE(h[2].local);
+  EXPECT_EQ(parse_hosts("10.0.0.2:2,10.0.0.3[GPU-ab12]", only_localhost)[1].gpus,
+            (std::vector<std::string>{"GPU-ab12"}));
+}
+
+TEST(Hosts, BadListsSayHowToWriteThem) {
+  EXPECT_NE(hosts_error("").find("no host given"), std::string::npos);
+  EXPECT_NE(hosts_error("node1").find("has no rank count: write node1:4"), std::string::npos);
+  EXPECT_NE(hosts_error("node1:x").find("write NAME:RANKS"), std::string::npos);
+  EXPECT_NE(hosts_error("node1:0").find("needs 1 to 1024 ranks"), std::string::npos);
+  EXPECT_NE(hosts_error("a:1,a:2").find("listed twice"), std::string::npos);
+  EXPECT_NE(hosts_error("a[0,0]").find("lists a GPU twice"), std::string::npos);
+  EXPECT_NE(hosts_error("a[x]").find("'x' is not a GPU"), std::string::npos);
+  EXPECT_NE(hosts_error("-oProxyCommand=x:1").find("is not a host name"), std::string::npos);
+}
+
+TEST(Hosts, CommandLine) {
+  auto o = parse({"run", "--hosts", "a:2,b:1", "--launcher", "ssh -p 2222", "python", "t.py"});
+  EXPECT_EQ(o.world_size(), 3);
+  EXPECT_EQ(o.launcher, "ssh -p 2222");
+  EXPECT_NE(error_of({"run", "--hosts", "a:2", "-n", "2", "true"}).find("excludes"),
+            std::string::npos);
+  EXPECT_NE(error_of({"run", "--launcher", "ssh", "true"}).find("requires --hosts"),
+            std::string::npos);
+  EXPECT_NE(error_of({"run", "--hosts", "a:1", "--launcher", "rsh", "true"}).find("must be ssh"),
+            std::string::npos);
+  EXPECT_NE(error_of({"run", "--master-port", "0", "true"}).find("--master-port"),
+            std::string::npos);
+}
+
+TEST(Hosts, NodeOptionsPlaceTheHostsRanks) {
+  auto o = parse({"run", "--node", "2,5,1,2", "--node-name", "b", "-n", "3", "true"});
+  ASSERT_TRUE(o.node);
+  EXPECT_EQ(o.node->rank_offset, 2);
+  EXPECT_EQ(o.node->world_size, 5);
+  EXPECT_EQ(o.node->node_rank, 1);
+  EXPECT_EQ(o.node->nnodes, 2);
+  // Its ranks must fit the world it is told about.
+  EXPECT_NE(error_of({"run", "--node", "3,5,1,2", "-n", "3", "true"}).find("--node"),
+            std::string::npos);
+}
+
+TEST(Hosts, RankEnvironmentOnTheSecondHost) {
+  LaunchEnv launch;
+  launch.world_size = 5;
+  launch.local_world_size = 3;
+  launch.rank_offset = 2;
+  launch.group_rank = 1;
+  launch.group_world_size = 2;
+  launch.master_addr = "node1";
+  launch.master_port = 29501;
+  auto env = as_map(rank_environment({}, launch, 1));
+  EXPECT_EQ(env["RANK"], "3");
+  EXPECT_EQ(env["LOCAL_RANK"], "1");
+  EXPECT_EQ(env["WORLD_SIZE"], "5");
+  EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "3");
+  EXPECT_EQ(env["GROUP_RANK"], "1");
+  EXPECT_EQ(env["GROUP_WORLD_SIZE"], "2");
+  EXPECT_EQ(env["ROLE_RANK"], "3");
+  EXPECT_EQ(env["MASTER_ADDR"], "node1");
+  EXPECT_EQ(env["MASTER_PORT"], "29501");
+  EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+}
+
+TEST(Launchers, QuotingAndWords) {
+  EXPECT_EQ(shell_quote("plain/path-1.py"), "plain/path-1.py");
+  EXPECT_EQ(shell_quote("it's $HOME"), "'it'\\''s $HOME'");
+  EXPECT_EQ(shell_quote(""), "''");
+  EXPECT_EQ(split_words("ssh -F 'my config' -o \"A=b c\" x\\ y"),
+            (std::vector<std::string>{"ssh", "-F", "my config", "-o", "A=b c", "x y"}));
+  EXPECT_THROW(split_words("ssh 'open"), std::invalid_argument);
+}
+
+TEST(Launchers, SshSlurmAndTemplates) {
+  std::vector<std::string> cmd = {"/opt/ddip", "run", "--", "python", "it's.py"};
+  EXPECT_EQ(launcher_argv("ssh -p 2222", "node2", cmd),
+            (std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "node2",
+                                      "exec /opt/ddip run -- python 'it'\\''s.py'"}));
+  auto srun = launcher_argv("slurm --mpi=none", "node3", cmd, "16");
+  EXPECT_EQ(srun.front(), "srun");
+  EXPECT_NE(std::find(srun.begin(), srun.end(), "--nodelist=node3"), srun.end());
+  EXPECT_NE(std::find(srun.begin(), srun.end(), "--cpus-per-task=16"), srun.end());
+  EXPECT_NE(std::find(srun.begin(), srun.end(), "--mpi=none"), srun.end());
+  EXPECT_EQ(std::vector<std::string>(srun.end() - 5, srun.end()), cmd);  // argv, not a shell
+  EXPECT_EQ(launcher_argv("docker exec -i {host} {command}", "box", cmd),
+            (std::vector<std::string>{
+                "/bin/sh", "-c", "docker exec -i box /opt/ddip run -- python 'it'\\''s.py'"}));
+  EXPECT_THROW(launcher_argv("ssh {host}", "a", cmd), std::invalid_argument);
+  EXPECT_THROW(launcher_argv("rsh", "a", cmd), std::invalid_argument);
+  EXPECT_THROW(launcher_argv("", "a", cmd), std::invalid_argument);
+}
+
+TEST(CommandLine, EnvNamesAndValues) {
+  ::setenv("DDIP_TEST_FROM_HERE", "here value", 1);
+  auto o = parse({"run", "-e", "A=1", "--env", "DDIP_TEST_FROM_HERE", "--env=B=x=y", "python", "-e"});
+  EXPECT_EQ(o.env, (std::vector<std::string>{"A=1", "DDIP_TEST_FROM_HERE=here value", "B=x=y"}));
+  EXPECT_EQ(o.command, (std::vector<std::string>{"python", "-e"}));
+  ::unsetenv("DDIP_TEST_FROM_HERE");
+  EXPECT_NE(error_of({"run", "--env", "DDIP_TEST_FROM_HERE", "true"}).find("is not set here"),
+            std::string::npos);
+  EXPECT_NE(error_of({"run", "--env", "1X=2", "true"}).find("is not NAME or NAME=VALUE"),
+            std::string::npos);
+}

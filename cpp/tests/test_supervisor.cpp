@@ -222,6 +222,25 @@ TEST(Supervisor, StdinIsDevNull) {
   EXPECT_EQ(s.wait(i, 10s)->code, 0);
 }
 
+TEST(Supervisor, StdinPipeIsAChannelTheCallerWritesLater) {
+  // What ddip run uses to tell another host's ddip run things while it runs, and that it is gone.
+  Supervisor s;
+  SpawnSpec spec = sh("while read line; do echo got=$line; done; echo eof");
+  spec.stdin_pipe = true;
+  size_t i = s.spawn(spec);
+  Fd& in = s.child(i).stdin_pipe();
+  ASSERT_TRUE(in);
+  ASSERT_EQ(::write(in.get(), "signal 2\n", 9), 9);
+  EXPECT_EQ(read_line(s.child(i).stdout_pipe()), "got=signal 2");
+  ASSERT_EQ(::write(in.get(), "stop\n", 5), 5);
+  EXPECT_EQ(read_line(s.child(i).stdout_pipe()), "got=stop");
+  in.reset();  // the caller is gone: end of file
+  EXPECT_EQ(read_line(s.child(i).stdout_pipe()), "eof");
+  EXPECT_EQ(s.wait(i, 10s)->code, 0);
+  // Without the flag there is no write end to hold.
+  EXPECT_FALSE(s.child(s.spawn(sh("true"))).stdin_pipe());
+}
+
 TEST(Supervisor, StopGivesUpOnAChildThatCannotBeReapedAfterTheKillWait) {
   // A SIGKILLed child can stay unreapable: in uninterruptible sleep (a hung NFS read, a wedged
   // driver), or, as here, a zombie held by a tracer (gdb, strace, py-spy) that does not let go.

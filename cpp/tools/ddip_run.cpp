@@ -2,6 +2,7 @@
 // stdout/stderr pipes and pidfd, a signalfd, and deadlines; no Python anywhere, so a launch costs
 // what starting the ranks costs.
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -18,9 +19,12 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
+#include <memory>
 #include <iostream>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -87,11 +91,12 @@ std::string label(std::string_view text, const std::string& tag, bool& after_cr)
   return out;
 }
 
-int free_port() {
+// A port free on loopback, or on every address when ranks on other hosts will connect to it.
+int free_port(bool any_address = false) {
   Fd s(check(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket", "finding a free port"));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(any_address ? INADDR_ANY : INADDR_LOOPBACK);
   check(::bind(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), "bind",
         "finding a free port");
   socklen_t len = sizeof addr;
@@ -115,14 +120,58 @@ struct CannotStart : std::system_error {
   int exit_code() const { return code().value() == ENOENT ? 127 : 126; }
 };
 
+// Lines a `ddip run --node` (started on another host) writes to its stderr for the ddip run that
+// started it, which reads them instead of showing them. They begin with an ASCII record
+// separator, which no rank's text line can begin with (a rank's lines all start with its label).
+constexpr std::string_view kReport = "\x1e" "ddip ";
+
+// What the launcher supervises: a rank of its own, or the launcher of another host's ddip run.
+struct UnitPlan {
+  bool host = false;
+  std::string name;  // host units: the host
+  int first_rank = 0, nranks = 1;
+  bool shown = true;  // rank units: reaches the terminal (--tee)
+  SpawnSpec spec;
+};
+
+// The first failure, wherever it happened: the root cause ddip run reports and exits with.
+struct RootCause {
+  size_t unit = 0;
+  int rank = -1;     // -1: a host's launcher, before any of its ranks failed
+  std::string who;   // "rank 3", "rank 3 (on node2)", "the launcher of host node2"
+  std::string what;  // "exit code 1", "killed by SIGSEGV"
+  int code = 1;      // ddip run's exit code
+  std::vector<std::string> tail;  // last lines of its stderr
+};
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
 class Launcher {
  public:
-  Launcher(RunOptions opts, std::vector<bool> shown, LaunchEnv launch)
-      : opts_(std::move(opts)), launch_(std::move(launch)) {
-    ranks_.resize(static_cast<size_t>(launch_.world_size));
-    for (size_t i = 0; i < ranks_.size(); ++i) {
-      ranks_[i].tag = "[" + std::to_string(i) + "] ";
-      ranks_[i].shown = shown[i];
+  // `node`: this ddip run was started on its host by another one (--node); its stdin is then
+  // that one's control channel.
+  Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node)
+      : opts_(std::move(opts)), node_(std::move(node)) {
+    for (auto& p : plans) {
+      Unit u;
+      u.host = p.host;
+      u.name = p.name;
+      u.first_rank = p.first_rank;
+      u.nranks = p.nranks;
+      u.shown = p.shown;
+      u.tag = "[" + std::to_string(p.first_rank) + "] ";
+      u.spec = std::move(p.spec);
+      units_.push_back(std::move(u));
     }
   }
 
@@ -130,31 +179,41 @@ class Launcher {
   int run();
 
  private:
-  // epoll data: rank << 2 | what; the signalfd has its own value.
+  // epoll data: unit << 2 | what; the signalfd and the control channel have their own values.
   enum What : uint64_t { kStdout = 1, kStderr = 2, kExit = 3 };
   static constexpr uint64_t kSignals = ~uint64_t{0};
+  static constexpr uint64_t kControl = ~uint64_t{0} - 1;
 
-  struct Rank {
-    std::string tag;
+  struct Unit {
+    bool host = false;
+    std::string name, tag;
+    int first_rank = 0, nranks = 1;
     bool shown = true;
+    SpawnSpec spec;
     RankOutput output;
     Fd log[3];  // [1] stdout, [2] stderr
     std::optional<ExitStatus> status;
     bool stopped = false;  // was running when ddip run stopped everyone
     bool after_cr[3] = {false, false, false};
+    // Host units: their ranks' states as that host's ddip run reported them at its end, and
+    // the last lines of the launcher's own stderr (ssh's errors, say).
+    std::vector<std::pair<int, std::string>> states;
+    std::deque<std::string> tail;
+    std::vector<std::string> report_tail;  // a failing rank's stderr, reported by its host
   };
 
   RunOptions opts_;
-  LaunchEnv launch_;
+  std::optional<NodeOptions> node_;
   Supervisor sup_;
-  std::vector<Rank> ranks_;
-  Fd epoll_, signals_;
+  std::vector<Unit> units_;
+  Fd epoll_, signals_, control_;
+  std::string control_buf_;
   bool terminal_ok_[3] = {true, true, true};
 
-  std::optional<size_t> root_;  // the first rank to fail
+  std::optional<RootCause> root_;
   bool stopping_ = false, killed_ = false, timed_out_ = false;
   int interrupts_ = 0, first_signal_ = 0;
-  Clock::time_point started_, kill_at_, drain_until_;
+  Clock::time_point started_, kill_at_, drain_until_, host_kill_at_;
   std::optional<Clock::time_point> timeout_at_;
 
   void watch(int fd, uint64_t data) {
@@ -163,31 +222,41 @@ class Launcher {
     ev.data.u64 = data;
     check(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev), "epoll_ctl", "watching a rank");
   }
-  Fd& pipe(size_t r, RankOutput::Stream s) {
-    Child& c = sup_.child(r);
+  Fd& pipe(size_t u, RankOutput::Stream s) {
+    Child& c = sup_.child(u);
     return s == RankOutput::kStdout ? c.stdout_pipe() : c.stderr_pipe();
   }
   bool pipes_open() {
-    for (size_t r = 0; r < sup_.size(); ++r)
-      if (pipe(r, RankOutput::kStdout) || pipe(r, RankOutput::kStderr)) return true;
+    for (size_t u = 0; u < sup_.size(); ++u)
+      if (pipe(u, RankOutput::kStdout) || pipe(u, RankOutput::kStderr)) return true;
     return false;
   }
   bool all_exited() const {
-    for (const auto& rk : ranks_)
-      if (!rk.status) return false;
+    for (const auto& un : units_)
+      if (!un.status) return false;
     return true;
   }
 
   void open_logs();
-  void start_ranks();
-  void read_pipe(size_t r, RankOutput::Stream s);
-  void drain(size_t r);
-  void emit(size_t r, RankOutput::Stream s, std::string_view text);
-  void on_exit(size_t r);
+  void start_units();
+  void read_pipe(size_t u, RankOutput::Stream s);
+  void host_text(size_t u, RankOutput::Stream s, const std::string& text);
+  void host_report(size_t u, std::string_view line);
+  void drain(size_t u);
+  void emit(size_t u, RankOutput::Stream s, std::string_view text);
+  void on_exit(size_t u);
+  void fail(RootCause cause);
   void on_signal();
+  void on_control();
+  void tell_hosts(const std::string& line);
+  void forward(int sig);
+  void kill_all();
   void stop();
   int finish();
-  std::string states(std::optional<size_t> except) const;
+  std::string states() const;
+  std::string me() const {
+    return node_ ? "ddip run on " + node_->name : std::string("ddip run");
+  }
 };
 
 void Launcher::open_logs() {
@@ -195,45 +264,112 @@ void Launcher::open_logs() {
   std::error_code ec;
   std::filesystem::create_directories(opts_.log_dir, ec);
   if (ec) throw std::system_error(ec, "creating --log-dir " + opts_.log_dir);
-  for (size_t r = 0; r < ranks_.size(); ++r) {
+  for (auto& un : units_) {
+    if (un.host) continue;  // a host's ddip run keeps its ranks' logs there
     for (int s : {1, 2}) {
-      std::string path =
-          opts_.log_dir + "/rank" + std::to_string(r) + (s == 1 ? ".stdout" : ".stderr");
-      ranks_[r].log[s] =
-          Fd(check(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), "open",
-                   "creating " + path));
+      std::string path = opts_.log_dir + "/rank" + std::to_string(un.first_rank) +
+                         (s == 1 ? ".stdout" : ".stderr");
+      un.log[s] = Fd(check(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                           "open", "creating " + path));
     }
   }
 }
 
-void Launcher::start_ranks() {
-  std::vector<std::string> base;
-  for (char** e = environ; *e; ++e) base.emplace_back(*e);
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    SpawnSpec spec;
-    spec.argv = opts_.command;
-    spec.env = rank_environment(base, launch_, static_cast<int>(r));
+void Launcher::start_units() {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& un = units_[u];
     try {
-      sup_.spawn(spec);
+      sup_.spawn(un.spec);
     } catch (const std::system_error& e) {
-      throw CannotStart(e.code(),
-                        "cannot start rank " + std::to_string(r) + ": " +
-                            std::string(e.what()).substr(0, std::string(e.what()).rfind(':')));
+      std::string what = std::string(e.what()).substr(0, std::string(e.what()).rfind(':'));
+      throw CannotStart(e.code(), un.host ? "cannot start the launcher of host " + un.name + ": " + what
+                                          : "cannot start rank " + std::to_string(un.first_rank) +
+                                                ": " + what);
     }
-    Child& c = sup_.child(r);
-    watch(c.stdout_pipe().get(), r << 2 | kStdout);
-    watch(c.stderr_pipe().get(), r << 2 | kStderr);
-    watch(c.pidfd(), r << 2 | kExit);
+    Child& c = sup_.child(u);
+    watch(c.stdout_pipe().get(), u << 2 | kStdout);
+    watch(c.stderr_pipe().get(), u << 2 | kStderr);
+    watch(c.pidfd(), u << 2 | kExit);
   }
 }
 
-void Launcher::emit(size_t r, RankOutput::Stream s, std::string_view text) {
-  if (text.empty() || !ranks_[r].shown || !terminal_ok_[s]) return;
-  if (!write_all(s, label(text, ranks_[r].tag, ranks_[r].after_cr[s]))) terminal_ok_[s] = false;
+void Launcher::emit(size_t u, RankOutput::Stream s, std::string_view text) {
+  Unit& un = units_[u];
+  if (text.empty() || !terminal_ok_[s]) return;
+  if (un.host) {  // labelled and filtered by --tee on its host already
+    if (!write_all(s, text)) terminal_ok_[s] = false;
+    return;
+  }
+  if (!un.shown) return;
+  if (!write_all(s, label(text, un.tag, un.after_cr[s]))) terminal_ok_[s] = false;
 }
 
-void Launcher::read_pipe(size_t r, RankOutput::Stream s) {
-  Fd& fd = pipe(r, s);
+// A host's output arrives in whole lines (RankOutput assembles them); its stderr also carries
+// that host's reports (kReport lines), which are read, not shown.
+void Launcher::host_text(size_t u, RankOutput::Stream s, const std::string& text) {
+  if (s == RankOutput::kStdout) {
+    emit(u, s, text);
+    return;
+  }
+  std::string shown;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find_first_of("\n", start);
+    end = end == std::string::npos ? text.size() : end + 1;
+    std::string_view line(text.data() + start, end - start);
+    if (line.substr(0, kReport.size()) == kReport) {
+      std::string_view body = line.substr(kReport.size());
+      while (!body.empty() && (body.back() == '\n' || body.back() == '\r')) body.remove_suffix(1);
+      host_report(u, body);
+    } else {
+      shown.append(line);
+      std::string l(line);
+      while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
+      // ssh's and the host's own messages (not the ranks', which are labelled) explain a failed
+      // launcher.
+      if (!l.empty() && l[0] != '[') {
+        units_[u].tail.push_back(l);
+        if (units_[u].tail.size() > RankOutput::kTailLines) units_[u].tail.pop_front();
+      }
+    }
+    start = end;
+  }
+  emit(u, s, shown);
+}
+
+// "tail TEXT" (a failing rank's stderr, before its "failed"), "failed RANK CODE WHAT", and, at
+// the end, "state RANK WHAT" for each of the host's ranks.
+void Launcher::host_report(size_t u, std::string_view body) {
+  Unit& un = units_[u];
+  auto word = [&body]() {
+    size_t sp = body.find(' ');
+    std::string w(body.substr(0, sp));
+    body = sp == std::string_view::npos ? std::string_view() : body.substr(sp + 1);
+    return w;
+  };
+  std::string kind = word();
+  if (kind == "tail") {
+    un.report_tail.emplace_back(body);
+  } else if (kind == "failed") {
+    std::string rank = word();
+    std::string code = word();
+    RootCause cause;
+    cause.unit = u;
+    cause.rank = std::atoi(rank.c_str());
+    cause.who = "rank " + rank + " (on " + un.name + ")";
+    cause.what = std::string(body);
+    cause.code = std::atoi(code.c_str());
+    cause.tail = std::move(un.report_tail);
+    un.report_tail.clear();
+    fail(std::move(cause));
+  } else if (kind == "state") {
+    std::string rank = word();
+    un.states.emplace_back(std::atoi(rank.c_str()), std::string(body));
+  }
+}
+
+void Launcher::read_pipe(size_t u, RankOutput::Stream s) {
+  Fd& fd = pipe(u, s);
   if (!fd) return;
   char buf[kReadChunk];
   ssize_t n = ::read(fd.get(), buf, sizeof buf);
@@ -241,122 +377,258 @@ void Launcher::read_pipe(size_t r, RankOutput::Stream s) {
     if (errno == EAGAIN || errno == EINTR) return;
     n = 0;  // EIO and the like: nothing more will come from it
   }
-  Rank& rk = ranks_[r];
+  Unit& un = units_[u];
   if (n == 0) {
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd.get(), nullptr);
     fd.reset();
-    emit(r, s, rk.output.flush(s));
+    std::string rest = un.output.flush(s);
+    if (un.host)
+      host_text(u, s, rest);
+    else
+      emit(u, s, rest);
     return;
   }
   std::string_view data(buf, static_cast<size_t>(n));
-  if (rk.log[s] && !write_all(rk.log[s].get(), data)) {
-    std::cerr << "ddip run: writing rank " << r << "'s log failed (" << std::strerror(errno)
-              << "); its output goes on to the terminal only\n";
-    rk.log[s].reset();
+  if (un.log[s] && !write_all(un.log[s].get(), data)) {
+    std::cerr << me() << ": writing rank " << un.first_rank << "'s log failed ("
+              << std::strerror(errno) << "); its output goes on to the terminal only\n";
+    un.log[s].reset();
   }
-  for (auto& piece : rk.output.feed(s, data)) emit(r, s, piece.text);
+  for (auto& piece : un.output.feed(s, data)) {
+    if (un.host)
+      host_text(u, s, piece.text);
+    else
+      emit(u, s, piece.text);
+  }
 }
 
-// Everything the exited rank wrote is in its pipes already; take it before reporting.
-void Launcher::drain(size_t r) {
+// Everything the exited unit wrote is in its pipes already; take it before reporting.
+void Launcher::drain(size_t u) {
   for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) {
-    for (int i = 0; i < 4096 && pipe(r, s); ++i) {
-      pollfd p{pipe(r, s).get(), POLLIN, 0};
+    for (int i = 0; i < 4096 && pipe(u, s); ++i) {
+      pollfd p{pipe(u, s).get(), POLLIN, 0};
       if (::poll(&p, 1, 0) <= 0) break;
-      read_pipe(r, s);
+      read_pipe(u, s);
     }
   }
 }
 
-void Launcher::on_exit(size_t r) {
-  auto st = sup_.poll(r);
+void Launcher::fail(RootCause cause) {
+  if (root_ || stopping_) return;  // a later failure, or one of the ranks being stopped
+  if (node_) {
+    // Tell the ddip run that started this one now, not at the end: the first failure anywhere
+    // is the root cause, and the other hosts' ranks fail soon after (their peer is gone).
+    std::string report;
+    for (const auto& l : cause.tail) report += std::string(kReport) + "tail " + l + "\n";
+    report += std::string(kReport) + "failed " + cause.who.substr(5) + " " +
+              std::to_string(cause.code) + " " + cause.what + "\n";
+    write_all(2, report);
+  }
+  root_ = std::move(cause);
+  if (first_signal_) {
+    // The others got the same signal and are acting on it (a KeyboardInterrupt handler saving a
+    // checkpoint, say): they get the grace period before SIGKILL, not a SIGTERM on top.
+    stopping_ = true;
+    kill_at_ = Clock::now() + kGrace;
+    return;
+  }
+  stop();
+}
+
+void Launcher::on_exit(size_t u) {
+  auto st = sup_.poll(u);
   if (!st) return;
-  Rank& rk = ranks_[r];
-  rk.status = st;
-  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, sup_.child(r).pidfd(), nullptr);
-  drain(r);
-  if (st->shell_code() != 0 && !stopping_) {
-    root_ = r;
-    stop();
+  Unit& un = units_[u];
+  un.status = st;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, sup_.child(u).pidfd(), nullptr);
+  drain(u);
+  if (un.host) {
+    // Its host's ddip run has ended: flush what it held back, then judge the launcher's exit.
+    for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
+      host_text(u, s, un.output.flush(s));
+    sup_.child(u).stdin_pipe().reset();
+    // After a forwarded signal a host's ddip run exits 128+signal like the ranks it stopped;
+    // otherwise a failing launcher without a report from its host is the root cause (ssh could
+    // not connect, say, with ssh's message in its stderr).
+    if (st->shell_code() != 0 && !root_ && !first_signal_) {
+      RootCause cause;
+      cause.unit = u;
+      cause.who = "the launcher of host " + un.name;
+      cause.what = st->describe() + " before its ranks reported anything wrong";
+      cause.code = st->shell_code();
+      cause.tail.assign(un.tail.begin(), un.tail.end());
+      fail(std::move(cause));
+    }
+  } else if (st->shell_code() != 0) {
+    RootCause cause;
+    cause.unit = u;
+    cause.rank = un.first_rank;
+    cause.who = "rank " + std::to_string(un.first_rank);
+    cause.what = st->describe();
+    cause.code = st->shell_code();
+    cause.tail = lines_of(un.output.stderr_tail());
+    fail(std::move(cause));
   }
   if (all_exited()) drain_until_ = Clock::now() + kDrain;
+}
+
+void Launcher::tell_hosts(const std::string& line) {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Fd& in = sup_.child(u).stdin_pipe();
+    if (!units_[u].host || !in || units_[u].status) continue;
+    if (!write_all(in.get(), line + "\n")) in.reset();
+  }
 }
 
 void Launcher::stop() {
   stopping_ = true;
   kill_at_ = Clock::now() + kGrace;
-  for (size_t r = 0; r < ranks_.size(); ++r) {
+  for (size_t u = 0; u < units_.size(); ++u) {
     // One that has exited, even if its pidfd has not been read yet, ended on its own.
-    if (ranks_[r].status || !sup_.running(r)) continue;
-    ranks_[r].stopped = true;
-    sup_.signal(r, SIGTERM);
+    if (units_[u].status || !sup_.running(u) || units_[u].host) continue;
+    units_[u].stopped = true;
+    sup_.signal(u, SIGTERM);
   }
+  // Each host's ddip run stops its own ranks the same way (SIGTERM, grace, SIGKILL).
+  tell_hosts("stop");
+}
+
+void Launcher::kill_all() {
+  killed_ = true;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].status || !sup_.running(u) || units_[u].host) continue;
+    units_[u].stopped = true;
+    sup_.signal(u, SIGKILL);
+  }
+  tell_hosts("kill");
+  // A host that can't hear it (its network gone) must not keep ddip run waiting: its launcher
+  // is killed a little later, and its ddip run then stops its ranks on losing this channel.
+  host_kill_at_ = Clock::now() + milliseconds(3000);
+}
+
+void Launcher::forward(int sig) {
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (!units_[u].host && !units_[u].status) sup_.signal(u, sig);
+  tell_hosts("signal " + std::to_string(sig));
 }
 
 void Launcher::on_signal() {
   signalfd_siginfo si{};
   while (::read(signals_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
     int sig = static_cast<int>(si.ssi_signo);
+    if (node_ && sig == SIGHUP) continue;  // its ssh session ending: the control channel says
     if (++interrupts_ == 1) {
       first_signal_ = sig;
-      sup_.signal_all(sig);
+      forward(sig);
     } else {
-      if (!killed_) std::cerr << "ddip run: " << signal_name(sig) << " again: killing every rank\n";
-      killed_ = true;
-      for (size_t r = 0; r < ranks_.size(); ++r) {
-        if (ranks_[r].status || !sup_.running(r)) continue;
-        ranks_[r].stopped = true;
-        sup_.signal(r, SIGKILL);
-      }
+      if (!killed_) std::cerr << me() << ": " << signal_name(sig) << " again: killing every rank\n";
+      kill_all();
     }
   }
 }
 
-std::string Launcher::states(std::optional<size_t> except) const {
+// Lines from the ddip run that started this one: "signal N", "stop", "kill"; end of file (it
+// exited, or its host or the network went away) means stop.
+void Launcher::on_control() {
+  char buf[256];
+  ssize_t n = ::read(control_.get(), buf, sizeof buf);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) {
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, control_.get(), nullptr);
+    control_.reset();
+    if (!stopping_) stop();
+    return;
+  }
+  control_buf_.append(buf, static_cast<size_t>(n));
+  size_t nl;
+  while ((nl = control_buf_.find('\n')) != std::string::npos) {
+    std::string line = control_buf_.substr(0, nl);
+    control_buf_.erase(0, nl + 1);
+    if (line.rfind("signal ", 0) == 0) {
+      int sig = std::atoi(line.c_str() + 7);
+      if (sig > 0 && sig < NSIG) {
+        if (!first_signal_) first_signal_ = sig;
+        forward(sig);
+      }
+    } else if (line == "stop") {
+      if (!stopping_) stop();
+    } else if (line == "kill") {
+      if (!stopping_) stop();
+      kill_all();
+    }
+  }
+}
+
+// Every rank's state but the root cause's, one line each.
+std::string Launcher::states() const {
+  auto range = [](const Unit& un) {
+    return un.nranks == 1 ? "rank " + std::to_string(un.first_rank)
+                          : "ranks " + std::to_string(un.first_rank) + "-" +
+                                std::to_string(un.first_rank + un.nranks - 1);
+  };
   std::string out;
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    if (except && r == *except) continue;
-    const Rank& rk = ranks_[r];
-    out += "  rank " + std::to_string(r) + ": ";
-    if (!rk.status)
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit& un = units_[u];
+    if (un.host) {
+      if (root_ && root_->unit == u && root_->rank < 0) continue;
+      for (const auto& [rank, what] : un.states)
+        if (!root_ || root_->unit != u || root_->rank != rank)
+          out += "  rank " + std::to_string(rank) + " (on " + un.name + "): " + what + "\n";
+      if (un.states.empty())
+        out += "  " + range(un) + " (on " + un.name + "): " +
+               (un.status ? "unknown; its launcher ended with " + un.status->describe()
+                          : std::string("still running")) +
+               "\n";
+      continue;
+    }
+    if (root_ && root_->unit == u) continue;
+    out += "  rank " + std::to_string(un.first_rank) + ": ";
+    if (!un.status)
       out += "still running";
     else
-      out += rk.status->describe() + (rk.stopped ? " (stopped by ddip run)" : "");
+      out += un.status->describe() + (un.stopped ? " (stopped by ddip run)" : "");
     out += '\n';
   }
   return out;
 }
 
 int Launcher::finish() {
+  if (node_) {
+    // The ddip run that started this one writes the summary; it gets each rank's state.
+    std::string report;
+    for (const auto& un : units_) {
+      std::string what = !un.status ? "still running"
+                                    : un.status->describe() +
+                                          (un.stopped ? " (stopped by ddip run)" : "");
+      report += std::string(kReport) + "state " + std::to_string(un.first_rank) + " " + what + "\n";
+    }
+    write_all(2, report);
+    if (root_) return root_->code;
+    if (first_signal_) return 128 + first_signal_;
+    return 0;
+  }
   std::string report;
   int code = 0;
   if (root_) {
-    const Rank& rk = ranks_[*root_];
-    code = rk.status->shell_code();
-    report = "ddip run: rank " + std::to_string(*root_) + " failed first: " + rk.status->describe();
+    code = root_->code;
+    report = "ddip run: " + root_->who + " failed first: " + root_->what;
     if (first_signal_) report += " (after ddip run forwarded " + signal_name(first_signal_) + ")";
     report += "\n";
-    std::string tail = rk.output.stderr_tail();
-    if (!tail.empty()) {
-      report += "last lines of rank " + std::to_string(*root_) + "'s stderr:\n";
-      size_t start = 0;
-      while (start <= tail.size()) {
-        size_t end = tail.find('\n', start);
-        if (end == std::string::npos) end = tail.size();
-        report += "  | " + tail.substr(start, end - start) + "\n";
-        start = end + 1;
-      }
+    if (!root_->tail.empty()) {
+      report += "last lines of its stderr:\n";
+      for (const auto& l : root_->tail) report += "  | " + l + "\n";
     }
-    if (ranks_.size() > 1) report += "other ranks:\n" + states(root_);
+    std::string others = states();
+    if (!others.empty()) report += "other ranks:\n" + others;
   } else if (timed_out_) {
     code = 124;
     std::ostringstream secs;
     secs << opts_.timeout_s;
-    report = "ddip run: timed out after " + secs.str() + " s; ranks:\n" + states(std::nullopt);
+    report = "ddip run: timed out after " + secs.str() + " s; ranks:\n" + states();
   } else if (first_signal_) {
     code = 128 + first_signal_;
     report = "ddip run: forwarded " + signal_name(first_signal_) + " to every rank; ranks:\n" +
-             states(std::nullopt);
+             states();
   }
   if (!report.empty()) {
     report += "ddip run: exit code " + std::to_string(code) + "\n";
@@ -381,8 +653,16 @@ int Launcher::run() {
   ::signal(SIGPIPE, SIG_IGN);
   epoll_ = Fd(check(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1", "starting the launcher"));
   watch(signals_.get(), kSignals);
+  if (node_) {
+    // The control channel is this process's stdin; the ranks get /dev/null instead.
+    control_ = Fd(check(::fcntl(0, F_DUPFD_CLOEXEC, 3), "fcntl", "keeping the control channel"));
+    set_nonblocking(control_.get());
+    watch(control_.get(), kControl);
+  }
+  Fd null(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));
+  check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
   open_logs();
-  start_ranks();
+  start_units();
 
   epoll_event events[64];
   while (true) {
@@ -394,6 +674,7 @@ int Launcher::run() {
     };
     if (timeout_at_ && !stopping_) consider(*timeout_at_);
     if (stopping_ && !killed_) consider(kill_at_);
+    if (killed_ && host_kill_at_ != Clock::time_point{}) consider(host_kill_at_);
     if (all_exited()) consider(drain_until_);
     int wait_ms = -1;
     if (next) {
@@ -411,16 +692,20 @@ int Launcher::run() {
         on_signal();
         continue;
       }
-      size_t r = d >> 2;
+      if (d == kControl) {
+        on_control();
+        continue;
+      }
+      size_t u = d >> 2;
       switch (d & 3) {
         case kStdout:
-          read_pipe(r, RankOutput::kStdout);
+          read_pipe(u, RankOutput::kStdout);
           break;
         case kStderr:
-          read_pipe(r, RankOutput::kStderr);
+          read_pipe(u, RankOutput::kStderr);
           break;
         case kExit:
-          on_exit(r);
+          on_exit(u);
           break;
       }
     }
@@ -429,16 +714,102 @@ int Launcher::run() {
       timed_out_ = true;
       stop();
     }
-    if (stopping_ && !killed_ && now >= kill_at_) {
-      killed_ = true;
-      for (size_t r = 0; r < ranks_.size(); ++r)
-        if (!ranks_[r].status) sup_.signal(r, SIGKILL);
+    if (stopping_ && !killed_ && now >= kill_at_) kill_all();
+    if (killed_ && host_kill_at_ != Clock::time_point{} && now >= host_kill_at_) {
+      host_kill_at_ = {};
+      for (size_t u = 0; u < units_.size(); ++u)
+        if (units_[u].host && !units_[u].status) sup_.signal(u, SIGKILL);
     }
   }
-  for (size_t r = 0; r < ranks_.size(); ++r)
+  for (size_t u = 0; u < units_.size(); ++u)
     for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
-      if (pipe(r, s)) emit(r, s, ranks_[r].output.flush(s));
+      if (pipe(u, s)) {
+        std::string rest = units_[u].output.flush(s);
+        if (units_[u].host)
+          host_text(u, s, rest);
+        else
+          emit(u, s, rest);
+      }
   return finish();
+}
+
+}  // namespace
+}  // namespace ddip::run
+
+namespace ddip::run {
+namespace {
+
+// This machine's address on the route to `host` (a UDP connect() sends nothing but picks the
+// route): where ranks on other hosts reach rank 0 when it runs here.
+std::string source_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), "9", &hints, &found); rc != 0)
+    throw std::invalid_argument("can't resolve host " + host + " (" + ::gai_strerror(rc) +
+                                "); check the name, or give --master-addr");
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, ::freeaddrinfo);
+  for (addrinfo* a = found; a; a = a->ai_next) {
+    Fd s(::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (!s || ::connect(s.get(), a->ai_addr, a->ai_addrlen) != 0) continue;
+    sockaddr_storage me{};
+    socklen_t len = sizeof me;
+    if (::getsockname(s.get(), reinterpret_cast<sockaddr*>(&me), &len) != 0) continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* where = me.ss_family == AF_INET6
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&me)->sin6_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&me)->sin_addr);
+    if (::inet_ntop(me.ss_family, where, text, sizeof text)) return text;
+  }
+  throw std::invalid_argument("no route to host " + host +
+                              "; give --master-addr with this machine's address on the network "
+                              "the hosts share");
+}
+
+std::string self_path() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string("ddip") : p.string();
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
+  return out;
+}
+
+// The ranks this machine starts itself: `n` of them (or one per GPU in `gpus`) from `launch`.
+// --env values replace what the environment here says; torchrun's variables replace both.
+std::vector<std::string> base_environment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> base;
+  for (char** e = environ; *e; ++e) {
+    std::string entry(*e);
+    std::string key = entry.substr(0, entry.find('=') + 1);
+    if (std::none_of(overrides.begin(), overrides.end(),
+                     [&](const std::string& o) { return o.rfind(key, 0) == 0; }))
+      base.push_back(std::move(entry));
+  }
+  base.insert(base.end(), overrides.begin(), overrides.end());
+  return base;
+}
+
+void add_ranks(std::vector<UnitPlan>& plans, const std::vector<std::string>& command,
+               const LaunchEnv& launch, const std::vector<bool>& shown,
+               const std::vector<std::string>& env) {
+  std::vector<std::string> base = base_environment(env);
+  for (int r = 0; r < launch.local_size(); ++r) {
+    UnitPlan p;
+    p.first_rank = launch.rank_offset + r;
+    p.shown = shown[static_cast<size_t>(p.first_rank)];
+    p.spec.argv = command;
+    p.spec.env = rank_environment(base, launch, r);
+    plans.push_back(std::move(p));
+  }
+}
+
+std::optional<std::string> env_var(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::optional<std::string>(v) : std::nullopt;
 }
 
 }  // namespace
@@ -453,24 +824,111 @@ int main(int argc, char** argv) {
   } catch (const CLI::Error& e) {
     return cl.exit(e);
   }
-  LaunchEnv launch;
+  std::vector<UnitPlan> plans;
   std::vector<bool> shown;
+  const std::string prog = opts.node ? "ddip run on " + opts.node->name : "ddip run";
   try {
+    if (opts.node) {
+      // On another host, for the ddip run that started it: in that one's directory when it
+      // exists here too.
+      if (!opts.node->cwd.empty() && ::chdir(opts.node->cwd.c_str()) != 0)
+        std::cerr << prog << ": " << opts.node->cwd << " does not exist here; running in "
+                  << (std::getenv("HOME") ? std::getenv("HOME") : "/") << "\n";
+    }
+    LaunchEnv launch;
     if (!opts.gpus.empty()) {
-      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-      auto gpus =
-          resolve_gpus(opts.gpus, visible ? std::optional<std::string>(visible) : std::nullopt,
-                       nvidia_device_count());
-      std::string list;
-      for (const auto& g : gpus) list += (list.empty() ? "" : ",") + g;
-      launch.cuda_visible_devices = list;
+      auto gpus = resolve_gpus(opts.gpus, env_var("CUDA_VISIBLE_DEVICES"), nvidia_device_count());
+      launch.cuda_visible_devices = join(gpus);
       launch.world_size = static_cast<int>(gpus.size());
-    } else {
+    } else if (opts.hosts.empty()) {
       launch.world_size = opts.nproc;
     }
-    shown = tee_ranks(opts.tee, launch.world_size);
+    int world = opts.node ? opts.node->world_size : opts.world_size();
+    shown = tee_ranks(opts.tee, world);
+
+    if (opts.hosts.empty()) {
+      if (opts.node) {
+        launch.local_world_size = launch.world_size;
+        launch.world_size = opts.node->world_size;
+        launch.rank_offset = opts.node->rank_offset;
+        launch.group_rank = opts.node->node_rank;
+        launch.group_world_size = opts.node->nnodes;
+      }
+      launch.master_addr = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
+      launch.master_port = opts.master_port ? opts.master_port : free_port();
+      add_ranks(plans, opts.command, launch, shown, opts.env);
+    } else {
+      // Ranks host by host. Rank 0's host serves MASTER_ADDR:MASTER_PORT for torch.distributed.
+      const HostSpec& first = opts.hosts[0];
+      const HostSpec* remote = nullptr;
+      for (const auto& h : opts.hosts)
+        if (!h.local && !remote) remote = &h;
+      std::string addr = opts.master_addr;
+      if (addr.empty()) addr = first.local ? (remote ? source_address(remote->name) : "127.0.0.1")
+                                           : first.name;
+      int port = opts.master_port;
+      if (!port) {
+        if (first.local) {
+          port = free_port(true);
+        } else {  // ports free on another host can't be seen from here
+          std::random_device rd;
+          port = 29500 + static_cast<int>(rd() % 1000);
+        }
+      }
+      std::error_code ec;
+      std::string cwd = std::filesystem::current_path(ec).string();
+      std::string ddip = opts.remote_ddip.empty() ? self_path() : opts.remote_ddip;
+      int offset = 0;
+      for (size_t i = 0; i < opts.hosts.size(); ++i) {
+        const HostSpec& h = opts.hosts[i];
+        if (h.local) {
+          LaunchEnv here;
+          here.world_size = world;
+          here.local_world_size = h.ranks;
+          here.rank_offset = offset;
+          here.group_rank = static_cast<int>(i);
+          here.group_world_size = static_cast<int>(opts.hosts.size());
+          here.master_addr = addr;
+          here.master_port = port;
+          if (!h.gpus.empty())
+            here.cuda_visible_devices =
+                join(resolve_gpus(h.gpus, env_var("CUDA_VISIBLE_DEVICES"), nvidia_device_count()));
+          add_ranks(plans, opts.command, here, shown, opts.env);
+        } else {
+          std::vector<std::string> remote_cmd = {
+              ddip, "run", "--node",
+              std::to_string(offset) + "," + std::to_string(world) + "," + std::to_string(i) +
+                  "," + std::to_string(opts.hosts.size()),
+              "--node-name", h.name, "--master-addr", addr, "--master-port", std::to_string(port),
+              "--tee", opts.tee};
+          if (!cwd.empty()) remote_cmd.insert(remote_cmd.end(), {"--node-cwd", cwd});
+          for (const auto& e : opts.env) remote_cmd.insert(remote_cmd.end(), {"--env", e});
+          if (h.gpus.empty())
+            remote_cmd.insert(remote_cmd.end(), {"-n", std::to_string(h.ranks)});
+          else
+            remote_cmd.insert(remote_cmd.end(), {"--gpus", join(h.gpus)});
+          if (!opts.log_dir.empty()) {
+            auto abs = std::filesystem::absolute(opts.log_dir, ec);
+            remote_cmd.insert(remote_cmd.end(), {"--log-dir", ec ? opts.log_dir : abs.string()});
+          }
+          remote_cmd.push_back("--");
+          remote_cmd.insert(remote_cmd.end(), opts.command.begin(), opts.command.end());
+          UnitPlan p;
+          p.host = true;
+          p.name = h.name;
+          p.first_rank = offset;
+          p.nranks = h.ranks;
+          p.spec.argv = launcher_argv(opts.launcher, h.name, remote_cmd,
+                                      env_var("SLURM_CPUS_ON_NODE").value_or(""));
+          for (char** e = environ; *e; ++e) p.spec.env.emplace_back(*e);
+          p.spec.stdin_pipe = true;
+          plans.push_back(std::move(p));
+        }
+        offset += h.ranks;
+      }
+    }
   } catch (const std::invalid_argument& e) {
-    return cl.exit(CLI::ValidationError("--gpus", e.what()));
+    return cl.exit(CLI::ValidationError(opts.hosts.empty() ? "--gpus" : "--hosts", e.what()));
   } catch (const CLI::Error& e) {
     return cl.exit(e);
   }
@@ -481,18 +939,14 @@ int main(int argc, char** argv) {
       ddip::check(::prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl", "tying ddip run to its parent");
       if (::getppid() != parent) return 1;  // the parent died before prctl took effect
     }
-    // Ranks must not compete for the terminal's input; they inherit this.
-    ddip::Fd null(
-        ddip::check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));
-    ddip::check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
-    launch.master_port = free_port();
-    Launcher launcher(std::move(opts), std::move(shown), std::move(launch));
+    auto node = opts.node;
+    Launcher launcher(std::move(opts), std::move(plans), std::move(node));
     return launcher.run();
   } catch (const CannotStart& e) {
-    std::cerr << "ddip run: " << e.what() << "\n";
+    std::cerr << prog << ": " << e.what() << "\n";
     return e.exit_code();
   } catch (const std::exception& e) {
-    std::cerr << "ddip run: " << e.what() << "\n";
+    std::cerr << prog << ": " << e.what() << "\n";
     return 1;
   }
 }

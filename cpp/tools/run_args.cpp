@@ -1,6 +1,13 @@
 #include "run_args.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <set>
 #include <stdexcept>
 
 namespace ddip::run {
@@ -72,6 +79,47 @@ CommandLine::CommandLine()
                    "Stop every rank after this many seconds and exit with 124")
       ->type_name("SECONDS")
       ->check(CLI::Validator(CLI::PositiveNumber).description(""));
+  run_->add_option("-e,--env", env_,
+                   "Set NAME for every rank, on every host: NAME=VALUE, or NAME alone for its "
+                   "value here. Repeat for more. Ranks on other hosts otherwise start with "
+                   "their host's own environment; values travel on a command line there, so "
+                   "pass no secrets this way")
+      ->type_name("NAME[=VALUE]")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  auto* hosts = run_->add_option(
+                       "--hosts", hosts_,
+                       "Ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU "
+                       "ranks) or 'node1[0,1] node2[2,3]' (one rank per listed GPU). This "
+                       "machine may be one of them (localhost or its name); every other host "
+                       "is reached with --launcher and runs the same ddip program (--ddip)")
+                   ->type_name("LIST")
+                   ->excludes(n)
+                   ->excludes("--gpus");
+  run_->add_option("--launcher", opts_.launcher,
+                   "How --hosts are reached: ssh (default; 'ssh -p 2222' adds ssh options), "
+                   "slurm (srun, inside an allocation; 'slurm --mpi=none' adds srun options), or "
+                   "a template with {host} and {command}, run by /bin/sh")
+      ->type_name("LAUNCHER")
+      ->needs(hosts);
+  run_->add_option("--ddip", opts_.remote_ddip,
+                   "The ddip program on the other hosts (default: this one's path, as for a "
+                   "shared or identical environment)")
+      ->type_name("PATH")
+      ->needs(hosts);
+  run_->add_option("--master-addr", opts_.master_addr,
+                   "MASTER_ADDR for every rank (default: 127.0.0.1 on one host; with --hosts, "
+                   "rank 0's host: its name, or this machine's address towards the first other "
+                   "host)")
+      ->type_name("ADDR");
+  run_->add_option("--master-port", opts_.master_port,
+                   "MASTER_PORT for every rank (default: a free port here; a random one in "
+                   "29500-30499 when rank 0 runs on another host)")
+      ->type_name("PORT")
+      ->check(CLI::Range(1, 65535));
+  // Set by a ddip run on the ddip run it starts on each other host; not for people.
+  run_->add_option("--node", node_spec_, "RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES")->group("");
+  run_->add_option("--node-name", node_.name)->group("");
+  run_->add_option("--node-cwd", node_.cwd)->group("");
   run_->add_flag("--die-with-parent", opts_.die_with_parent,
                  "Exit, and so stop every rank, when the process that started ddip run dies "
                  "(for programs that drive it, such as %%diprun)");
@@ -81,14 +129,20 @@ CommandLine::CommandLine()
                    "What every rank runs, with its arguments, e.g. python train.py --lr 0.1. "
                    "Put it after -- when it could be taken for a flag of ddip run");
   run_->footer(
-      "Each rank's stdin is /dev/null. Ranks also get OMP_NUM_THREADS=1 (when there is more "
-      "than one) and PYTHONUNBUFFERED=1, unless already set. Ctrl-C (SIGINT) and SIGTERM are "
-      "forwarded to every rank's process group; a second one kills the ranks.");
+      "Each rank's stdin is /dev/null. Ranks also get OMP_NUM_THREADS=1 (when their host runs "
+      "more than one) and PYTHONUNBUFFERED=1, unless already set. Ctrl-C (SIGINT) and SIGTERM "
+      "are forwarded to every rank's process group, on every host; a second one kills the "
+      "ranks. With --hosts, ranks on other hosts get that host's own environment (as under "
+      "torchrun) plus the variables above, and run in this directory when it exists there.");
 }
 
 RunOptions CommandLine::parse(const std::vector<std::string>& args) {
   opts_ = RunOptions{};
   gpus_.clear();
+  hosts_.clear();
+  env_.clear();
+  node_spec_.clear();
+  node_ = NodeOptions{};
   // The command's own flags must never reach CLI11: it starts at the first token that is neither
   // one of our flags nor a flag's value, or after "--".
   std::vector<std::string> ours;
@@ -126,7 +180,223 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
       if (g.empty())
         throw CLI::ValidationError("--gpus", "an entry is empty; give GPUs like 0,3 or all");
   }
+  for (const auto& e : env_) {
+    auto eq = e.find('=');
+    std::string name = e.substr(0, eq);
+    bool ok = !name.empty() && !std::isdigit(static_cast<unsigned char>(name[0])) &&
+              std::all_of(name.begin(), name.end(), [](char c) {
+                return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+              });
+    if (!ok)
+      throw CLI::ValidationError("--env", "'" + e + "' is not NAME or NAME=VALUE");
+    if (eq != std::string::npos) {
+      opts_.env.push_back(e);
+    } else if (const char* v = std::getenv(name.c_str())) {
+      opts_.env.push_back(name + "=" + v);
+    } else {
+      throw CLI::ValidationError("--env", name + " is not set here; give NAME=VALUE");
+    }
+  }
+  if (run_->count("--hosts")) {
+    try {
+      opts_.hosts = parse_hosts(hosts_, is_this_host);
+      std::vector<std::string> remote = {"true"};
+      for (const auto& h : opts_.hosts)
+        if (!h.local) launcher_argv(opts_.launcher, h.name, remote);
+    } catch (const std::invalid_argument& e) {
+      throw CLI::ValidationError(run_->count("--launcher") ? "--launcher" : "--hosts", e.what());
+    }
+  }
+  if (run_->count("--node")) {
+    auto parts = detail::split_list(node_spec_);
+    std::vector<int> v;
+    for (const auto& p : parts)
+      if (auto i = detail::index_of(p)) v.push_back(*i);
+    if (parts.size() != 4 || v.size() != 4 || v[1] < 1 || v[3] < 1 || v[2] >= v[3] ||
+        v[0] + opts_.world_size() > v[1])
+      throw CLI::ValidationError("--node", "expected RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES "
+                                           "that fit this host's ranks, got " + node_spec_);
+    node_.rank_offset = v[0];
+    node_.world_size = v[1];
+    node_.node_rank = v[2];
+    node_.nnodes = v[3];
+    opts_.node = node_;
+  }
   return opts_;
+}
+
+bool is_this_host(const std::string& name) {
+  if (name == "localhost" || name == "127.0.0.1" || name == "::1") return true;
+  char buf[HOST_NAME_MAX + 1] = {};
+  return ::gethostname(buf, sizeof buf - 1) == 0 && name == buf;
+}
+
+std::vector<HostSpec> parse_hosts(const std::string& text,
+                                  bool (*is_local)(const std::string& name)) {
+  // Commas and whitespace separate hosts, except inside [...].
+  std::vector<std::string> items;
+  std::string cur;
+  int depth = 0;
+  for (char ch : text) {
+    if (ch == '[') ++depth;
+    if (ch == ']') --depth;
+    if (depth == 0 && (ch == ',' || std::isspace(static_cast<unsigned char>(ch)))) {
+      if (!cur.empty()) items.push_back(cur);
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  if (!cur.empty()) items.push_back(cur);
+  if (items.empty()) throw std::invalid_argument("no host given; write hosts like node1:4,node2:4");
+  auto name_ok = [](const std::string& n) {
+    return !n.empty() && n[0] != '-' && std::all_of(n.begin(), n.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' ||
+             c == ':';
+    });
+  };
+  std::vector<HostSpec> out;
+  std::set<std::string> seen;
+  int locals = 0;
+  for (const auto& item : items) {
+    HostSpec h;
+    auto open = item.find('[');
+    if (open != std::string::npos) {
+      if (item.back() != ']')
+        throw std::invalid_argument("can't read host '" + item +
+                                    "': write NAME[GPUS], e.g. node1[0,1]");
+      h.name = item.substr(0, open);
+      std::string inner = item.substr(open + 1, item.size() - open - 2);
+      h.gpus = detail::split_list(inner);
+      for (const auto& g : h.gpus) {
+        bool uuid = g.rfind("GPU-", 0) == 0 || g.rfind("MIG-", 0) == 0;
+        if (!uuid && !detail::index_of(g))
+          throw std::invalid_argument("host '" + h.name + "': '" + g +
+                                      "' is not a GPU; write GPUs as indices or UUIDs, e.g. " +
+                                      h.name + "[0,1]");
+      }
+      if (std::set<std::string>(h.gpus.begin(), h.gpus.end()).size() != h.gpus.size())
+        throw std::invalid_argument("host '" + h.name + "' lists a GPU twice: [" + inner + "]");
+      h.ranks = static_cast<int>(h.gpus.size());
+    } else {
+      auto colon = item.rfind(':');
+      if (colon == std::string::npos)
+        throw std::invalid_argument("host '" + item + "' has no rank count: write " + item +
+                                    ":4 (CPU ranks) or " + item + "[0,1] (one rank per GPU)");
+      h.name = item.substr(0, colon);
+      auto count = detail::index_of(item.substr(colon + 1));
+      if (!count)
+        throw std::invalid_argument("can't read host '" + item +
+                                    "': write NAME:RANKS (node1:4) or NAME[GPUS] (node1[0,1])");
+      if (*count < 1 || *count > 1024)
+        throw std::invalid_argument("host '" + h.name + "' needs 1 to 1024 ranks, got " +
+                                    std::to_string(*count));
+      h.ranks = *count;
+    }
+    if (!name_ok(h.name))
+      throw std::invalid_argument("'" + h.name + "' is not a host name");
+    if (!seen.insert(h.name).second)
+      throw std::invalid_argument("host '" + h.name + "' is listed twice");
+    h.local = is_local(h.name);
+    locals += h.local;
+    out.push_back(std::move(h));
+  }
+  if (locals > 1)
+    throw std::invalid_argument("this machine is listed twice (as localhost and by its name)");
+  return out;
+}
+
+std::string shell_quote(const std::string& word) {
+  if (!word.empty() && std::all_of(word.begin(), word.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("@%+=:,./_-", c);
+      }))
+    return word;
+  std::string out = "'";
+  for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::vector<std::string> split_words(const std::string& text) {
+  std::vector<std::string> words;
+  std::string cur;
+  bool in_word = false;
+  char quote = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (quote) {
+      if (c == quote) {
+        quote = 0;
+      } else if (c == '\\' && quote == '"' && i + 1 < text.size()) {
+        cur += text[++i];
+      } else {
+        cur += c;
+      }
+    } else if (c == '\'' || c == '"') {
+      quote = c;
+      in_word = true;
+    } else if (c == '\\' && i + 1 < text.size()) {
+      cur += text[++i];
+      in_word = true;
+    } else if (std::isspace(static_cast<unsigned char>(c))) {
+      if (in_word) words.push_back(cur);
+      cur.clear();
+      in_word = false;
+    } else {
+      cur += c;
+      in_word = true;
+    }
+  }
+  if (quote) throw std::invalid_argument("unclosed quote in '" + text + "'");
+  if (in_word) words.push_back(cur);
+  return words;
+}
+
+std::vector<std::string> launcher_argv(const std::string& launcher, const std::string& host,
+                                       const std::vector<std::string>& remote,
+                                       const std::string& slurm_cpus) {
+  std::string command;
+  for (const auto& w : remote) command += (command.empty() ? "" : " ") + shell_quote(w);
+  bool has_host = launcher.find("{host}") != std::string::npos;
+  bool has_command = launcher.find("{command}") != std::string::npos;
+  if (has_host || has_command) {
+    if (!has_host || !has_command)
+      throw std::invalid_argument("a launcher template needs both {host} and {command}, e.g. "
+                                  "'ssh -p 2222 {host} {command}'");
+    std::string text = launcher;
+    for (auto [key, value] : {std::pair<std::string, std::string>{"{host}", shell_quote(host)},
+                              {"{command}", command}}) {
+      for (size_t at = text.find(key); at != std::string::npos;
+           at = text.find(key, at + value.size()))
+        text.replace(at, key.size(), value);
+    }
+    return {"/bin/sh", "-c", text};
+  }
+  auto words = split_words(launcher);
+  if (words.empty())
+    throw std::invalid_argument("the launcher is empty; give ssh, slurm or a template");
+  std::vector<std::string> extra(words.begin() + 1, words.end());
+  std::vector<std::string> argv;
+  if (words[0] == "ssh") {
+    // BatchMode: never a password prompt nobody can answer. -T: no terminal, so stdin stays the
+    // control channel. exec: no shell left between sshd and ddip.
+    argv = {"ssh", "-T", "-o", "BatchMode=yes"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    argv.push_back(host);
+    argv.push_back("exec " + command);
+    return argv;
+  }
+  if (words[0] == "slurm" || words[0] == "srun") {
+    // One job step with one task on the host, sharing the allocation with the other hosts'.
+    argv = {"srun", "--nodes=1", "--ntasks=1", "--nodelist=" + host, "--overlap",
+            "--kill-on-bad-exit=1", "--job-name=ddip"};
+    if (!slurm_cpus.empty() && detail::index_of(slurm_cpus))
+      argv.push_back("--cpus-per-task=" + slurm_cpus);
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    argv.insert(argv.end(), remote.begin(), remote.end());
+    return argv;
+  }
+  throw std::invalid_argument("the launcher must be ssh, slurm or a template with {host} and "
+                              "{command}, got '" + launcher + "'");
 }
 
 std::vector<bool> tee_ranks(const std::string& tee, int world_size) {
@@ -210,17 +480,17 @@ std::vector<std::string> resolve_gpus(const std::vector<std::string>& requested,
 }
 
 std::vector<std::string> rank_environment(const std::vector<std::string>& base,
-                                          const LaunchEnv& launch, int rank) {
+                                          const LaunchEnv& launch, int local_rank) {
   const std::string world = std::to_string(launch.world_size);
-  const std::string r = std::to_string(rank);
-  // torchrun's names, one host: the local rank is the rank and the group is this host.
+  const std::string r = std::to_string(launch.rank_offset + local_rank);
+  // torchrun's names: the group is this host, numbered among the hosts.
   std::vector<std::pair<std::string, std::string>> ours = {
       {"RANK", r},
-      {"LOCAL_RANK", r},
+      {"LOCAL_RANK", std::to_string(local_rank)},
       {"WORLD_SIZE", world},
-      {"LOCAL_WORLD_SIZE", world},
-      {"GROUP_RANK", "0"},
-      {"GROUP_WORLD_SIZE", "1"},
+      {"LOCAL_WORLD_SIZE", std::to_string(launch.local_size())},
+      {"GROUP_RANK", std::to_string(launch.group_rank)},
+      {"GROUP_WORLD_SIZE", std::to_string(launch.group_world_size)},
       {"ROLE_RANK", r},
       {"ROLE_WORLD_SIZE", world},
       {"ROLE_NAME", "default"},
@@ -234,7 +504,7 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base,
   // and (torchrun runs `python -u`) output that arrives as it is printed.
   std::vector<std::pair<std::string, std::string>> defaults = {
       {"PYTHONUNBUFFERED", "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}};
-  if (launch.world_size > 1) defaults.emplace_back("OMP_NUM_THREADS", "1");
+  if (launch.local_size() > 1) defaults.emplace_back("OMP_NUM_THREADS", "1");
 
   std::vector<std::string> env;
   env.reserve(base.size() + ours.size() + defaults.size());
