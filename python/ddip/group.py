@@ -367,7 +367,17 @@ class Group:
                 self._running = {}
                 self._cv.notify_all()
         if coord is not None:
-            stuck = coord.close(int(grace * 1000))
+            try:
+                stuck = coord.close(int(grace * 1000))
+            except KeyboardInterrupt:
+                # Ctrl-C while ranks stop means "now": SIGKILL them at once, so the coordinator's
+                # destructor (which runs holding the GIL) only reaps, instead of sitting out the
+                # rest of the grace period with the notebook frozen.
+                try:
+                    coord.close(0)
+                finally:
+                    _open_groups.discard(self)
+                raise
             if stuck:
                 # Uninterruptible sleep (a hung GPU driver or network filesystem): nothing can
                 # end it; say so rather than hang the notebook waiting for it.

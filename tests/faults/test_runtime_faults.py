@@ -181,6 +181,22 @@ def test_ctrl_c_interrupts_close_and_the_ranks_are_still_stopped():
         assert not alive(pid)
 
 
+def test_ctrl_c_during_group_close_kills_the_ranks_now():
+    # Before: the interrupted close left the ranks in their grace period, and the coordinator's
+    # destructor (GIL held, whenever the traceback let go of it) sat out the rest of it.
+    g = ddip.Group(n=1, backend=None)
+    g.run("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    pid = g.pids[0]
+    busy = g.apply_async(lambda: __import__("time").sleep(120))  # deaf to the shutdown request
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt) as excinfo:
+        g.close(grace=60)
+    assert not alive(pid), "Ctrl-C during close() must SIGKILL the ranks before it returns"
+    assert g.closed
+    del excinfo, busy
+
+
 # -- 5. heartbeats that detect something ---------------------------------------------------------
 
 def test_a_stopped_rank_is_reported_unresponsive_then_responsive():
