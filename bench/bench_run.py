@@ -17,7 +17,9 @@ Training: the same 2-rank DDP loop (an MLP 256-512-512-10, batch 64 of synthetic
 gloo) run 300 timed steps after 30 warm-up steps, between two barriers; rank 0 reports steps/s.
 Under `ddip run`, under torchrun, and in a `ddip.Group(n=2)` with `g.run(code)` (the group joins
 gloo itself), each with its own default OMP_NUM_THREADS: 1 for 2 ranks on this machine for all
-three (torchrun and `ddip run` set 1; a group divides the cores among its ranks).
+three (torchrun and `ddip run` set 1; a group divides the cores among its ranks). The three
+run in turn, in an order that turns every round; the ratios reported are the medians of the
+ratios within each round (runs seconds apart, under the same load).
 
 The tools run interleaved, so load on the machine hits them alike. Clean-up: after every launch,
 each descendant of this process still there after a grace period is killed by pid (psutil
@@ -39,7 +41,7 @@ import psutil
 
 LAUNCH_REPS = 10  # timed launches per tool, after one untimed warm-up each
 ALL_REDUCE_REPS = 10
-TRAIN_REPS = 5
+TRAIN_REPS = 9  # odd, so the median of the per-round ratios is one round's
 STEPS, WARMUP = 300, 30
 GRACE_S = 5.0
 
@@ -200,12 +202,16 @@ def main() -> str:
     with ddip.Group(n=2) as g:
         g.run("pass")
         for rep in range(TRAIN_REPS):
-            for name, call in (("ddip run", ddip_run), ("torchrun", torchrun)):
+            # The order turns every round, so no tool always runs first (or right after another).
+            order = ["ddip run", "torchrun", "ddip.Group"]
+            order = order[rep % 3:] + order[:rep % 3]
+            for name in order:
+                if name == "ddip.Group":
+                    rates[name].append(_rate(g.run(TRAIN, timeout=600)[0].stdout))
+                    continue
                 inner = {p.pid for p in me.children(recursive=True)}
-                rates[name].append(_rate(call(scripts["train"])))
+                rates[name].append(_rate((ddip_run if name == "ddip run" else torchrun)(scripts["train"])))
                 killed += _cleanup(inner)
-            res = g.run(TRAIN, timeout=600)
-            rates["ddip.Group"].append(_rate(res[0].stdout))
             _log(f"training: round {rep + 1} of {TRAIN_REPS} done")
     killed += _cleanup(before)
     for f in workdir.iterdir():
@@ -230,7 +236,7 @@ def main() -> str:
         "|---|---|---|---|---|---|",
         f"| steps/s ({STEPS} steps after {WARMUP} warm-up) | {rate['ddip run']:.1f} | "
         f"{rate['torchrun']:.1f} | {rate['ddip.Group']:.1f} | "
-        f"{rate['ddip run'] / rate['torchrun']:.3f}x | {rate['ddip.Group'] / rate['torchrun']:.3f}x |",
+        f"{paired['ddip run']:.3f}x | {paired['ddip.Group']:.3f}x |",
     ]
     best = {key: min(v) for key, v in times.items()}
     lines += [
@@ -242,11 +248,16 @@ def main() -> str:
     ]
     empty_gap = med[("ddip run", "empty")] - med[("2x plain python", "empty")]
     empty_ratio = med[("torchrun", "empty")] / med[("ddip run", "empty")]
-    train_ratio = rate["ddip run"] / rate["torchrun"]
+    # Ratios within a round compare runs made seconds apart, under the same load: their median is
+    # the less noisy figure on a shared machine; the medians of the rates are shown too.
+    paired = {k: statistics.median(a / b for a, b in zip(rates[k], rates["torchrun"]))
+              for k in ("ddip run", "ddip.Group")}
+    train_ratio = paired["ddip run"]
     lines += [
         "",
         f"Medians: {LAUNCH_REPS} launches (empty), {ALL_REDUCE_REPS} (all_reduce), {TRAIN_REPS} "
-        "training runs per tool, after an untimed warm-up launch; tools interleaved. steps/s "
+        "training runs per tool, after an untimed warm-up launch; tools interleaved, their order "
+        "turned every round. The ratios are medians of the ratios within each round. steps/s "
         "spread: " + "; ".join(f"{k} {min(v):.1f}-{max(v):.1f}" for k, v in rates.items()) + ".",
         "Targets: `ddip run -n 2` empty script within 50 ms of two plain python starts: "
         f"{'met' if empty_gap <= 0.050 else 'NOT met'} ({empty_gap * 1000:+.0f} ms); "
