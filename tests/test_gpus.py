@@ -383,3 +383,23 @@ def test_ranch_children_get_their_gpus_in_their_env_in_the_order_given(monkeypat
 def test_ranch_without_gpus_keeps_children_off_the_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLURM)
     assert ddip.ranch(2, _env_of_rank, caller_rank=None) == [("0", "0", ""), ("1", "1", "")]
+
+
+def test_the_machines_gpus_are_asked_once_per_ttl(monkeypatch):
+    # One %makedip -g asks several times (count, selection, status); nvidia-smi takes 0.1-1 s.
+    calls = []
+    rows = [["1", "GPU-b", "H100", "81559"], ["0", "GPU-a", "H100", "81559"]]
+    monkeypatch.setattr(ddip.gpus, "_smi", lambda *args, **kw: calls.append(args) or rows)
+    monkeypatch.setattr(ddip.gpus, "_inventory_cache", None)
+    clock = [1000.0]
+    monkeypatch.setattr(ddip.gpus.time, "monotonic", lambda: clock[0])
+    first = ddip.gpus.physical_gpus()
+    assert [g.uuid for g in first] == ["GPU-a", "GPU-b"]  # in index order
+    first.clear()  # callers get their own list
+    assert [g.index for g in ddip.gpus.physical_gpus()] == [0, 1]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert ddip.gpus.inventory()[0] == ["0", "1"]
+    assert len(calls) == 1
+    clock[0] += ddip.gpus.INVENTORY_TTL_S
+    ddip.gpus.physical_gpus()
+    assert len(calls) == 2  # a stale answer is asked again

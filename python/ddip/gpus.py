@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 
 
@@ -54,8 +55,25 @@ def _smi(*args: str, timeout: float = 20.0) -> list[list[str]] | None:
     return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
 
+# The GPUs themselves don't change while a kernel runs, and nvidia-smi takes 0.1-1 s: one
+# %makedip -g or ranch(gpus=) asks several times (count, select, status), so a recent answer is
+# reused. 30 s keeps a changed MIG layout or a driver reload from going unseen for long.
+INVENTORY_TTL_S = 30.0
+_inventory_cache: tuple[float, list[GpuInfo]] | None = None
+
+
 def physical_gpus() -> list[GpuInfo]:
     """This machine's NVIDIA GPUs, without initializing CUDA here."""
+    global _inventory_cache
+    now = time.monotonic()
+    if _inventory_cache is not None and now - _inventory_cache[0] < INVENTORY_TTL_S:
+        return list(_inventory_cache[1])
+    gpus = _query_physical_gpus()
+    _inventory_cache = (now, gpus)
+    return list(gpus)
+
+
+def _query_physical_gpus() -> list[GpuInfo]:
     rows = _smi("--query-gpu=index,uuid,name,memory.total")
     if rows:
         gpus = []
