@@ -7,8 +7,10 @@ Two functions on 2 processes, each timed from the call until it returns:
 - noop: returns None.
 - all_reduce: joins a gloo process group, does one all_reduce of a 4-float tensor, leaves it.
 
-ddip: `ranch(2, fn)` — the calling process is rank 0, one fresh ddip worker is rank 1; for
-all_reduce with `ctx=TorchDDPCtx()`. torch: `torch.multiprocessing.spawn(fn, nprocs=2)` (start
+ddip: `ranch(2, fn)` — the calling process is rank 0, one ddip worker is rank 1, forked from
+the rank template as by default (the untimed warm-up launch starts the template if no earlier
+module did; bench_warm.py times warm and cold launches side by side); for all_reduce with
+`ctx=TorchDDPCtx()`. torch: `torch.multiprocessing.spawn(fn, nprocs=2)` (start
 method spawn, as in a notebook). accelerate: `notebook_launcher(fn, num_processes=2)` (forks,
 through torch's elastic agent). The tools run interleaved, so load on the machine hits them alike.
 
@@ -182,8 +184,9 @@ def main() -> str:
         "ranch runs rank 0 in the calling process (which has torch imported already, as a notebook "
         "would) and starts one worker; spawn starts two fresh interpreters that import torch; "
         "notebook_launcher forks two processes under torch's elastic agent, so its children have torch "
-        "already (fork is why it must refuse a notebook that has touched CUDA); ranch's worker starts "
-        "fresh and imports torch, which is most of its all_reduce time.",
+        "already (fork is why it must refuse a notebook that has touched CUDA); ranch's worker is forked "
+        "from ddip's rank template, which has torch imported and has never started CUDA (see bench_warm "
+        "for cold launches).",
         f"Target: ranch no slower than torch.multiprocessing.spawn: {'met' if spawn_ok else 'NOT met'}.",
         "Processes left behind and killed by pid: "
         + ", ".join(f"{n} {killed[n]}" for n, _ in tools) + ".",
