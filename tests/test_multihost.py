@@ -439,12 +439,26 @@ def test_ddip_run_with_this_machine_and_a_template_host(tmp_path):
         f"[2] rank 2 local 0 1 group 1 2 world 3 master 127.0.0.1 sum 6 cwd {tmp_path}"], out + err
 
 
+def test_ddip_run_gpus_per_host(tmp_path):
+    # --gpus 'HOST:LIST ...' gives each host's ranks their GPUs (the list, in order; rank i of the
+    # host uses device i). Nothing touches CUDA here: the ranks only print their environment.
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    p = subprocess.run([DDIP, "run", "--gpus", "here:1,0 there:2", "--launcher", "exec {command} # {host}",
+                        "--master-addr", "127.0.0.1", "--", "sh", "-c",
+                        'echo "$RANK $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $CUDA_VISIBLE_DEVICES"'],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    assert sorted(p.stdout.splitlines()) == ["[0] 0 0 2 0 1,0", "[1] 1 1 2 0 1,0", "[2] 2 0 1 1 2"], p.stdout
+
+
 def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
     for args, words in (
         (["--hosts", "node1"], "has no rank count"),
         (["--hosts", "node1:0"], "needs 1 to 1024 ranks"),
         (["--hosts", "a:1,a:2"], "listed twice"),
         (["--hosts", "a:1", "-n", "2"], "excludes"),
+        (["--hosts", "a,b", "--gpus", "all"], "can't count the GPUs of other hosts"),
+        (["--gpus", "a:0 a:1"], "names host a twice"),
         (["--hosts", "a[0,0]"], "lists a GPU twice"),
         (["--hosts", "a:1", "--launcher", "telnet"], "must be ssh, slurm or a template"),
         (["--hosts", "a:1", "--launcher", "ssh {host}"], "needs both {host} and {command}"),
@@ -466,6 +480,31 @@ def test_host_lists():
     for bad in ("", "node1", "node1:0", "node1:2,node1:2", "node1[]", "node1[0,0]", "node1:x"):
         with pytest.raises(ValueError):
             H.parse_hosts(bad)
+
+
+def test_gpus_for_every_host_or_per_host_as_data():
+    # -g with --hosts: the same GPUs on each host listed by name, or each host's own.
+    assert H.with_gpus("node1,node2", "0,1") == "node1[0,1] node2[0,1]"
+    assert H.with_gpus("node1 node2", [2, 3]) == "node1[2,3] node2[2,3]"
+    assert H.with_gpus("node1,node2", "node2:2,3 node1:0,1") == "node1[0,1] node2[2,3]"  # --hosts' order
+    assert H.with_gpus(None, "node1:0,1 node2:GPU-ab12") == "node1[0,1] node2[GPU-ab12]"
+    lay = H.layout(H.with_gpus("node1,node2", "node1:0,1 node2:3"), bind="10.0.0.1")
+    assert [(lay.env(s)["LOCAL_RANK"], lay.env(s)["CUDA_VISIBLE_DEVICES"]) for s in range(3)] == [
+        ("0", "0,1"), ("1", "0,1"), ("0", "3")]
+    for hosts, gpus, words in (
+        ("node1:2,node2", "0,1", "by name only"),
+        ("node1,node2", "all", "can't count the GPUs of other hosts"),
+        ("node1,node2", "node1:0", "give each host's GPUs once"),
+        (None, "0,1", "without hosts="),
+        ("node1", "node1:0,0", "lists a GPU twice"),
+        ({"node1": 1}, "0", "a dict says each host's GPUs itself"),
+        ("node1", "node1:", "write HOST:GPUS"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            H.with_gpus(hosts, gpus)
+    # Group(hosts=, gpus=) takes the same: checked before anything starts.
+    with pytest.raises(ValueError, match="can't count the GPUs of other hosts"):
+        ddip.Group(hosts="node1,node2", gpus="all")
 
 
 def test_layout_numbers_ranks_host_by_host():
@@ -549,7 +588,8 @@ def test_makedip_hosts_flags(tmp_path):
         from IPython.core.error import UsageError
         ip = InteractiveShell.instance()
         ip.run_line_magic("load_ext", "ddip")
-        for bad in ("--hosts node1:2 -n 2", "--launcher ssh -n 2", "--hosts 'node1[0,0]'"):
+        for bad in ("--hosts node1:2 -n 2", "--launcher ssh -n 2", "--hosts 'node1[0,0]'",
+                    "--hosts node1,node2 -g all", "--hosts node1,node2 -g 'node1:0'", "-g 'node1:0,0'"):
             try:
                 ip.run_line_magic("makedip", bad)
                 print("accepted", bad)
@@ -560,10 +600,17 @@ def test_makedip_hosts_flags(tmp_path):
         ip.run_cell_magic("dip", "--see all", "import os; print(os.environ['DDIP_HOST'], os.environ['RANK'])")
         ip.run_line_magic("makedip", "-i")
         ip.run_line_magic("makedip", "-k")
+        # -g per host: a host's ranks get its GPU list (nothing here touches CUDA: backend none).
+        ip.run_line_magic("makedip", "-g 'here:1,0' --launcher 'exec {command} # {host}' --bind 127.0.0.1 "
+                                     "--backend none")
+        ip.run_cell_magic("dip", "--see all", "import os; print('gpu', os.environ['DDIP_HOST'], os.environ['LOCAL_RANK'], "
+                                              "os.environ['CUDA_VISIBLE_DEVICES'])")
+        ip.run_line_magic("makedip", "-k")
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("usage error:") == 3, out.stdout
+    assert out.stdout.count("usage error:") == 6, out.stdout
     assert "localhost 0" in out.stdout and "here 1" in out.stdout, out.stdout
     assert "here: cpu" in out.stdout, out.stdout
+    assert "gpu here 0 1,0" in out.stdout and "gpu here 1 1,0" in out.stdout, out.stdout

@@ -381,3 +381,27 @@ TEST(CommandLine, EnvNamesAndValues) {
   EXPECT_NE(error_of({"run", "--env", "1X=2", "true"}).find("is not NAME or NAME=VALUE"),
             std::string::npos);
 }
+
+TEST(Hosts, GpusForEveryHostOrPerHost) {
+  EXPECT_EQ(hosts_with_gpus(std::string("node1,node2"), "0,1"), "node1[0,1] node2[0,1]");
+  EXPECT_EQ(hosts_with_gpus(std::string("node1 node2"), "node2:3 node1:0,1"),
+            "node1[0,1] node2[3]");  // in --hosts' order
+  EXPECT_EQ(hosts_with_gpus(std::nullopt, "node1:0,1 node2:GPU-ab"), "node1[0,1] node2[GPU-ab]");
+  auto o = parse({"run", "--hosts", "a,b", "--gpus", "1,0", "python", "t.py"});
+  ASSERT_EQ(o.hosts.size(), 2u);
+  EXPECT_EQ(o.hosts[1].gpus, (std::vector<std::string>{"1", "0"}));
+  EXPECT_TRUE(o.gpus.empty());  // the hosts' now
+  EXPECT_EQ(o.world_size(), 4);
+  o = parse({"run", "--gpus", "a:0 b:1,2", "--launcher", "ssh -p 2", "true"});
+  EXPECT_EQ(o.world_size(), 3);
+  EXPECT_EQ(o.hosts[0].name, "a");
+  for (auto [args, words] : std::vector<std::pair<Args, std::string>>{
+           {{"run", "--hosts", "a:2,b", "--gpus", "0", "true"}, "by name only"},
+           {{"run", "--hosts", "a,b", "--gpus", "all", "true"}, "can't count the GPUs"},
+           {{"run", "--hosts", "a,b", "--gpus", "a:0", "true"}, "other hosts than --hosts"},
+           {{"run", "--gpus", "a:0 a:1", "true"}, "names host a twice"},
+           {{"run", "--gpus", "a:", "true"}, "write HOST:GPUS"},
+           {{"run", "--gpus", "a:0,0", "true"}, "lists a GPU twice"},
+       })
+    EXPECT_NE(error_of(args).find(words), std::string::npos) << error_of(args);
+}

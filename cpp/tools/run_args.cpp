@@ -55,7 +55,8 @@ CommandLine::CommandLine()
   run_->add_option("--gpus", gpus_,
                    "One rank per listed GPU, in this order: rank i uses device index i. "
                    "Entries are indices (positions in CUDA_VISIBLE_DEVICES when that is set), "
-                   "GPU-/MIG- UUIDs, or 'all'")
+                   "GPU-/MIG- UUIDs, or 'all'. Across hosts: 'node1:0,1 node2:2,3', or with "
+                   "--hosts node1,node2 the GPUs every host uses")
       ->type_name("LIST")
       ->excludes(n);
   run_->add_option("--tee", opts_.tee,
@@ -86,26 +87,22 @@ CommandLine::CommandLine()
                    "pass no secrets this way")
       ->type_name("NAME[=VALUE]")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  auto* hosts = run_->add_option(
-                       "--hosts", hosts_,
-                       "Ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU "
-                       "ranks) or 'node1[0,1] node2[2,3]' (one rank per listed GPU). This "
-                       "machine may be one of them (localhost or its name); every other host "
-                       "is reached with --launcher and runs the same ddip program (--ddip)")
-                   ->type_name("LIST")
-                   ->excludes(n)
-                   ->excludes("--gpus");
+  run_->add_option("--hosts", hosts_,
+                   "Ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU ranks), "
+                   "'node1[0,1] node2[2,3]' (one rank per listed GPU), or node1,node2 with "
+                   "--gpus. This machine may be one of them (localhost or its name); every other "
+                   "host is reached with --launcher and runs the same ddip program (--ddip)")
+      ->type_name("LIST")
+      ->excludes(n);
   run_->add_option("--launcher", opts_.launcher,
                    "How --hosts are reached: ssh (default; 'ssh -p 2222' adds ssh options), "
                    "slurm (srun, inside an allocation; 'slurm --mpi=none' adds srun options), or "
                    "a template with {host} and {command}, run by /bin/sh")
-      ->type_name("LAUNCHER")
-      ->needs(hosts);
+      ->type_name("LAUNCHER");
   run_->add_option("--ddip", opts_.remote_ddip,
                    "The ddip program on the other hosts (default: this one's path, as for a "
                    "shared or identical environment)")
-      ->type_name("PATH")
-      ->needs(hosts);
+      ->type_name("PATH");
   run_->add_option("--master-addr", opts_.master_addr,
                    "MASTER_ADDR for every rank (default: 127.0.0.1 on one host; with --hosts, "
                    "rank 0's host: its name, or this machine's address towards the first other "
@@ -174,11 +171,18 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
   app_.parse(ours);
   if (command.empty()) throw CLI::RequiredError("COMMAND");
   opts_.command = std::move(command);
-  if (run_->count("--gpus")) {
+  // --gpus says each host's GPUs when there are hosts: with --hosts node1,node2, or naming them.
+  bool across = run_->count("--hosts") || (run_->count("--gpus") && gpus_.find(':') != std::string::npos);
+  if (run_->count("--gpus") && !across) {
     opts_.gpus = detail::split_list(gpus_);
     for (const auto& g : opts_.gpus)
       if (g.empty())
         throw CLI::ValidationError("--gpus", "an entry is empty; give GPUs like 0,3 or all");
+  }
+  if (!across) {
+    for (const char* flag : {"--launcher", "--ddip"})
+      if (run_->count(flag))
+        throw CLI::ValidationError(flag, std::string(flag) + " requires --hosts");
   }
   for (const auto& e : env_) {
     auto eq = e.find('=');
@@ -197,14 +201,22 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
       throw CLI::ValidationError("--env", name + " is not set here; give NAME=VALUE");
     }
   }
-  if (run_->count("--hosts")) {
+  if (across) {
     try {
-      opts_.hosts = parse_hosts(hosts_, is_this_host);
+      std::string text = hosts_;
+      if (run_->count("--gpus"))
+        text = hosts_with_gpus(run_->count("--hosts") ? std::optional<std::string>(hosts_)
+                                                      : std::nullopt,
+                               gpus_);
+      opts_.hosts = parse_hosts(text, is_this_host);
       std::vector<std::string> remote = {"true"};
       for (const auto& h : opts_.hosts)
         if (!h.local) launcher_argv(opts_.launcher, h.name, remote);
     } catch (const std::invalid_argument& e) {
-      throw CLI::ValidationError(run_->count("--launcher") ? "--launcher" : "--hosts", e.what());
+      const char* flag = run_->count("--launcher") ? "--launcher"
+                         : run_->count("--gpus")   ? "--gpus"
+                                                   : "--hosts";
+      throw CLI::ValidationError(flag, e.what());
     }
   }
   if (run_->count("--node")) {
@@ -303,6 +315,72 @@ std::vector<HostSpec> parse_hosts(const std::string& text,
   }
   if (locals > 1)
     throw std::invalid_argument("this machine is listed twice (as localhost and by its name)");
+  return out;
+}
+
+std::string hosts_with_gpus(const std::optional<std::string>& hosts, const std::string& gpus) {
+  auto items = [](const std::string& text, const char* seps) {
+    std::vector<std::string> out;
+    std::string cur;
+    for (char ch : text) {
+      if (std::strchr(seps, ch)) {
+        if (!cur.empty()) out.push_back(cur);
+        cur.clear();
+      } else {
+        cur += ch;
+      }
+    }
+    if (!cur.empty()) out.push_back(cur);
+    return out;
+  };
+  std::vector<std::string> names;
+  if (hosts) {
+    names = items(*hosts, ", \t");
+    if (names.empty()) throw std::invalid_argument("no host given; write hosts like node1,node2");
+    for (const auto& n : names) {
+      auto colon = n.rfind(':');
+      if (n.find('[') != std::string::npos ||
+          (colon != std::string::npos && detail::index_of(n.substr(colon + 1))))
+        throw std::invalid_argument("with --gpus, list the hosts by name only (node1,node2), got '" +
+                                    n + "'; --gpus says their GPUs");
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> per_host;  // host, its GPU list
+  if (gpus.find(':') != std::string::npos) {
+    for (const auto& item : items(gpus, " \t;")) {
+      auto colon = item.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == item.size())
+        throw std::invalid_argument("can't read --gpus '" + item +
+                                    "': write HOST:GPUS for each host, e.g. 'node1:0,1 node2:2,3'");
+      std::string name = item.substr(0, colon);
+      for (const auto& [h, _] : per_host)
+        if (h == name) throw std::invalid_argument("--gpus names host " + name + " twice");
+      per_host.emplace_back(name, item.substr(colon + 1));
+    }
+    if (hosts) {
+      std::vector<std::string> a = names, b;
+      for (const auto& [h, _] : per_host) b.push_back(h);
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      if (a != b)
+        throw std::invalid_argument("--gpus names other hosts than --hosts; give each host's GPUs "
+                                    "once, e.g. --gpus 'node1:0,1 node2:2,3'");
+      std::vector<std::pair<std::string, std::string>> ordered;
+      for (const auto& n : names)
+        for (const auto& hp : per_host)
+          if (hp.first == n) ordered.push_back(hp);
+      per_host = std::move(ordered);
+    }
+  } else {
+    if (!hosts)
+      throw std::invalid_argument("GPUs for several hosts need the hosts: --gpus 'node1:0,1 node2:2,3'");
+    if (gpus == "all")
+      throw std::invalid_argument("'all' can't count the GPUs of other hosts from here; list them, "
+                                  "e.g. --gpus 0,1,2,3");
+    for (const auto& n : names) per_host.emplace_back(n, gpus);
+  }
+  std::string out;
+  for (const auto& [h, g] : per_host) out += (out.empty() ? "" : " ") + h + "[" + g + "]";
   return out;
 }
 

@@ -101,6 +101,11 @@ bool is_this_host(const std::string& name);
 std::vector<HostSpec> parse_hosts(const std::string& text,
                                   bool (*is_local)(const std::string& name));
 
+// --hosts and --gpus together as one host list for parse_hosts(): the same GPUs on every host
+// (--hosts node1,node2 --gpus 0,1), or each host's own (--gpus 'node1:0,1 node2:2,3', with or
+// without --hosts naming the same hosts). Throws std::invalid_argument.
+std::string hosts_with_gpus(const std::optional<std::string>& hosts, const std::string& gpus);
+
 // What is shared by every rank of one launch on one host.
 struct LaunchEnv {
   int world_size = 1;        // every host's ranks together

@@ -171,10 +171,13 @@ class Group:
         # hosts= (see ddip.hosts): ranks on several hosts, reached by `launcher` (ssh, slurm or a
         # template) running `python` there, connecting back to this machine's address `bind`.
         self._layout = None
+        if gpus is not None and (hosts is not None or _hosts.host_qualified(gpus)):
+            # hosts='node1,node2' with gpus='0,1' (every host) or gpus='node1:0,1 node2:2,3'.
+            hosts, gpus = _hosts.with_gpus(hosts, gpus), None
         if hosts is not None:
-            if n is not None or gpus is not None or rank_ids is not None or world_size is not None:
+            if n is not None or rank_ids is not None or world_size is not None:
                 raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
-                                 "leave out n=, gpus=, rank_ids= and world_size=")
+                                 "leave out n=, rank_ids= and world_size=")
             self._layout = _hosts.layout(hosts, launcher, python, bind)
             n = self._layout.size
             master_addr = self._layout.master_addr

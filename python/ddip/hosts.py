@@ -121,6 +121,60 @@ def parse_hosts(hosts) -> list[Host]:
     return out
 
 
+def host_qualified(gpus) -> bool:
+    """-g 'node1:0,1 node2:2,3': GPUs named per host (GPU and MIG ids have no ':')."""
+    return isinstance(gpus, str) and ":" in gpus
+
+
+def with_gpus(hosts, gpus) -> str:
+    """--hosts plus -g, as one host list ('node1[0,1] node2[0,1]'):
+
+        hosts='node1,node2', gpus='0,1' (or [0, 1])       the same GPUs on every host
+        hosts='node1,node2', gpus='node1:0,1 node2:2,3'   each host's own
+        hosts=None,          gpus='node1:0,1 node2:2,3'   the hosts are the ones -g names
+
+    GPU numbers on another host are its own indices (ddip can't see its CUDA_VISIBLE_DEVICES)."""
+    names = None
+    if hosts is not None:
+        if not isinstance(hosts, str):
+            raise ValueError("with gpus=, give hosts= as names ('node1,node2'); a dict says each host's "
+                             "GPUs itself: {'node1': [0, 1]}")
+        names = _split_items(hosts)
+        for name in names:
+            if not re.fullmatch(r"[A-Za-z0-9_.:\-]+", name) or re.search(r":\d+$", name):
+                raise ValueError(f"with -g, list the hosts by name only (node1,node2), got {name!r}; "
+                                 f"-g says their GPUs")
+        if not names:
+            raise ValueError("hosts is empty: give hosts like 'node1,node2'")
+    if host_qualified(gpus):
+        per_host = {}
+        for item in re.split(r"[\s;]+", gpus.strip()):
+            name, _, ids = item.rpartition(":")
+            if not name or not ids:
+                raise ValueError(f"can't read -g {item!r}: write HOST:GPUS for each host, e.g. "
+                                 f"'node1:0,1 node2:2,3'")
+            if name in per_host:
+                raise ValueError(f"-g names host {name!r} twice")
+            per_host[name] = _gpu_list(name, ids)
+        if names is not None and sorted(per_host) != sorted(names):
+            raise ValueError(f"-g names the hosts {', '.join(per_host)} but --hosts lists {', '.join(names)}; "
+                             f"give each host's GPUs once")
+        order = names if names is not None else list(per_host)
+        return " ".join(f"{name}[{','.join(per_host[name])}]" for name in order)
+    if names is None:
+        raise ValueError("gpus= without hosts= is one host's; for several, write -g 'node1:0,1 node2:2,3'")
+    if isinstance(gpus, str):
+        text = gpus
+    elif isinstance(gpus, (list, tuple)) and gpus:
+        text = ",".join(str(g) for g in gpus)
+    else:
+        raise ValueError(f"gpus must be a list of GPU ids like 0,1, got {gpus!r}")
+    if text.strip() == "all":
+        raise ValueError("-g all can't count the GPUs of other hosts from here; list them, e.g. -g 0,1,2,3")
+    ids = _gpu_list(names[0], text)
+    return " ".join(f"{name}[{','.join(ids)}]" for name in names)
+
+
 def source_address(host: str) -> str:
     """The address of this machine that routes to `host`: a UDP connect() sends nothing, but
     makes the kernel choose the route and so the source address."""

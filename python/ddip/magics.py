@@ -221,7 +221,8 @@ class DipMagics(Magics):
     # -- %makedip ---------------------------------------------------------------------------
 
     @magic_arguments()
-    @argument("-g", "--gpus", metavar="GPUS", help="one rank per listed GPU: 'all' or ids like 0,1,3 (in that order)")
+    @argument("-g", "--gpus", metavar="GPUS", help="one rank per listed GPU: 'all' or ids like 0,1,3 (in that order); "
+                                                 "across hosts 'node1:0,1 node2:2,3', or ids for every --hosts host")
     @argument("-n", "--nprocs", metavar="NPROCS", type=int, help="this many CPU ranks")
     @argument("-a", "--app", metavar="APP", help="set the group up for an app (ddip.apps.APP), e.g. fastai")
     @argument("-r", "--restart", action="store_true", help="kill the group and start it again (new flags override)")
@@ -233,8 +234,9 @@ class DipMagics(Magics):
     @argument("--backend", choices=["gloo", "nccl", "none", "auto"],
               help="torch.distributed backend (auto: nccl on GPUs, gloo on CPU, none without torch)")
     @argument("--hosts", metavar="HOSTS",
-              help="ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU ranks) or "
-                   "'node1[0,1] node2[2,3]' (one rank per listed GPU); localhost runs here")
+              help="ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU ranks), "
+                   "'node1[0,1] node2[2,3]' (one rank per listed GPU), or node1,node2 with -g 0,1 (the "
+                   "same GPUs on each); localhost runs here")
     @argument("--launcher", metavar="LAUNCHER",
               help="how --hosts are reached: ssh (default; 'ssh -F cfg' adds ssh options), slurm "
                    "(srun in an allocation), or a template with {host} and {command}")
@@ -288,7 +290,8 @@ class DipMagics(Magics):
             self._print_info()
 
     def _new_spec(self, fn, args, creating) -> GroupSpec | None:
-        if args.hosts is None and (args.launcher is not None or args.python is not None or args.bind is not None):
+        across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(_unquote(args.gpus)))
+        if not across and (args.launcher is not None or args.python is not None or args.bind is not None):
             raise self._usage_error(fn, "--launcher, --python and --bind go with --hosts")
         base = self.spec if (args.restart and self.spec is not None) else None
         if base is None and not creating:
@@ -299,7 +302,9 @@ class DipMagics(Magics):
         spec = base or GroupSpec()
         if creating:
             gpus = None
-            if args.gpus is not None:
+            # Across hosts -g says each host's GPUs (-g 0,1 with --hosts, or -g 'node1:0,1 node2:2,3').
+            across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(_unquote(args.gpus)))
+            if args.gpus is not None and not across:
                 try:
                     parse_gpus(args.gpus)  # checked now; kept as given (positions stay positions)
                     gpus = tuple(x.strip() for x in _unquote(args.gpus).split(",") if x.strip())
@@ -308,12 +313,12 @@ class DipMagics(Magics):
             n = args.nprocs
             if n is not None and n < 1:
                 raise self._usage_error(fn, f"-n {n}: give a positive number of ranks")
-            if n is not None and gpus is not None and n != len(gpus):
+            if n is not None and gpus is not None and n != len(gpus) and not across:
                 raise self._usage_error(fn, f"-n {n} but -g lists {len(gpus)} GPUs; give one or the other")
             spec = replace(spec, n=None if gpus is not None else n, gpus=gpus, hosts=None, launcher=None,
                            python=None, bind=None)
-            if args.hosts is not None:
-                spec = self._hosts_spec(fn, args, spec)
+            if across:
+                spec = self._hosts_spec(fn, args, replace(spec, n=None, gpus=None))
         if args.backend is not None:
             spec = replace(spec, backend=args.backend)
         if args.timeout is not None:
@@ -337,10 +342,14 @@ class DipMagics(Magics):
         return spec
 
     def _hosts_spec(self, fn, args, spec: GroupSpec) -> GroupSpec:
-        if args.gpus is not None or args.nprocs is not None:
-            raise self._usage_error(fn, "--hosts says the ranks (and GPUs) of every host: leave out -n and -g "
-                                        "(write node1[0,1] for GPUs)")
-        hosts = _unquote(args.hosts)
+        if args.nprocs is not None:
+            raise self._usage_error(fn, "--hosts says the ranks of every host (node1:4,node2:4): leave out -n")
+        hosts = _unquote(args.hosts) if args.hosts is not None else None
+        if args.gpus is not None:
+            try:  # -g 0,1 on every host listed by name, or -g 'node1:0,1 node2:2,3'
+                hosts = _hosts.with_gpus(hosts, _unquote(args.gpus))
+            except ValueError as exc:
+                raise self._usage_error(fn, f"-g {_unquote(args.gpus)}: {exc}") from None
         launcher = _unquote(args.launcher) if args.launcher is not None else None
         try:
             _hosts.layout(hosts, launcher, args.python, args.bind)  # checked before anything starts
