@@ -420,7 +420,8 @@ def test_ddip_run_names_a_host_it_cannot_reach(hosts, tmp_path):
     p = _ddip_run(["--hosts", f"{hosts.addr['A']}:1,{nobody}:1", "--launcher", hosts.launcher], RUN_FAIL, tmp_path)
     code, out, err = _finish(p)
     assert code == 255, err
-    assert f"ddip run: the launcher of host {nobody} failed first: exit code 255" in err
+    assert (f"ddip run: host {nobody} failed first: its launcher (or ddip run there) ended with exit code 255"
+            in err)
     assert "ssh" in err.split("failed first")[1]  # ssh's own words, from the launcher's stderr
     assert "stopped by ddip run" in err
     assert all(wait_until(lambda x=x: not alive(x), 10) for x in _rank_pids(out))
@@ -449,6 +450,68 @@ def test_ddip_run_gpus_per_host(tmp_path):
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
     assert sorted(p.stdout.splitlines()) == ["[0] 0 0 2 0 1,0", "[1] 1 1 2 0 1,0", "[2] 2 0 1 1 2"], p.stdout
+
+
+RUN_ROOT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+flag = os.path.join(os.environ["FLAG_DIR"], "remote-failed")
+if rank == 1:  # on the "remote" host: fails first
+    print("rank 1 ran out of memory", file=sys.stderr, flush=True)
+    open(flag, "w").close()
+    sys.exit(3)
+while not os.path.exists(flag):  # this machine's rank: fails because its peer did
+    time.sleep(0.01)
+time.sleep(0.2)
+print("rank 0 lost its peer", file=sys.stderr, flush=True)
+sys.exit(4)
+"""
+
+
+def test_ddip_run_root_cause_is_the_earliest_failure_even_when_its_report_comes_late(tmp_path):
+    # The remote host's stderr (which carries its reports) is delayed by 1 s, so this machine
+    # sees its own rank fail first; the report, stamped with the remote failure's time, wins.
+    late = "exec 3>&1; {command} 2>&1 >&3 3>&- | { sleep 1; cat >&2; } # {host}"
+    p = _ddip_run(["--hosts", "localhost:1,here:1", "--launcher", late, "--master-addr", "127.0.0.1",
+                   "--env", f"FLAG_DIR={tmp_path}"], RUN_ROOT, tmp_path, env=dict(os.environ, FLAG_DIR=str(tmp_path)))
+    code, out, err = _finish(p, 60)
+    assert "ddip run: rank 1 (on here) failed first: exit code 3" in err, err
+    assert "  | rank 1 ran out of memory" in err
+    assert "  rank 0: exit code 4" in err
+    assert code == 3
+
+
+def test_ddip_run_report_after_a_progress_bar_redraw_is_still_read(tmp_path):
+    # A rank's stderr ending in '\r' (a bar redrawn in place) is followed by its host's report.
+    script = """
+import os, sys, time
+if os.environ["RANK"] == "0":
+    for i in range(5):
+        sys.stderr.write(f"\\r{i * 25}%")
+        sys.stderr.flush()
+    time.sleep(60)
+time.sleep(0.5)
+sys.exit(5)
+"""
+    p = _ddip_run(["--hosts", "here:2", "--launcher", "exec {command} # {host}", "--master-addr", "127.0.0.1"],
+                  script, tmp_path)
+    code, out, err = _finish(p, 60)
+    assert code == 5, err
+    assert "ddip run: rank 1 (on here) failed first: exit code 5" in err, err
+    assert "ddip failed" not in err and "\x1e" not in err
+
+
+def test_ddip_run_a_host_without_a_control_channel_is_the_root_cause(tmp_path):
+    # A launcher that gives the host's ddip run no stdin (docker exec without -i, say): that
+    # ddip run stops its ranks at once and says why; the launch fails instead of hanging.
+    p = _ddip_run(["--hosts", "localhost:1,here:1", "--launcher", "exec {command} </dev/null # {host}",
+                   "--master-addr", "127.0.0.1"], RUN_FAIL, tmp_path)
+    code, out, err = _finish(p, 60)
+    assert code == 1, err
+    assert "ddip run: host here failed first: its launcher (or ddip run there) ended with exit code 1" in err
+    assert "ddip run on here: its launcher gives it no stdin" in err and "need -i" in err
+    assert "rank 0: killed by SIGTERM (stopped by ddip run)" in err
+    assert all(wait_until(lambda x=x: not alive(x), 10) for x in _rank_pids(out))
 
 
 def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
@@ -534,10 +597,13 @@ def test_launcher_commands():
 def test_srun_command_as_data():
     # The command as data; tests/test_slurm.py runs it on a real single-node Slurm.
     argv = H.srun_argv("gpu07", ["/venv/bin/python", "-m", "ddip.remote"], ["--gres=gpu:4"],
-                       env={"SLURM_CPUS_ON_NODE": "32"})
+                       env={"SLURM_JOB_CPUS_PER_NODE": "32(x2),32"})
     assert argv == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--overlap",
                     "--kill-on-bad-exit=1", "--job-name=ddip", "--cpus-per-task=32", "--gres=gpu:4",
                     "/venv/bin/python", "-m", "ddip.remote"]
+    # Nodes with different CPU counts: no count (a small node would refuse the big one's).
+    assert not any(a.startswith("--cpus-per-task") for a in H.srun_argv(
+        "gpu07", ["x"], env={"SLURM_JOB_CPUS_PER_NODE": "32,8"}))
     assert H.launcher_argv("slurm", "gpu07", "/p")[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07"]
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
         H.slurm_hosts(env={})

@@ -250,6 +250,7 @@ def test_a_group_started_by_srun_inside_an_allocation(cluster, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", job)
     monkeypatch.setenv("SLURM_JOB_NODELIST", NODE)
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "2")
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "2")
     assert ddip.hosts.slurm_hosts() == [NODE]
 
     before = _children()
@@ -302,7 +303,7 @@ dist.destroy_process_group()
 def test_ddip_run_starts_a_hosts_ranks_through_srun(cluster, tmp_path):
     job = cluster.job or cluster.allocate()
     env = dict(os.environ, SLURM_CONF=cluster.conf, SLURM_JOB_ID=job, SLURM_JOB_NODELIST=NODE,
-               SLURM_CPUS_ON_NODE="2")
+               SLURM_CPUS_ON_NODE="2", SLURM_JOB_CPUS_PER_NODE="2")
     script = tmp_path / "train.py"
     script.write_text(RUN_SCRIPT)
     ddip_cmd = os.path.join(os.path.dirname(sys.executable), "ddip")

@@ -342,6 +342,14 @@ TEST(Hosts, RankEnvironmentOnTheSecondHost) {
   EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
 }
 
+TEST(Launchers, SlurmCpusOnlyWhenEveryNodeHasTheSame) {
+  EXPECT_EQ(uniform_cpus("16"), "16");
+  EXPECT_EQ(uniform_cpus("16(x3),16"), "16");
+  EXPECT_EQ(uniform_cpus("16(x2),4"), "");
+  EXPECT_EQ(uniform_cpus(""), "");
+  EXPECT_EQ(uniform_cpus("junk"), "");
+}
+
 TEST(Launchers, QuotingAndWords) {
   EXPECT_EQ(shell_quote("plain/path-1.py"), "plain/path-1.py");
   EXPECT_EQ(shell_quote("it's $HOME"), "'it'\\''s $HOME'");
@@ -354,7 +362,9 @@ TEST(Launchers, QuotingAndWords) {
 TEST(Launchers, SshSlurmAndTemplates) {
   std::vector<std::string> cmd = {"/opt/ddip", "run", "--", "python", "it's.py"};
   EXPECT_EQ(launcher_argv("ssh -p 2222", "node2", cmd),
-            (std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "node2",
+            (std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-o",
+                                      "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3",
+                                      "-p", "2222", "node2",
                                       "exec /opt/ddip run -- python 'it'\\''s.py'"}));
   auto srun = launcher_argv("slurm --mpi=none", "node3", cmd, "16");
   EXPECT_EQ(srun.front(), "srun");

@@ -51,16 +51,31 @@ constexpr milliseconds kGrace{5000};
 constexpr milliseconds kDrain{1000};
 constexpr size_t kReadChunk = 64 * 1024;
 
-// Writes everything, waiting when `fd` is non-blocking and full. False when the reader is gone
-// (EPIPE) or the file can't take more (ENOSPC, EIO): the caller stops writing there.
-bool write_all(int fd, std::string_view data) {
+// Between two ddip runs (one on another host, started by the other): how often the starting
+// side says it is there, and how long the other waits without a word (or without being able to
+// send its output) before it takes the link for gone and stops its ranks. A network that drops
+// without a FIN or RST gives neither end of an ssh session an end of file.
+constexpr milliseconds kPingEvery{5000};
+constexpr milliseconds kLinkSilence{30000};
+
+// Writes everything, waiting when `fd` is non-blocking and full, for at most `limit` in all when
+// given. False when the reader is gone (EPIPE), the file can't take more (ENOSPC, EIO) or the
+// limit passed: the caller stops writing there.
+bool write_all(int fd, std::string_view data, std::optional<milliseconds> limit = std::nullopt) {
+  auto until = limit ? std::optional<Clock::time_point>(Clock::now() + *limit) : std::nullopt;
   while (!data.empty()) {
     ssize_t n = ::write(fd, data.data(), data.size());
     if (n >= 0) {
       data.remove_prefix(static_cast<size_t>(n));
     } else if (errno == EAGAIN) {
+      int wait_ms = -1;
+      if (until) {
+        auto left = std::chrono::ceil<milliseconds>(*until - Clock::now()).count();
+        if (left <= 0) return false;
+        wait_ms = static_cast<int>(left);
+      }
       pollfd p{fd, POLLOUT, 0};
-      ::poll(&p, 1, -1);
+      ::poll(&p, 1, wait_ms);
     } else if (errno != EINTR) {
       return false;
     }
@@ -137,12 +152,20 @@ struct UnitPlan {
 // The first failure, wherever it happened: the root cause ddip run reports and exits with.
 struct RootCause {
   size_t unit = 0;
-  int rank = -1;     // -1: a host's launcher, before any of its ranks failed
-  std::string who;   // "rank 3", "rank 3 (on node2)", "the launcher of host node2"
+  int rank = -1;     // -1: a host's ddip run (or its launcher), before any of its ranks failed
+  std::string who;   // "rank 3", "rank 3 (on node2)", "host node2"
   std::string what;  // "exit code 1", "killed by SIGSEGV"
   int code = 1;      // ddip run's exit code
   std::vector<std::string> tail;  // last lines of its stderr
+  int64_t when_ns = 0;  // CLOCK_REALTIME where it was seen: comparable across hosts
+  bool reported = false;  // by another host's ddip run
 };
+
+int64_t realtime_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
@@ -213,8 +236,15 @@ class Launcher {
   std::optional<RootCause> root_;
   bool stopping_ = false, killed_ = false, timed_out_ = false;
   int interrupts_ = 0, first_signal_ = 0;
-  Clock::time_point started_, kill_at_, drain_until_, host_kill_at_;
+  Clock::time_point started_, kill_at_, drain_until_, host_kill_at_, next_ping_, heard_at_;
   std::optional<Clock::time_point> timeout_at_;
+  bool host_kill_armed_ = false;
+  std::string lost_;  // node mode: why the channel to the starting ddip run counts as gone
+  bool has_hosts() const {
+    for (const auto& un : units_)
+      if (un.host) return true;
+    return false;
+  }
 
   void watch(int fd, uint64_t data) {
     epoll_event ev{};
@@ -296,12 +326,24 @@ void Launcher::start_units() {
 void Launcher::emit(size_t u, RankOutput::Stream s, std::string_view text) {
   Unit& un = units_[u];
   if (text.empty() || !terminal_ok_[s]) return;
-  if (un.host) {  // labelled and filtered by --tee on its host already
-    if (!write_all(s, text)) terminal_ok_[s] = false;
-    return;
+  std::string labelled;
+  if (!un.host) {  // a host's lines are labelled and filtered by --tee there already
+    if (!un.shown) return;
+    labelled = label(text, un.tag, un.after_cr[s]);
+    text = labelled;
   }
-  if (!un.shown) return;
-  if (!write_all(s, label(text, un.tag, un.after_cr[s]))) terminal_ok_[s] = false;
+  // On another host, this output goes back through the launcher: if it can't be sent for
+  // kLinkSilence, the link is gone (a network that dropped without a word), and so is the
+  // ddip run that started this one.
+  std::optional<milliseconds> limit = node_ ? std::optional<milliseconds>(kLinkSilence) : std::nullopt;
+  if (!write_all(s, text, limit)) {
+    terminal_ok_[s] = false;
+    if (node_ && lost_.empty()) {
+      lost_ = "its output could not be sent back for " +
+              std::to_string(kLinkSilence.count() / 1000) + " s";
+      if (!stopping_) stop();
+    }
+  }
 }
 
 // A host's output arrives in whole lines (RankOutput assembles them); its stderr also carries
@@ -314,8 +356,10 @@ void Launcher::host_text(size_t u, RankOutput::Stream s, const std::string& text
   std::string shown;
   size_t start = 0;
   while (start < text.size()) {
-    size_t end = text.find_first_of("\n", start);
+    // A line ends at '\n', or at '\r' (a redrawn progress bar): a report can follow either.
+    size_t end = text.find_first_of("\r\n", start);
     end = end == std::string::npos ? text.size() : end + 1;
+    if (end < text.size() && text[end - 1] == '\r' && text[end] == '\n') ++end;
     std::string_view line(text.data() + start, end - start);
     if (line.substr(0, kReport.size()) == kReport) {
       std::string_view body = line.substr(kReport.size());
@@ -353,6 +397,7 @@ void Launcher::host_report(size_t u, std::string_view body) {
   } else if (kind == "failed") {
     std::string rank = word();
     std::string code = word();
+    std::string when = word();
     RootCause cause;
     cause.unit = u;
     cause.rank = std::atoi(rank.c_str());
@@ -360,6 +405,8 @@ void Launcher::host_report(size_t u, std::string_view body) {
     cause.what = std::string(body);
     cause.code = std::atoi(code.c_str());
     cause.tail = std::move(un.report_tail);
+    cause.when_ns = std::atoll(when.c_str());
+    cause.reported = true;
     un.report_tail.clear();
     fail(std::move(cause));
   } else if (kind == "state") {
@@ -414,6 +461,14 @@ void Launcher::drain(size_t u) {
 }
 
 void Launcher::fail(RootCause cause) {
+  if (cause.when_ns == 0) cause.when_ns = realtime_ns();
+  // A host's report crosses the network, so it can arrive after a failure here that it caused
+  // (a peer's collective failing once that host's rank died): across hosts the earliest failure
+  // by the hosts' clocks is the root cause.
+  if (root_ && cause.reported && cause.when_ns < root_->when_ns) {
+    root_ = std::move(cause);
+    return;
+  }
   if (root_ || stopping_) return;  // a later failure, or one of the ranks being stopped
   if (node_) {
     // Tell the ddip run that started this one now, not at the end: the first failure anywhere
@@ -421,8 +476,9 @@ void Launcher::fail(RootCause cause) {
     std::string report;
     for (const auto& l : cause.tail) report += std::string(kReport) + "tail " + l + "\n";
     report += std::string(kReport) + "failed " + cause.who.substr(5) + " " +
-              std::to_string(cause.code) + " " + cause.what + "\n";
-    write_all(2, report);
+              std::to_string(cause.code) + " " + std::to_string(cause.when_ns) + " " +
+              cause.what + "\n";
+    if (terminal_ok_[2] && !write_all(2, report, kLinkSilence)) terminal_ok_[2] = false;
   }
   root_ = std::move(cause);
   if (first_signal_) {
@@ -453,8 +509,9 @@ void Launcher::on_exit(size_t u) {
     if (st->shell_code() != 0 && !root_ && !first_signal_) {
       RootCause cause;
       cause.unit = u;
-      cause.who = "the launcher of host " + un.name;
-      cause.what = st->describe() + " before its ranks reported anything wrong";
+      cause.who = "host " + un.name;
+      cause.what = "its launcher (or ddip run there) ended with " + st->describe() +
+                   " before any of its ranks reported a failure";
       cause.code = st->shell_code();
       cause.tail.assign(un.tail.begin(), un.tail.end());
       fail(std::move(cause));
@@ -503,7 +560,10 @@ void Launcher::kill_all() {
   tell_hosts("kill");
   // A host that can't hear it (its network gone) must not keep ddip run waiting: its launcher
   // is killed a little later, and its ddip run then stops its ranks on losing this channel.
-  host_kill_at_ = Clock::now() + milliseconds(3000);
+  if (!host_kill_armed_) {
+    host_kill_armed_ = true;
+    host_kill_at_ = Clock::now() + milliseconds(3000);
+  }
 }
 
 void Launcher::forward(int sig) {
@@ -536,9 +596,13 @@ void Launcher::on_control() {
   if (n <= 0) {
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, control_.get(), nullptr);
     control_.reset();
+    if (lost_.empty() && !stopping_)
+      lost_ = "its launcher's stdin closed: the ddip run that started it is gone, or the launcher "
+              "gives it no stdin (docker and kubectl exec need -i)";
     if (!stopping_) stop();
     return;
   }
+  heard_at_ = Clock::now();
   control_buf_.append(buf, static_cast<size_t>(n));
   size_t nl;
   while ((nl = control_buf_.find('\n')) != std::string::npos) {
@@ -594,6 +658,8 @@ std::string Launcher::states() const {
 
 int Launcher::finish() {
   if (node_) {
+    if (!lost_.empty())
+      std::cerr << me() << ": " << lost_ << "; stopped its ranks\n";
     // The ddip run that started this one writes the summary; it gets each rank's state.
     std::string report;
     for (const auto& un : units_) {
@@ -602,10 +668,10 @@ int Launcher::finish() {
                                           (un.stopped ? " (stopped by ddip run)" : "");
       report += std::string(kReport) + "state " + std::to_string(un.first_rank) + " " + what + "\n";
     }
-    write_all(2, report);
+    if (terminal_ok_[2]) write_all(2, report, kLinkSilence);
     if (root_) return root_->code;
     if (first_signal_) return 128 + first_signal_;
-    return 0;
+    return lost_.empty() ? 0 : 1;
   }
   std::string report;
   int code = 0;
@@ -657,12 +723,25 @@ int Launcher::run() {
     // The control channel is this process's stdin; the ranks get /dev/null instead.
     control_ = Fd(check(::fcntl(0, F_DUPFD_CLOEXEC, 3), "fcntl", "keeping the control channel"));
     set_nonblocking(control_.get());
-    watch(control_.get(), kControl);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = kControl;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, control_.get(), &ev) != 0) {
+      if (errno != EPERM) throw_errno("epoll_ctl", "watching the control channel");
+      control_.reset();  // a file, /dev/null: no channel at all
+      lost_ = "its launcher gives it no stdin to listen to (docker and kubectl exec need -i)";
+    }
+    heard_at_ = Clock::now();
+    // Writes back through the launcher are bounded (see emit): they must not block for good.
+    set_nonblocking(1);
+    set_nonblocking(2);
   }
   Fd null(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));
   check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
   open_logs();
   start_units();
+  next_ping_ = Clock::now() + kPingEvery;
+  if (!lost_.empty()) stop();
 
   epoll_event events[64];
   while (true) {
@@ -675,6 +754,8 @@ int Launcher::run() {
     if (timeout_at_ && !stopping_) consider(*timeout_at_);
     if (stopping_ && !killed_) consider(kill_at_);
     if (killed_ && host_kill_at_ != Clock::time_point{}) consider(host_kill_at_);
+    if (has_hosts() && !all_exited()) consider(next_ping_);
+    if (node_ && control_ && lost_.empty()) consider(heard_at_ + kLinkSilence);
     if (all_exited()) consider(drain_until_);
     int wait_ms = -1;
     if (next) {
@@ -715,6 +796,15 @@ int Launcher::run() {
       stop();
     }
     if (stopping_ && !killed_ && now >= kill_at_) kill_all();
+    if (has_hosts() && now >= next_ping_) {  // "still here", to each host's ddip run
+      tell_hosts("ping");
+      next_ping_ = now + kPingEvery;
+    }
+    if (node_ && control_ && lost_.empty() && now >= heard_at_ + kLinkSilence) {
+      lost_ = "it heard nothing from the ddip run that started it for " +
+              std::to_string(kLinkSilence.count() / 1000) + " s";
+      if (!stopping_) stop();
+    }
     if (killed_ && host_kill_at_ != Clock::time_point{} && now >= host_kill_at_) {
       host_kill_at_ = {};
       for (size_t u = 0; u < units_.size(); ++u)
@@ -831,9 +921,12 @@ int main(int argc, char** argv) {
     if (opts.node) {
       // On another host, for the ddip run that started it: in that one's directory when it
       // exists here too.
-      if (!opts.node->cwd.empty() && ::chdir(opts.node->cwd.c_str()) != 0)
+      if (!opts.node->cwd.empty() && ::chdir(opts.node->cwd.c_str()) != 0) {
+        std::error_code ec;
+        auto here = std::filesystem::current_path(ec);
         std::cerr << prog << ": " << opts.node->cwd << " does not exist here; running in "
-                  << (std::getenv("HOME") ? std::getenv("HOME") : "/") << "\n";
+                  << (ec ? std::string("its launcher's directory") : here.string()) << "\n";
+      }
     }
     LaunchEnv launch;
     if (!opts.gpus.empty()) {
@@ -919,7 +1012,7 @@ int main(int argc, char** argv) {
           p.first_rank = offset;
           p.nranks = h.ranks;
           p.spec.argv = launcher_argv(opts.launcher, h.name, remote_cmd,
-                                      env_var("SLURM_CPUS_ON_NODE").value_or(""));
+                                      uniform_cpus(env_var("SLURM_JOB_CPUS_PER_NODE").value_or("")));
           for (char** e = environ; *e; ++e) p.spec.env.emplace_back(*e);
           p.spec.stdin_pipe = true;
           plans.push_back(std::move(p));
@@ -931,6 +1024,9 @@ int main(int argc, char** argv) {
     return cl.exit(CLI::ValidationError(opts.hosts.empty() ? "--gpus" : "--hosts", e.what()));
   } catch (const CLI::Error& e) {
     return cl.exit(e);
+  } catch (const std::exception& e) {  // finding a free port, say: nothing has started
+    std::cerr << prog << ": " << e.what() << "\n";
+    return 1;
   }
   try {
     if (opts.die_with_parent) {

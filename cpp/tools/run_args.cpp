@@ -384,6 +384,17 @@ std::string hosts_with_gpus(const std::optional<std::string>& hosts, const std::
   return out;
 }
 
+std::string uniform_cpus(const std::string& cpus_per_node) {
+  // "8(x2),8" -> "8"; "8(x2),2" -> "": srun on a node with fewer CPUs would refuse the step.
+  std::string value;
+  for (const auto& item : detail::split_list(cpus_per_node)) {
+    std::string n = item.substr(0, item.find('('));
+    if (!detail::index_of(n) || (!value.empty() && n != value)) return "";
+    value = n;
+  }
+  return value;
+}
+
 std::string shell_quote(const std::string& word) {
   if (!word.empty() && std::all_of(word.begin(), word.end(), [](char c) {
         return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("@%+=:,./_-", c);
@@ -439,7 +450,7 @@ std::vector<std::string> launcher_argv(const std::string& launcher, const std::s
   if (has_host || has_command) {
     if (!has_host || !has_command)
       throw std::invalid_argument("a launcher template needs both {host} and {command}, e.g. "
-                                  "'ssh -p 2222 {host} {command}'");
+                                  "'docker exec -i {host} {command}'");
     std::string text = launcher;
     for (auto [key, value] : {std::pair<std::string, std::string>{"{host}", shell_quote(host)},
                               {"{command}", command}}) {
@@ -456,8 +467,10 @@ std::vector<std::string> launcher_argv(const std::string& launcher, const std::s
   std::vector<std::string> argv;
   if (words[0] == "ssh") {
     // BatchMode: never a password prompt nobody can answer. -T: no terminal, so stdin stays the
-    // control channel. exec: no shell left between sshd and ddip.
-    argv = {"ssh", "-T", "-o", "BatchMode=yes"};
+    // control channel. ServerAlive: a network that drops without a word ends ssh in 30 s (the
+    // host's ddip run notices the silence itself). exec: no shell left between sshd and ddip.
+    argv = {"ssh", "-T", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10",
+            "-o", "ServerAliveCountMax=3"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     argv.push_back(host);
     argv.push_back("exec " + command);

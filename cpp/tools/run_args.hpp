@@ -126,6 +126,10 @@ struct LaunchEnv {
 std::vector<std::string> rank_environment(const std::vector<std::string>& base,
                                           const LaunchEnv& launch, int local_rank);
 
+// SLURM_JOB_CPUS_PER_NODE ("8(x2),8") -> the CPUs every node has, or "" when they differ or it
+// can't be read: srun's --cpus-per-task for one task per node.
+std::string uniform_cpus(const std::string& cpus_per_node);
+
 // A string the POSIX shell reads back as exactly `word`.
 std::string shell_quote(const std::string& word);
 // Splits a --launcher value into words as the shell would (quotes, backslashes; no expansion).
@@ -134,7 +138,7 @@ std::vector<std::string> split_words(const std::string& text);
 
 // The command, run on this machine, that starts `remote` (a `ddip run` command line) on `host`:
 // launcher "ssh [ssh options]" (default), "slurm [srun options]", or a template with {host} and
-// {command}, run by /bin/sh. `slurm_cpus` is SLURM_CPUS_ON_NODE, when set. Throws
+// {command}, run by /bin/sh. `slurm_cpus`: CPUs of every node (uniform_cpus), or "". Throws
 // std::invalid_argument for a launcher it can't use.
 std::vector<std::string> launcher_argv(const std::string& launcher, const std::string& host,
                                        const std::vector<std::string>& remote,

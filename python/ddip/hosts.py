@@ -212,7 +212,7 @@ def launcher_argv(launcher: str | None, host: str, python: str) -> list[str]:
     if "{command}" in launcher or "{host}" in launcher:
         if "{command}" not in launcher or "{host}" not in launcher:
             raise ValueError("a launcher template needs both {host} and {command}, e.g. "
-                             "'ssh -p 2222 {host} {command}'")
+                             "'docker exec -i {host} {command}'")
         text = launcher.replace("{host}", shlex.quote(host)).replace("{command}", shlex.join(command))
         return ["/bin/sh", "-c", text]
     words = shlex.split(launcher)
@@ -229,13 +229,15 @@ def launcher_argv(launcher: str | None, host: str, python: str) -> list[str]:
 
 def srun_argv(host: str, command: list[str], extra: list[str] = (), env=None) -> list[str]:
     """One job step on `host` with one task (the agent), allowed to share the allocation with
-    the other hosts' steps, with the node's CPUs (the agent's workers run inside the step)."""
+    the other hosts' steps, with the node's CPUs (the agent's workers run inside the step): the
+    CPUs every node of the job has (SLURM_JOB_CPUS_PER_NODE, "8(x2)"), and no count when the
+    nodes differ (srun would refuse a step asking a small node for a big node's CPUs)."""
     env = os.environ if env is None else env
     argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
             "--kill-on-bad-exit=1", "--job-name=ddip"]
-    cpus = env.get("SLURM_CPUS_ON_NODE")
-    if cpus and cpus.isdigit():
-        argv.append(f"--cpus-per-task={cpus}")
+    counts = {item.split("(")[0] for item in env.get("SLURM_JOB_CPUS_PER_NODE", "").split(",") if item}
+    if len(counts) == 1 and next(iter(counts)).isdigit():
+        argv.append(f"--cpus-per-task={next(iter(counts))}")
     return [*argv, *extra, *command]
 
 
