@@ -416,10 +416,11 @@ def test_ddip_run_kill_of_the_launcher_leaves_no_rank_on_any_host(hosts, tmp_pat
 
 @needs_netns
 def test_ddip_run_a_host_that_drops_off_the_network_is_named_and_its_ranks_stop(hosts, tmp_path):
-    # No FIN, no RST: nothing closes. ssh gives up after 30 s of silence (ServerAlive), and the
-    # host's own ddip run, hearing no ping for 30 s, stops its ranks by itself.
+    # No FIN, no RST: nothing closes. ssh gives up after --link-timeout of silence (ServerAlive),
+    # and the host's own ddip run, hearing no ping for as long, stops its ranks by itself.
     a, b = hosts.addr["A"], hosts.addr["B"]
-    p = _ddip_run(["--hosts", f"{a}:1,{b}:1", "--launcher", hosts.launcher], RUN_FAIL, tmp_path)
+    p = _ddip_run(["--hosts", f"{a}:1,{b}:1", "--launcher", hosts.launcher, "--link-timeout", "6"],
+                  RUN_FAIL, tmp_path)
     try:
         seen = [p.stdout.readline(), p.stdout.readline()]
         pids = dict(re.findall(r"^\[(\d+)\] pid (\d+)$", "".join(seen), re.M))
@@ -429,7 +430,7 @@ def test_ddip_run_a_host_that_drops_off_the_network_is_named_and_its_ranks_stop(
         assert code == 255, err
         assert f"ddip run: host {b} failed first" in err, err
         assert f"rank 0 (on {a}): killed by SIGTERM (stopped by ddip run)" in err, err
-        assert wait_until(lambda: not alive(int(pids["1"])), 30), "the cut-off host's rank kept running"
+        assert wait_until(lambda: not alive(int(pids["1"])), 20), "the cut-off host's rank kept running"
     finally:
         hosts.set_link("B", True)
 

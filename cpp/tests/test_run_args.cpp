@@ -362,9 +362,9 @@ TEST(Launchers, QuotingAndWords) {
 TEST(Launchers, SshSlurmAndTemplates) {
   std::vector<std::string> cmd = {"/opt/ddip", "run", "--", "python", "it's.py"};
   EXPECT_EQ(launcher_argv("ssh -p 2222", "node2", cmd),
-            (std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-o",
+            (std::vector<std::string>{"ssh", "-p", "2222", "-T", "-o", "BatchMode=yes", "-o",
                                       "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3",
-                                      "-p", "2222", "node2",
+                                      "node2",
                                       "exec /opt/ddip run -- python 'it'\\''s.py'"}));
   auto srun = launcher_argv("slurm --mpi=none", "node3", cmd, "16");
   EXPECT_EQ(srun.front(), "srun");
@@ -375,6 +375,9 @@ TEST(Launchers, SshSlurmAndTemplates) {
   EXPECT_EQ(launcher_argv("docker exec -i {host} {command}", "box", cmd),
             (std::vector<std::string>{
                 "/bin/sh", "-c", "docker exec -i box /opt/ddip run -- python 'it'\\''s.py'"}));
+  // A shorter --link-timeout shortens ssh's patience with a silent host too.
+  auto quick = launcher_argv("ssh", "a", cmd, "", 6);
+  EXPECT_NE(std::find(quick.begin(), quick.end(), "ServerAliveInterval=2"), quick.end());
   EXPECT_THROW(launcher_argv("ssh {host}", "a", cmd), std::invalid_argument);
   EXPECT_THROW(launcher_argv("rsh", "a", cmd), std::invalid_argument);
   EXPECT_THROW(launcher_argv("", "a", cmd), std::invalid_argument);

@@ -51,26 +51,28 @@ constexpr milliseconds kGrace{5000};
 constexpr milliseconds kDrain{1000};
 constexpr size_t kReadChunk = 64 * 1024;
 
-// Between two ddip runs (one on another host, started by the other): how often the starting
-// side says it is there, and how long the other waits without a word (or without being able to
-// send its output) before it takes the link for gone and stops its ranks. A network that drops
-// without a FIN or RST gives neither end of an ssh session an end of file.
-constexpr milliseconds kPingEvery{5000};
-constexpr milliseconds kLinkSilence{30000};
+// Between two ddip runs (one on another host, started by the other), the starting side says it
+// is there every link_timeout / 6 (at most every 5 s), and the other, hearing nothing for
+// --link-timeout (or unable to send its output for that long), takes the link for gone and
+// stops its ranks: a network that drops without a FIN or RST gives neither end of an ssh
+// session an end of file.
+milliseconds ping_every(milliseconds link_timeout) {
+  return std::min(milliseconds(5000), std::max(milliseconds(100), link_timeout / 6));
+}
 
-// Writes everything, waiting when `fd` is non-blocking and full, for at most `limit` in all when
-// given. False when the reader is gone (EPIPE), the file can't take more (ENOSPC, EIO) or the
+// Writes everything, waiting when `fd` is non-blocking and full, for at most `limit` in all (0:
+// no limit). False when the reader is gone (EPIPE), the file can't take more (ENOSPC, EIO) or the
 // limit passed: the caller stops writing there.
-bool write_all(int fd, std::string_view data, std::optional<milliseconds> limit = std::nullopt) {
-  auto until = limit ? std::optional<Clock::time_point>(Clock::now() + *limit) : std::nullopt;
+bool write_all(int fd, std::string_view data, milliseconds limit = milliseconds::zero()) {
+  const auto until = Clock::now() + limit;
   while (!data.empty()) {
     ssize_t n = ::write(fd, data.data(), data.size());
     if (n >= 0) {
       data.remove_prefix(static_cast<size_t>(n));
     } else if (errno == EAGAIN) {
       int wait_ms = -1;
-      if (until) {
-        auto left = std::chrono::ceil<milliseconds>(*until - Clock::now()).count();
+      if (limit > milliseconds::zero()) {
+        auto left = std::chrono::ceil<milliseconds>(until - Clock::now()).count();
         if (left <= 0) return false;
         wait_ms = static_cast<int>(left);
       }
@@ -185,6 +187,8 @@ class Launcher {
   // that one's control channel.
   Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node)
       : opts_(std::move(opts)), node_(std::move(node)) {
+    link_timeout_ = std::chrono::duration_cast<milliseconds>(
+        std::chrono::duration<double>(opts_.link_timeout_s));
     for (auto& p : plans) {
       Unit u;
       u.host = p.host;
@@ -240,6 +244,12 @@ class Launcher {
   std::optional<Clock::time_point> timeout_at_;
   bool host_kill_armed_ = false;
   std::string lost_;  // node mode: why the channel to the starting ddip run counts as gone
+  milliseconds link_timeout_{30000};
+  std::string link_timeout_s() const {
+    std::ostringstream out;
+    out << link_timeout_.count() / 1000.0;
+    return out.str();
+  }
   bool has_hosts() const {
     for (const auto& un : units_)
       if (un.host) return true;
@@ -333,14 +343,14 @@ void Launcher::emit(size_t u, RankOutput::Stream s, std::string_view text) {
     text = labelled;
   }
   // On another host, this output goes back through the launcher: if it can't be sent for
-  // kLinkSilence, the link is gone (a network that dropped without a word), and so is the
+  // link_timeout_, the link is gone (a network that dropped without a word), and so is the
   // ddip run that started this one.
-  std::optional<milliseconds> limit = node_ ? std::optional<milliseconds>(kLinkSilence) : std::nullopt;
+  milliseconds limit = node_ ? link_timeout_ : milliseconds::zero();
   if (!write_all(s, text, limit)) {
     terminal_ok_[s] = false;
     if (node_ && lost_.empty()) {
       lost_ = "its output could not be sent back for " +
-              std::to_string(kLinkSilence.count() / 1000) + " s";
+              link_timeout_s() + " s";
       if (!stopping_) stop();
     }
   }
@@ -478,7 +488,7 @@ void Launcher::fail(RootCause cause) {
     report += std::string(kReport) + "failed " + cause.who.substr(5) + " " +
               std::to_string(cause.code) + " " + std::to_string(cause.when_ns) + " " +
               cause.what + "\n";
-    if (terminal_ok_[2] && !write_all(2, report, kLinkSilence)) terminal_ok_[2] = false;
+    if (terminal_ok_[2] && !write_all(2, report, link_timeout_)) terminal_ok_[2] = false;
   }
   root_ = std::move(cause);
   if (first_signal_) {
@@ -668,7 +678,7 @@ int Launcher::finish() {
                                           (un.stopped ? " (stopped by ddip run)" : "");
       report += std::string(kReport) + "state " + std::to_string(un.first_rank) + " " + what + "\n";
     }
-    if (terminal_ok_[2]) write_all(2, report, kLinkSilence);
+    if (terminal_ok_[2]) write_all(2, report, link_timeout_);
     if (root_) return root_->code;
     if (first_signal_) return 128 + first_signal_;
     return lost_.empty() ? 0 : 1;
@@ -740,7 +750,7 @@ int Launcher::run() {
   check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
   open_logs();
   start_units();
-  next_ping_ = Clock::now() + kPingEvery;
+  next_ping_ = Clock::now() + ping_every(link_timeout_);
   if (!lost_.empty()) stop();
 
   epoll_event events[64];
@@ -755,7 +765,7 @@ int Launcher::run() {
     if (stopping_ && !killed_) consider(kill_at_);
     if (killed_ && host_kill_at_ != Clock::time_point{}) consider(host_kill_at_);
     if (has_hosts() && !all_exited()) consider(next_ping_);
-    if (node_ && control_ && lost_.empty()) consider(heard_at_ + kLinkSilence);
+    if (node_ && control_ && lost_.empty()) consider(heard_at_ + link_timeout_);
     if (all_exited()) consider(drain_until_);
     int wait_ms = -1;
     if (next) {
@@ -798,11 +808,11 @@ int Launcher::run() {
     if (stopping_ && !killed_ && now >= kill_at_) kill_all();
     if (has_hosts() && now >= next_ping_) {  // "still here", to each host's ddip run
       tell_hosts("ping");
-      next_ping_ = now + kPingEvery;
+      next_ping_ = now + ping_every(link_timeout_);
     }
-    if (node_ && control_ && lost_.empty() && now >= heard_at_ + kLinkSilence) {
+    if (node_ && control_ && lost_.empty() && now >= heard_at_ + link_timeout_) {
       lost_ = "it heard nothing from the ddip run that started it for " +
-              std::to_string(kLinkSilence.count() / 1000) + " s";
+              link_timeout_s() + " s";
       if (!stopping_) stop();
     }
     if (killed_ && host_kill_at_ != Clock::time_point{} && now >= host_kill_at_) {
@@ -995,6 +1005,11 @@ int main(int argc, char** argv) {
               "--node-name", h.name, "--master-addr", addr, "--master-port", std::to_string(port),
               "--tee", opts.tee};
           if (!cwd.empty()) remote_cmd.insert(remote_cmd.end(), {"--node-cwd", cwd});
+          {
+            std::ostringstream t;
+            t << opts.link_timeout_s;
+            remote_cmd.insert(remote_cmd.end(), {"--link-timeout", t.str()});
+          }
           for (const auto& e : opts.env) remote_cmd.insert(remote_cmd.end(), {"--env", e});
           if (h.gpus.empty())
             remote_cmd.insert(remote_cmd.end(), {"-n", std::to_string(h.ranks)});
@@ -1012,7 +1027,8 @@ int main(int argc, char** argv) {
           p.first_rank = offset;
           p.nranks = h.ranks;
           p.spec.argv = launcher_argv(opts.launcher, h.name, remote_cmd,
-                                      uniform_cpus(env_var("SLURM_JOB_CPUS_PER_NODE").value_or("")));
+                                      uniform_cpus(env_var("SLURM_JOB_CPUS_PER_NODE").value_or("")),
+                                      opts.link_timeout_s);
           for (char** e = environ; *e; ++e) p.spec.env.emplace_back(*e);
           p.spec.stdin_pipe = true;
           plans.push_back(std::move(p));

@@ -103,6 +103,12 @@ CommandLine::CommandLine()
                    "The ddip program on the other hosts (default: this one's path, as for a "
                    "shared or identical environment)")
       ->type_name("PATH");
+  run_->add_option("--link-timeout", opts_.link_timeout_s,
+                   "With --hosts: how long another host's ddip run goes on without hearing from "
+                   "this one (or without being able to send its output) before it stops its ranks; "
+                   "ssh gives up on a silent host after about as long. Default 30")
+      ->type_name("SECONDS")
+      ->check(CLI::Range(1.0, 86400.0));
   run_->add_option("--master-addr", opts_.master_addr,
                    "MASTER_ADDR for every rank (default: 127.0.0.1 on one host; with --hosts, "
                    "rank 0's host: its name, or this machine's address towards the first other "
@@ -442,7 +448,7 @@ std::vector<std::string> split_words(const std::string& text) {
 
 std::vector<std::string> launcher_argv(const std::string& launcher, const std::string& host,
                                        const std::vector<std::string>& remote,
-                                       const std::string& slurm_cpus) {
+                                       const std::string& slurm_cpus, double link_timeout_s) {
   std::string command;
   for (const auto& w : remote) command += (command.empty() ? "" : " ") + shell_quote(w);
   bool has_host = launcher.find("{host}") != std::string::npos;
@@ -466,12 +472,16 @@ std::vector<std::string> launcher_argv(const std::string& launcher, const std::s
   std::vector<std::string> extra(words.begin() + 1, words.end());
   std::vector<std::string> argv;
   if (words[0] == "ssh") {
-    // BatchMode: never a password prompt nobody can answer. -T: no terminal, so stdin stays the
-    // control channel. ServerAlive: a network that drops without a word ends ssh in 30 s (the
+    // The user's options first: ssh keeps an option's first value. BatchMode: never a password
+    // prompt nobody can answer. -T: no terminal, so stdin stays the control channel.
+    // ServerAlive: a network that drops without a word ends ssh after about link_timeout_s (the
     // host's ddip run notices the silence itself). exec: no shell left between sshd and ddip.
-    argv = {"ssh", "-T", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10",
-            "-o", "ServerAliveCountMax=3"};
+    int alive = std::max(1, static_cast<int>(link_timeout_s / 3));
+    argv = {"ssh"};
     argv.insert(argv.end(), extra.begin(), extra.end());
+    argv.insert(argv.end(), {"-T", "-o", "BatchMode=yes", "-o",
+                             "ServerAliveInterval=" + std::to_string(alive), "-o",
+                             "ServerAliveCountMax=3"});
     argv.push_back(host);
     argv.push_back("exec " + command);
     return argv;

@@ -41,6 +41,7 @@ struct RunOptions {
   std::string remote_ddip;  // --ddip: the ddip program on the hosts; empty: this one's path
   std::string master_addr;  // empty: chosen (127.0.0.1, or the address rank 0's host has)
   int master_port = 0;      // 0: chosen
+  double link_timeout_s = 30;  // --link-timeout: how long a host may be silent, with --hosts
   std::optional<NodeOptions> node;
   std::vector<std::string> command;
 
@@ -138,10 +139,13 @@ std::vector<std::string> split_words(const std::string& text);
 
 // The command, run on this machine, that starts `remote` (a `ddip run` command line) on `host`:
 // launcher "ssh [ssh options]" (default), "slurm [srun options]", or a template with {host} and
-// {command}, run by /bin/sh. `slurm_cpus`: CPUs of every node (uniform_cpus), or "". Throws
+// {command}, run by /bin/sh. `slurm_cpus`: CPUs of every node (uniform_cpus), or "". ssh gives
+// up on a silent server after about `link_timeout_s`; ssh options in `launcher` come first,
+// so they win over these defaults (ssh takes an option's first value). Throws
 // std::invalid_argument for a launcher it can't use.
 std::vector<std::string> launcher_argv(const std::string& launcher, const std::string& host,
                                        const std::vector<std::string>& remote,
-                                       const std::string& slurm_cpus = "");
+                                       const std::string& slurm_cpus = "",
+                                       double link_timeout_s = 30);
 
 }  // namespace ddip::run
