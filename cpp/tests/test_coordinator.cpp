@@ -17,23 +17,13 @@
 
 #include "ddip/coordinator.hpp"
 #include "ddip/endpoint.hpp"
+#include "helpers.hpp"
 
 using namespace ddip;
+using namespace ddip::test;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return std::string(buf, n > 0 ? n : 0);
-}
-
-void write_fd(int fd, const std::string& s) {
-  ssize_t ignored = ::write(fd, s.data(), s.size());
-  (void)ignored;
-}
-
 size_t g_flood_bytes = 0;
 
 // SIGTERM handler of "flood-on-term": writes g_flood_bytes to stdout (more than a pipe holds), then

@@ -13,14 +13,15 @@
 #include "ddip/coordinator.hpp"
 #include "ddip/rank_template.hpp"
 #include "ddip/supervisor.hpp"
+#include "helpers.hpp"
 
 using namespace ddip;
+using namespace ddip::test;
 using namespace std::chrono_literals;
 
 extern char** environ;
 
 namespace {
-
 // This test binary is its own template: started with DDIP_TEMPLATE_SOCKET set, it serves fork
 // requests and execs each request's argv in the child (a C++ stand-in for the Python template).
 [[noreturn]] void serve_as_template(const char* socket) {
@@ -67,26 +68,6 @@ SpawnSpec template_spec(std::vector<std::string> extra_env = {}) {
     if (std::string(*e).rfind("ASAN_", 0) == 0 || std::string(*e).rfind("UBSAN_", 0) == 0)
       extra_env.push_back(*e);
   return SpawnSpec{{"/proc/self/exe"}, extra_env, "", true};
-}
-
-SpawnSpec sh(const std::string& script, std::vector<std::string> env = {}, std::string cwd = "") {
-  env.push_back("PATH=/usr/bin:/bin");
-  return SpawnSpec{{"/bin/sh", "-c", script}, env, cwd, true};
-}
-
-std::string read_all(Fd& fd) {
-  std::string out;
-  char buf[4096];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n > 0) {
-      out.append(buf, n);
-    } else if (n < 0 && errno == EAGAIN) {
-      std::this_thread::sleep_for(1ms);
-    } else {
-      return out;
-    }
-  }
 }
 
 // Fields of /proc/<pid>/stat after the command name: state, ppid, pgrp.

@@ -18,23 +18,13 @@
 #include "ddip/endpoint.hpp"
 #include "ddip/remote.hpp"
 #include "ddip/tcp.hpp"
+#include "helpers.hpp"
 
 using namespace ddip;
+using namespace ddip::test;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return std::string(buf, n > 0 ? n : 0);
-}
-
-void write_fd(int fd, const std::string& s) {
-  ssize_t ignored = ::write(fd, s.data(), s.size());
-  (void)ignored;
-}
-
 // Requests: "echo:TEXT" prints TEXT on stdout and stderr, then replies "pid"; "exit:N" exits
 // with N after a line on stderr; "segment" replies with the first fd's contents; "memfd:TEXT"
 // replies with a memfd holding TEXT.

@@ -13,44 +13,13 @@
 #include <thread>
 
 #include "ddip/supervisor.hpp"
+#include "helpers.hpp"
 
 using namespace ddip;
+using namespace ddip::test;
 using namespace std::chrono_literals;
 
 namespace {
-
-SpawnSpec sh(const std::string& script, std::vector<std::string> env = {}) {
-  env.push_back("PATH=/usr/bin:/bin");
-  return SpawnSpec{{"/bin/sh", "-c", script}, env, "", true};
-}
-
-std::string read_all(Fd& fd) {
-  std::string out;
-  char buf[4096];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n > 0) {
-      out.append(buf, n);
-    } else if (n < 0 && errno == EAGAIN) {
-      std::this_thread::sleep_for(1ms);  // poll a non-blocking pipe until its writer closes
-    } else {
-      return out;
-    }
-  }
-}
-
-std::string read_line(Fd& fd) {
-  std::string line;
-  char c;
-  while (true) {
-    ssize_t n = ::read(fd.get(), &c, 1);
-    if (n == 1 && c == '\n') return line;
-    if (n == 1) line += c;
-    if (n == 0) return line;
-    if (n < 0) std::this_thread::sleep_for(1ms);
-  }
-}
-
 // Alive and not a zombie (an orphaned zombie waits for whoever is pid 1 here to reap it).
 bool alive(pid_t pid) {
   FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");

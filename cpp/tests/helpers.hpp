@@ -1,0 +1,65 @@
+// Small helpers the runtime's tests share: re-executing the test binary, writing to and reading
+// from pipes, and a /bin/sh child spec.
+#pragma once
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ddip/fd.hpp"
+#include "ddip/supervisor.hpp"
+
+namespace ddip::test {
+
+// This test binary's own path, for tests that re-execute it as a worker or an agent.
+inline std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return std::string(buf, n > 0 ? static_cast<size_t>(n) : 0);
+}
+
+inline void write_fd(int fd, const std::string& s) {
+  ssize_t ignored = ::write(fd, s.data(), s.size());
+  (void)ignored;
+}
+
+inline SpawnSpec sh(const std::string& script, std::vector<std::string> env = {},
+                    std::string cwd = "") {
+  env.push_back("PATH=/usr/bin:/bin");
+  return SpawnSpec{{"/bin/sh", "-c", script}, env, cwd, true};
+}
+
+// Everything until the writer closes (polling a non-blocking pipe).
+inline std::string read_all(Fd& fd) {
+  std::string out;
+  char buf[4096];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n > 0) {
+      out.append(buf, static_cast<size_t>(n));
+    } else if (n < 0 && errno == EAGAIN) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } else {
+      return out;
+    }
+  }
+}
+
+// One line, without its '\n' (or what is left at end of file).
+inline std::string read_line(Fd& fd) {
+  std::string line;
+  char c;
+  while (true) {
+    ssize_t n = ::read(fd.get(), &c, 1);
+    if (n == 1 && c == '\n') return line;
+    if (n == 1) line += c;
+    if (n == 0) return line;
+    if (n < 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace ddip::test
