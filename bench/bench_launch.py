@@ -27,8 +27,9 @@ import time
 
 import psutil
 
+from common import kill_leftovers
+
 REPS = 5  # timed launches per tool and function, after one untimed warm-up each
-GRACE_S = 5.0
 
 
 def _log(msg: str):
@@ -113,19 +114,6 @@ def _accelerate_available() -> bool:
     return True
 
 
-def _cleanup(before: set[int]) -> int:
-    """Kills, by pid, every descendant of ours that the launch left behind; returns the count."""
-    me = psutil.Process()
-    left = [p for p in me.children(recursive=True) if p.pid not in before]
-    _, alive = psutil.wait_procs(left, timeout=GRACE_S) if left else ([], [])
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    if alive:
-        psutil.wait_procs(alive, timeout=GRACE_S)
-    return len(alive)
 
 
 def _quiet(call, kind):
@@ -165,7 +153,7 @@ def main() -> str:
                 t0 = time.perf_counter()
                 _quiet(call, kind)
                 dt = time.perf_counter() - t0
-                killed[name] += _cleanup(before)
+                killed[name] += kill_leftovers(before)
                 if rep > 0:
                     times[(name, kind)].append(dt)
         _log(f"round {rep} of {REPS} done" + (" (warm-up)" if rep == 0 else ""))

@@ -39,11 +39,12 @@ from pathlib import Path
 
 import psutil
 
+from common import GRACE_S, kill_leftovers
+
 LAUNCH_REPS = 10  # timed launches per tool, after one untimed warm-up each
 ALL_REDUCE_REPS = 10
 TRAIN_REPS = 9  # odd, so the median of the per-round ratios is one round's
 STEPS, WARMUP = 300, 30
-GRACE_S = 5.0
 
 DDIP = str(Path(sys.executable).with_name("ddip"))
 PY = sys.executable
@@ -150,19 +151,6 @@ def plain(script: str) -> str:
     return ""
 
 
-def _cleanup(before: set[int]) -> int:
-    """Kills, by pid, every descendant of ours that a launch left behind; returns the count."""
-    me = psutil.Process()
-    left = [p for p in me.children(recursive=True) if p.pid not in before]
-    _, alive = psutil.wait_procs(left, timeout=GRACE_S) if left else ([], [])
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    if alive:
-        psutil.wait_procs(alive, timeout=GRACE_S)
-    return len(alive)
 
 
 def _rate(out: str) -> tuple[float, float]:
@@ -193,7 +181,7 @@ def main() -> str:
                 t0 = time.perf_counter()
                 call(scripts[kind])
                 dt = time.perf_counter() - t0
-                killed += _cleanup(before)
+                killed += kill_leftovers(before)
                 if rep > 0:
                     times[(name, kind)].append(dt)
             _log(f"{kind}: round {rep} of {reps} done" + (" (warm-up)" if rep == 0 else ""))
@@ -220,13 +208,13 @@ def main() -> str:
                 else:
                     inner = {p.pid for p in me.children(recursive=True)}
                     out = (ddip_run if name == "ddip run" else torchrun)(scripts["train"])
-                    killed += _cleanup(inner)
+                    killed += kill_leftovers(inner)
                 r, c = _rate(out)
                 rates[name].append(r)
                 cpu[name].append(c)
             _log(f"training: round {rep + 1} of {TRAIN_REPS} done: "
                  + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()) + " steps/s")
-    killed += _cleanup(before)
+    killed += kill_leftovers(before)
     if template_pid and psutil.pid_exists(template_pid):
         t = psutil.Process(template_pid)
         t.kill()

@@ -37,6 +37,7 @@ if HERE not in sys.path:
 
 import bench_group  # noqa: E402
 import bench_launch  # noqa: E402
+from common import kill_leftovers  # noqa: E402
 
 
 def _log(msg: str):
@@ -138,7 +139,7 @@ def main() -> str:
                     t0 = time.perf_counter()
                     bench_launch._quiet(call, kind)
                     dt = time.perf_counter() - t0
-                    killed += bench_launch._cleanup(before)
+                    killed += kill_leftovers(before)
                     if rep > 0:
                         launches.setdefault((kind, name), []).append(dt)
             _log(f"round {rep} of {REPS} done" + (" (warm-up)" if rep == 0 else ""))
