@@ -11,7 +11,6 @@ import os
 import re
 import sys
 import threading
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ import ddip
 from ddip.displays import DisplayFrames
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_magics import running_kernel  # noqa: E402
+from test_magics import Kernel, running_kernel  # noqa: E402
 
 
 class Outputs(list):
@@ -41,36 +40,19 @@ class Outputs(list):
         return self.reply["status"] == "ok"
 
 
-class RawKernel:
-    def __init__(self, km, kc):
-        self.km, self.kc = km, kc
+class RawKernel(Kernel):
+    """The cell's raw iopub messages, as (msg_type, content) pairs."""
 
     def run(self, code: str, timeout: float = 120) -> Outputs:
-        msg_id = self.kc.execute(code)
         out = Outputs()
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"cell did not finish within {timeout} s; outputs so far: {out}"
-            try:
-                msg = self.kc.get_iopub_msg(timeout=left)
-            except Exception:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "status":
-                if content["execution_state"] == "idle":
-                    break
-                continue
+
+        def collect(kind, content):
             if kind in ("stream", "display_data", "update_display_data", "execute_result", "error",
                         "clear_output"):
                 out.append((kind, content))
-        while True:
-            reply = self.kc.get_shell_msg(timeout=30)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                out.reply = reply["content"]
-                return out
+
+        out.reply = self.execute(code, timeout, collect, out)
+        return out
 
 
 @pytest.fixture(scope="module")

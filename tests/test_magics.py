@@ -59,15 +59,16 @@ class Kernel:
     def __init__(self, km, kc):
         self.km, self.kc = km, kc
 
-    def run(self, code: str, timeout: float = 120, on_output=None) -> Cell:
-        """Executes code; on_output(output) is called as each output arrives (mid-cell)."""
+    def execute(self, code: str, timeout: float, on_message, so_far) -> dict:
+        """Executes code; on_message(kind, content) is called for each of the cell's iopub
+        messages but status ones, as they arrive. Returns the execute reply's content; a cell
+        still running after `timeout` fails the test, showing `so_far`."""
         msg_id = self.kc.execute(code)
-        outputs = []
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"cell did not finish within {timeout} s; outputs so far: {outputs}")
+                raise AssertionError(f"cell did not finish within {timeout} s; outputs so far: {so_far}")
             try:
                 msg = self.kc.get_iopub_msg(timeout=left)
             except Exception:
@@ -79,6 +80,17 @@ class Kernel:
                 if content["execution_state"] == "idle":
                     break
                 continue
+            on_message(kind, content)
+        while True:
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]
+
+    def run(self, code: str, timeout: float = 120, on_output=None) -> Cell:
+        """Executes code; on_output(output) is called as each output arrives (mid-cell)."""
+        outputs = []
+
+        def collect(kind, content):
             if kind == "stream":
                 out = {"type": "stream", "name": content["name"], "text": content["text"]}
             elif kind in ("display_data", "execute_result", "update_display_data"):
@@ -89,14 +101,13 @@ class Kernel:
             elif kind == "clear_output":
                 out = {"type": "clear_output"}
             else:
-                continue
+                return
             outputs.append(out)
             if on_output is not None:
                 on_output(out)
-        while True:
-            reply = self.kc.get_shell_msg(timeout=30)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return Cell(outputs, reply["content"])
+
+        reply = self.execute(code, timeout, collect, outputs)
+        return Cell(outputs, reply)
 
     def pids(self) -> list[int]:
         cell = self.run("print(get_ipython().magics_manager.registry['DipMagics'].group.pids)")
