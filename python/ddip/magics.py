@@ -290,6 +290,7 @@ class DipMagics(Magics):
             self._print_info()
 
     def _new_spec(self, fn, args, creating) -> GroupSpec | None:
+        # Across hosts -g says each host's GPUs (-g 0,1 with --hosts, or -g 'node1:0,1 node2:2,3').
         across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(_unquote(args.gpus)))
         if not across and (args.launcher is not None or args.python is not None or args.bind is not None):
             raise self._usage_error(fn, "--launcher, --python and --bind go with --hosts")
@@ -302,8 +303,6 @@ class DipMagics(Magics):
         spec = base or GroupSpec()
         if creating:
             gpus = None
-            # Across hosts -g says each host's GPUs (-g 0,1 with --hosts, or -g 'node1:0,1 node2:2,3').
-            across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(_unquote(args.gpus)))
             if args.gpus is not None and not across:
                 try:
                     parse_gpus(args.gpus)  # checked now; kept as given (positions stay positions)
@@ -313,7 +312,7 @@ class DipMagics(Magics):
             n = args.nprocs
             if n is not None and n < 1:
                 raise self._usage_error(fn, f"-n {n}: give a positive number of ranks")
-            if n is not None and gpus is not None and n != len(gpus) and not across:
+            if n is not None and gpus is not None and n != len(gpus):
                 raise self._usage_error(fn, f"-n {n} but -g lists {len(gpus)} GPUs; give one or the other")
             spec = replace(spec, n=None if gpus is not None else n, gpus=gpus, hosts=None, launcher=None,
                            python=None, bind=None)
