@@ -242,6 +242,16 @@ TEST(RankEnvironment, OneRankKeepsOpenMPThreads) {
   EXPECT_EQ(env["WORLD_SIZE"], "1");
 }
 
+TEST(RankEnvironment, CpuRanksTellAccelerateUnlessTheUserDid) {
+  LaunchEnv launch;
+  launch.world_size = 2;
+  EXPECT_EQ(as_map(rank_environment({}, launch, 0)).count("ACCELERATE_USE_CPU"), 0u);
+  launch.cpu_ranks = true;
+  EXPECT_EQ(as_map(rank_environment({}, launch, 1))["ACCELERATE_USE_CPU"], "true");
+  EXPECT_EQ(as_map(rank_environment({"ACCELERATE_USE_CPU=false"}, launch, 1))["ACCELERATE_USE_CPU"],
+            "false");
+}
+
 TEST(RankEnvironment, GpusListedInRankOrderForEveryRank) {
   LaunchEnv launch;
   launch.world_size = 2;

@@ -912,6 +912,12 @@ std::optional<std::string> env_var(const char* name) {
   return v ? std::optional<std::string>(v) : std::nullopt;
 }
 
+// Ranks given no --gpus see no GPU here: CUDA_VISIBLE_DEVICES set empty, or no NVIDIA GPU.
+bool no_visible_gpu() {
+  if (auto visible = env_var("CUDA_VISIBLE_DEVICES")) return visible->empty();
+  return nvidia_device_count().value_or(0) == 0;
+}
+
 }  // namespace
 }  // namespace ddip::run
 
@@ -945,6 +951,7 @@ int main(int argc, char** argv) {
       launch.world_size = static_cast<int>(gpus.size());
     } else if (opts.hosts.empty()) {
       launch.world_size = opts.nproc;
+      launch.cpu_ranks = no_visible_gpu();
     }
     int world = opts.node ? opts.node->world_size : opts.world_size();
     shown = tee_ranks(opts.tee, world);
@@ -996,6 +1003,8 @@ int main(int argc, char** argv) {
           if (!h.gpus.empty())
             here.cuda_visible_devices =
                 join(resolve_gpus(h.gpus, env_var("CUDA_VISIBLE_DEVICES"), nvidia_device_count()));
+          else
+            here.cpu_ranks = no_visible_gpu();
           add_ranks(plans, opts.command, here, shown, opts.env);
         } else {
           std::vector<std::string> remote_cmd = {

@@ -606,6 +606,7 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base,
   std::vector<std::pair<std::string, std::string>> defaults = {
       {"PYTHONUNBUFFERED", "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}};
   if (launch.local_size() > 1) defaults.emplace_back("OMP_NUM_THREADS", "1");
+  if (launch.cpu_ranks) defaults.emplace_back("ACCELERATE_USE_CPU", "true");
 
   std::vector<std::string> env;
   env.reserve(base.size() + ours.size() + defaults.size());

@@ -116,14 +116,17 @@ struct LaunchEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
   std::optional<std::string> cuda_visible_devices;  // set by --gpus
+  // No GPU for these ranks (no --gpus, none visible): accelerate is told so (ACCELERATE_USE_CPU),
+  // or it would run each CPU rank as a world of its own.
+  bool cpu_ranks = false;
   int local_size() const { return local_world_size ? local_world_size : world_size; }
 };
 
 // torchrun's environment for this host's `local_rank`, on top of `base` ("KEY=value" entries):
 // RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ... MASTER_ADDR,
 // MASTER_PORT, without any TORCHELASTIC_* variable (there is no elastic agent to talk to).
-// OMP_NUM_THREADS=1 when this host runs more than one rank and PYTHONUNBUFFERED=1, each unless
-// `base` sets it.
+// OMP_NUM_THREADS=1 when this host runs more than one rank, PYTHONUNBUFFERED=1, and
+// ACCELERATE_USE_CPU=true for CPU ranks, each unless `base` sets it.
 std::vector<std::string> rank_environment(const std::vector<std::string>& base,
                                           const LaunchEnv& launch, int local_rank);
 

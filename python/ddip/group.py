@@ -254,6 +254,9 @@ class Group:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         elif "CUDA_VISIBLE_DEVICES" not in self._env:
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: keep them off the GPUs
+            # ...and say so to accelerate, which otherwise runs each CPU rank as a world of one.
+            if "ACCELERATE_USE_CPU" not in self._env:
+                env.setdefault("ACCELERATE_USE_CPU", "true")
         if self.backend:
             env["DDIP_BACKEND"] = self.backend
         else:
@@ -269,6 +272,11 @@ class Group:
         env.update(self._layout.env(slot))
         if "CUDA_VISIBLE_DEVICES" in self._env:
             env["CUDA_VISIBLE_DEVICES"] = self._env["CUDA_VISIBLE_DEVICES"]
+        if "ACCELERATE_USE_CPU" not in self._env and "ACCELERATE_USE_CPU" not in os.environ:
+            if env["CUDA_VISIBLE_DEVICES"]:
+                env.pop("ACCELERATE_USE_CPU", None)  # a host's GPU ranks are not forced to CPU
+            else:
+                env["ACCELERATE_USE_CPU"] = "true"
         if not self._layout.remote(slot):
             host = self._layout.hosts[self._layout.slot_host[slot]]
             if "OMP_NUM_THREADS" not in self._env and "OMP_NUM_THREADS" not in os.environ:
@@ -276,7 +284,7 @@ class Group:
             return env
         keys = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "PYTHONUNBUFFERED", "DDIP_SLOT", "DDIP_SYS_PATH", "DDIP_HOST", "CUDA_VISIBLE_DEVICES",
-                "DDIP_BACKEND", "DDIP_RENDEZVOUS_TIMEOUT", *self._env}
+                "DDIP_BACKEND", "DDIP_RENDEZVOUS_TIMEOUT", "ACCELERATE_USE_CPU", *self._env}
         out = {k: v for k, v in env.items() if k in keys}
         # Its cores are not counted from here: torchrun's choice for several ranks on a host.
         if "OMP_NUM_THREADS" not in self._env:

@@ -257,6 +257,12 @@ def main():
     shell = RankShell.instance(config=config)
     shell.ddip_format = None
     shell.ddip_error = None
+    # IPython sets sys.ps1 "so that scripts can decide if they are running interactively", and
+    # libraries do (Lightning refuses strategy='ddp' then); a rank is launched from outside, like
+    # torchrun's, so it must not look interactive. The shell's features don't depend on these.
+    for prompt in ("ps1", "ps2", "ps3"):
+        if hasattr(sys, prompt):
+            delattr(sys, prompt)
     # Rank code runs as the notebook's would: in __main__, with IPython's features.
     sys.modules["__main__"] = shell.user_module
     backend = os.environ.get("DDIP_BACKEND")
