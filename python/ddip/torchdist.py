@@ -24,14 +24,15 @@ class RendezvousError(RuntimeError):
 
 
 def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = RENDEZVOUS_TIMEOUT_S,
-               abort=None):
-    """A TCPStore on which every rank has arrived (rank 0 hosts it). abort(), polled while
-    waiting, returns a reason to give up (e.g. "rank 2 died") or None."""
+               abort=None, store=None):
+    """A TCPStore on which every rank has arrived (rank 0 hosts it, or brings it as `store`).
+    abort(), polled while waiting, returns a reason to give up (e.g. "rank 2 died") or None."""
     from torch.distributed import TCPStore
 
     deadline = time.monotonic() + timeout
     poll = _POLL_FIRST_S
-    store = TCPStore(addr, port, world, rank == 0, timedelta(seconds=timeout), wait_for_workers=False)
+    if store is None:
+        store = TCPStore(addr, port, world, rank == 0, timedelta(seconds=timeout), wait_for_workers=False)
     store.set(f"ddip/arrived/{rank}", "1")
     while True:
         if store.check(["ddip/abort"]):
@@ -61,12 +62,13 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
 
 
 def init(backend: str, rank: int, world: int, *, collective_timeout: float | None = None,
-         rendezvous_timeout: float = RENDEZVOUS_TIMEOUT_S, abort=None):
-    """init_process_group after a bounded rendezvous, on MASTER_ADDR/MASTER_PORT."""
+         rendezvous_timeout: float = RENDEZVOUS_TIMEOUT_S, abort=None, store=None):
+    """init_process_group after a bounded rendezvous, on MASTER_ADDR/MASTER_PORT (rank 0 may
+    bring its store server already open, as a heal does)."""
     import torch.distributed as dist
 
     store = rendezvous(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                       int(os.environ["MASTER_PORT"]), rendezvous_timeout, abort)
+                       int(os.environ["MASTER_PORT"]), rendezvous_timeout, abort, store)
     kw = {}
     if collective_timeout is not None:
         kw["timeout"] = timedelta(seconds=collective_timeout)
