@@ -253,10 +253,151 @@ def _tqdm_autonotebook(mod):
     mod.tqdm, mod.trange = nb.tqdm, nb.trange
 
 
+def _lightning_tqdm(mod):
+    """Lightning's TQDMProgressBar draws `Tqdm`, built on tqdm.auto only when ipywidgets is
+    installed (else on text tqdm): in a notebook's rank it is built on the notebook bar."""
+    import tqdm.notebook as nb  # the rank's HTML bar (patched on import)
+
+    if issubclass(mod.Tqdm, nb.tqdm):
+        return  # ipywidgets is installed: tqdm.auto gave it the notebook bar already
+    old = mod.Tqdm
+    bar = type(old.__name__, (nb.tqdm,), {"format_num": staticmethod(old.format_num),
+                                          "__module__": old.__module__, "__doc__": old.__doc__})
+    bar.__qualname__ = old.__qualname__
+    mod.Tqdm = bar
+
+
+def _transformers_trainer(mod):
+    """transformers' Trainer takes NotebookProgressCallback when is_in_notebook() said so at
+    import (it asks for an IPKernelApp): in a notebook's rank it takes it too, drawn by the main
+    process only, as its text ProgressCallback is."""
+    if mod.DEFAULT_PROGRESS_CALLBACK is not mod.ProgressCallback:
+        return  # the user chose, or transformers changed its default
+    from transformers.utils.notebook import NotebookProgressCallback
+
+    def main_process_only(hook):
+        def on_event(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                return hook(self, args, state, control, **kwargs)
+
+        return on_event
+
+    hooks = {name: main_process_only(fn) for name, fn in vars(NotebookProgressCallback).items()
+             if name.startswith("on_") and callable(fn)}
+    if not hooks:
+        raise RuntimeError("NotebookProgressCallback has no on_* hooks")
+    mod.DEFAULT_PROGRESS_CALLBACK = type("NotebookProgressCallback", (NotebookProgressCallback,),
+                                         {**hooks, "__module__": NotebookProgressCallback.__module__})
+
+
+# -- rich ---------------------------------------------------------------------------------------------
+# Rich asks console._is_jupyter() (ZMQInteractiveShell or not) when a Console is made; in Jupyter
+# it prints renderables as HTML displays and draws a Live (Progress, Lightning's RichProgressBar)
+# into an ipywidgets Output. A rank has no comm channel for a widget: its Live draws into one
+# display updated in place instead.
+
+
+def _rich_console(mod):
+    original = mod._is_jupyter
+    if "_is_jupyter" not in mod.Console.__init__.__code__.co_names:
+        raise RuntimeError("rich.console.Console no longer asks _is_jupyter()")
+
+    def _is_jupyter() -> bool:  # a notebook's rank renders as the notebook would
+        return True
+
+    _is_jupyter.ddip_original = original
+    mod._is_jupyter = _is_jupyter
+
+
+def _rich_jupyter(mod):
+    """rich.jupyter.display(segments, text): the text/plain form without ANSI codes."""
+    original = mod.display
+
+    def display(segments, text):
+        segments = list(segments)
+        if not segments:
+            return None  # a Console leaving `with console:` with nothing printed: no empty output
+        return original(segments, _rich_plain(segments))
+
+    mod.display = display
+
+
+def _rich_plain(segments) -> str:
+    return "".join(seg.text for seg in segments if not seg.control)
+
+
+def _rich_live(mod):
+    try:
+        from rich.jupyter import _render_segments
+
+        Live = mod.Live
+        if not {"_lock", "_live_render", "_nested", "ipy_widget"} <= set(Live.__init__.__code__.co_names):
+            raise RuntimeError("rich.live.Live changed: no _lock/_live_render/_nested/ipy_widget")
+        refresh, stop = Live.refresh, Live.stop
+    except Exception:
+        # Without a Live that draws, Jupyter mode would show nothing: rich keeps its text mode.
+        console = sys.modules.get("rich.console")
+        original = getattr(getattr(console, "_is_jupyter", None), "ddip_original", None)
+        if original is not None:
+            console._is_jupyter = original
+        raise
+
+    def _draw(live):
+        if live.ipy_widget is None:
+            live.ipy_widget = _LiveDisplay()
+        segments = list(live.console.render(live._live_render.renderable, live.console.options))
+        live.ipy_widget.show({"text/plain": _rich_plain(segments), "text/html": _render_segments(segments)})
+
+    def ddip_refresh(self):
+        if not self.console.is_jupyter or self._nested:
+            return refresh(self)
+        with self._lock:
+            self._live_render.set_renderable(self.renderable)
+            _draw(self)
+
+    def ddip_stop(self):
+        # Rich in Jupyter leaves the last auto-refresh on screen; the final state is drawn here.
+        final = self.console.is_jupyter and self._started and not self._nested and not self.transient
+        stop(self)
+        if final:
+            with self._lock:
+                self._live_render.set_renderable(self.renderable)
+                _draw(self)
+
+    ddip_refresh.__doc__, ddip_stop.__doc__ = refresh.__doc__, stop.__doc__
+    Live.refresh, Live.stop = ddip_refresh, ddip_stop
+
+
+class _LiveDisplay:
+    """Stands where rich.live keeps its ipywidgets Output: one display, updated in place (rich
+    closes it when a transient Live stops)."""
+
+    def __init__(self):
+        self.handle = None
+
+    def show(self, bundle: dict):
+        if self.handle is None:
+            from IPython.display import display
+
+            self.handle = display(bundle, raw=True, display_id=True)
+        else:
+            self.handle.update(bundle, raw=True)
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.update({"text/plain": "", "text/html": ""}, raw=True)
+
+
 _PATCHES = {
     "fastprogress.fastprogress": _fastprogress_notebook,
     "tqdm.notebook": _tqdm_notebook,
     "tqdm.autonotebook": _tqdm_autonotebook,
+    "lightning.pytorch.callbacks.progress.tqdm_progress": _lightning_tqdm,
+    "pytorch_lightning.callbacks.progress.tqdm_progress": _lightning_tqdm,
+    "transformers.trainer": _transformers_trainer,
+    "rich.console": _rich_console,  # before rich.live, which undoes it if it can't draw
+    "rich.jupyter": _rich_jupyter,
+    "rich.live": _rich_live,
 }
 _installed: _PatchOnImport | None = None
 
