@@ -49,12 +49,52 @@ def merge_failures(failures) -> list[tuple[RankFailure, list[int]]]:
     return [(f, sorted(ranks)) for f, ranks in merged.values()]
 
 
-class RemoteError(Exception):
-    """One or more ranks failed. `failures` lists them, root cause (earliest) first."""
+@dataclass
+class HealReport:
+    """What a heal of the group's torch.distributed did (Group.heal(), or by itself after a rank
+    raised while its peers waited for it in a collective)."""
 
-    def __init__(self, failures: list[RankFailure], results=None, what: str = "code"):
+    ok: bool
+    seconds: float
+    world_size: int = 0
+    failed: list[int] = field(default_factory=list)  # ranks whose exception left the others waiting
+    released: list[int] = field(default_factory=list)  # ranks freed from the broken collective
+    port: int | None = None  # MASTER_PORT of the rebuilt group
+    reason: str = ""  # why it could not heal
+
+    def describe(self) -> str:
+        if not self.ok:
+            return (f"ddip could not heal the group: {self.reason}. %makedip -r (g.restart()) starts "
+                    f"fresh ranks.")
+        what = ""
+        if self.failed and self.released:
+            what = (f" rank{'s' if len(self.failed) > 1 else ''} {', '.join(map(str, self.failed))} raised "
+                    f"while rank{'s' if len(self.released) > 1 else ''} {', '.join(map(str, self.released))} "
+                    f"waited in a collective;")
+        return (f"ddip healed the group in {self.seconds:.2f} s:{what} torch.distributed's default group "
+                f"was rebuilt on all {self.world_size} ranks (same ranks and world size, MASTER_PORT "
+                f"{self.port}), and every rank kept its variables. Make again what held the old group: "
+                f"wrap the model in DistributedDataParallel / fully_shard again, and re-create subgroups "
+                f"and optimizers built on them (ZeroRedundancyOptimizer); then run the step again.")
+
+
+class HealError(RuntimeError):
+    """Group.heal() could not rebuild torch.distributed; `report` says why."""
+
+    def __init__(self, report: HealReport):
+        super().__init__(report.describe())
+        self.report = report
+
+
+class RemoteError(Exception):
+    """One or more ranks failed. `failures` lists them, root cause (earliest) first. `heal` is
+    the HealReport when the failure broke a collective and ddip healed the group (or tried)."""
+
+    def __init__(self, failures: list[RankFailure], results=None, what: str = "code",
+                 heal: HealReport | None = None):
         self.failures = list(failures)
         self.results = results
+        self.heal = heal
         ranks = ", ".join(str(r) for r in sorted(f.rank for f in self.failures))
         first = self.failures[0]
         lines = [f"{what} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}; "
@@ -63,6 +103,8 @@ class RemoteError(Exception):
             who = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
             lines.append("")
             lines.append(f"--- {who}: " + f.describe().split(": ", 1)[1].rstrip("\n"))
+        if heal is not None:
+            lines += ["", heal.describe()]
         super().__init__("\n".join(lines))
 
     @property

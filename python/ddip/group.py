@@ -29,7 +29,8 @@ from typing import Callable, Iterable, Sequence
 from . import _core, gpus as _gpus
 from . import hosts as _hosts
 from . import template as _template
-from .errors import RankFailure, RemoteError, StartError
+from . import heal as _heal
+from .errors import HealError, HealReport, RankFailure, RemoteError, StartError
 from .messages import dumps_framed, loads, loads_framed, picklable
 
 # Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
@@ -41,12 +42,17 @@ INTERRUPT_GRACE_S = 5.0
 # After one rank raised, how long the others get to finish before they are interrupted: in DDP
 # code they are often waiting for the failed rank in a collective that would never return.
 FAILURE_GRACE_S = 3.0
+# After a heal tore the failed rank's process group down, how long its peers get to leave the
+# collective by themselves (gloo: at once) before they are interrupted too.
+HEAL_RELEASE_S = 1.0
 # A death is final: the others are interrupted at once and the death is reported within this.
 DEATH_REPORT_S = 0.8
 # How long an idle rank's output is kept for the next cell (per rank); older output is dropped.
 BACKGROUND_KEEP_BYTES = 64 * 1024
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
 _SLICE_S = 0.05
+
+_HEAL_WHAT = "ddip heal"  # the `what` of a heal's own requests (never healed themselves)
 
 _open_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()
 
@@ -142,6 +148,19 @@ class _Request:
         self.why = None  # why its ranks were interrupted: "ctrl-c", "timeout", "failure", "death"
         self.cancelled = False
         self.callback_errors: list[str] = []
+        self.heal: _Healing | None = None  # set once its failure's peers are being released
+
+
+class _Healing:
+    """A heal under way for one failed request: the ranks released so far, and their requests."""
+
+    def __init__(self, failed: list[int]):
+        self.started = time.monotonic()
+        self.failed = failed  # ranks whose exception left the others waiting
+        self.stuck: list[int] = []  # ranks still running the request when the heal began
+        self.released: set[int] = set()  # slots whose process group was torn down
+        self.teardowns: list[_Request] = []
+        self.report: HealReport | None = None
 
 
 @dataclass
@@ -491,7 +510,7 @@ class Group:
             raise TypeError(f"values must be True or False, got {values!r}")
         req = self._send({"op": "run", "code": code, "values": values}, ranks, "code")
         results = self._collect(req, _Callbacks(on_output, on_display), timeout, interrupt=True)
-        self._raise_failures(results, "code")
+        self._raise_failures(results, "code", req.heal.report if req.heal else None)
         return results
 
     def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
@@ -812,6 +831,8 @@ class Group:
             # ranks and keeps collecting their replies; a second one stops waiting.
             try:
                 self._drain_mailbox(req, cb)
+                if req.heal is not None:
+                    self._heal_release(req)  # ranks that left the collective release their peers
                 if not req.pending:
                     break
                 now = time.monotonic()
@@ -826,10 +847,17 @@ class Group:
                         interrupt_pending("death")  # final: the others can't finish without it
                         continue
                     if req.failed_at is not None and on_failure:
-                        if now >= req.failed_at + FAILURE_GRACE_S:
-                            interrupt_pending("failure")
+                        if req.heal is not None:
+                            if now >= req.heal.started + HEAL_RELEASE_S:
+                                interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
+                                continue
+                            wake = min(wake, req.heal.started + HEAL_RELEASE_S)
+                        elif now >= req.failed_at + FAILURE_GRACE_S:
+                            if not self._heal_begin(req):
+                                interrupt_pending("failure")
                             continue
-                        wake = min(wake, req.failed_at + FAILURE_GRACE_S)
+                        else:
+                            wake = min(wake, req.failed_at + FAILURE_GRACE_S)
                     if deadline is not None and interrupt:
                         if now >= deadline:
                             interrupt_pending("timeout")
@@ -873,6 +901,8 @@ class Group:
             r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
         for msg in req.callback_errors:
             sys.stderr.write(msg)
+        if req.heal is not None:
+            self._heal_finish(req, stuck)
         if req.why == "ctrl-c":
             still = f"; rank(s) {self._ranks(stuck)} did not stop and are still busy" if stuck else ""
             err = KeyboardInterrupt(f"interrupted rank(s) {self._ranks(req.slots)}{still}")
@@ -887,6 +917,130 @@ class Group:
             err.results = [req.results[s] for s in req.slots]
             raise err
         return [req.results[s] for s in req.slots]
+
+    # -- heal -----------------------------------------------------------------------------------
+
+    def heal(self) -> HealReport:
+        """Rebuilds torch.distributed's default group on every rank, with the same ranks and world
+        size (a fresh store and port), keeping every rank's namespace. Ranks still stuck in a
+        collective broken by an earlier failure are released first (their peers' process groups
+        are torn down). A dead rank still needs restart(). Raises HealError when it can't."""
+        self._check_open()
+        self._check_healable()
+        with self._mu:
+            dead = [self._exits[s] for s in range(len(self.rank_ids)) if s in self._exits]
+        if dead:
+            raise RuntimeError(f"rank {dead[0].rank} is dead ({dead[0].evalue}); call restart() to start "
+                               f"the group again")
+        started = time.monotonic()
+        slots = list(range(len(self.rank_ids)))
+        heal = _Healing([])
+        heal.stuck = [self.rank_ids[s] for s in slots if s in self._running]
+        interrupted = None
+        while True:
+            for s in slots:  # every idle rank lets go of the old group, freeing whoever waits on it
+                if s not in heal.released and s not in self._running:
+                    heal.released.add(s)
+                    heal.teardowns.append(self._internal_send([self.rank_ids[s]], _heal.release))
+            busy = [s for s in slots if s in self._running]
+            if not busy:
+                break
+            now = time.monotonic()
+            if interrupted is None and now >= started + HEAL_RELEASE_S:
+                interrupted = now
+                for s in busy:
+                    self._coord.signal(s, signal.SIGINT)
+            elif interrupted is not None and now >= interrupted + INTERRUPT_GRACE_S:
+                report = HealReport(False, now - started, self.world_size, reason=(
+                    f"rank(s) {self._ranks(busy)} did not leave what they were running (a collective "
+                    f"that tearing its peers' groups down did not end, or code in C)"))
+                raise HealError(report)
+            self._pump(_SLICE_S)
+        port = self._rebuild(heal.teardowns)
+        return HealReport(True, time.monotonic() - started, self.world_size, released=heal.stuck, port=port)
+
+    def _check_healable(self):
+        if not self.backend:
+            raise RuntimeError("this group has no torch.distributed to heal (backend none); start it with a "
+                               "backend (%makedip -n 2, or Group(n=2)) to have ddip set it up")
+        if self.world_size != len(self.rank_ids):
+            raise RuntimeError("this group's ranks are part of a larger world (ranch's children): "
+                               "they can't rebuild it on their own")
+
+    def _heal_begin(self, req: _Request) -> bool:
+        """A rank of `req` raised and others still run it after FAILURE_GRACE_S: in DDP code,
+        waiting for it in a collective. Starts releasing them, when ddip owns torch.distributed."""
+        if req.what == _HEAL_WHAT or req.died_at is not None:
+            return False
+        try:
+            self._check_healable()
+        except RuntimeError:
+            return False
+        failed = [self.rank_ids[s] for s in req.slots if s not in req.pending
+                  and req.results[s].error is not None and not req.results[s].error.died]
+        req.heal = _Healing(failed)
+        req.heal.stuck = sorted(self.rank_ids[s] for s in req.pending)
+        self._heal_release(req)
+        return True
+
+    def _heal_release(self, req: _Request):
+        """Tears down the process groups of the request's ranks that no longer run it."""
+        heal = req.heal
+        for s in req.slots:
+            if s in req.pending or s in heal.released or s in self._running or s in self._exits:
+                continue
+            heal.released.add(s)
+            try:
+                heal.teardowns.append(self._internal_send([self.rank_ids[s]], _heal.release))
+            except RuntimeError:  # died meanwhile: the heal's end reports it
+                pass
+
+    def _heal_finish(self, req: _Request, stuck: set):
+        """After every rank of a healing request replied (or was given up on): the rebuild."""
+        heal = req.heal
+        released = [r for r in heal.stuck if self._slot(r) not in stuck]
+        port, reason = None, ""
+        if stuck:
+            reason = (f"rank(s) {self._ranks(stuck)} stayed in the collective after the failed rank's group "
+                      f"was torn down" + (" (NCCL waits on the GPU)" if self.backend == "nccl" else ""))
+        elif req.died_at is not None:
+            reason = "a rank died"
+        elif req.why == "ctrl-c":
+            reason = "it was interrupted (Ctrl-C); g.heal() or %makedip --heal tries again"
+        else:
+            try:
+                port = self._rebuild(heal.teardowns)
+            except KeyboardInterrupt:
+                reason = "it was interrupted (Ctrl-C); g.heal() or %makedip --heal tries again"
+            except (HealError, RuntimeError, TimeoutError) as exc:
+                reason = str(exc)
+        heal.report = HealReport(not reason, time.monotonic() - heal.started, self.world_size, heal.failed,
+                                 released, port, reason)
+
+    def _rebuild(self, teardowns: list[_Request]) -> int:
+        """Every rank joins a fresh default group on a store rank 0 opens; returns its port."""
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        for t in teardowns:
+            try:
+                self._collect(t, _Callbacks(), None, stop_waiting_at=deadline, on_failure=False)
+            except TimeoutError:
+                raise RuntimeError(f"rank {t.results[t.slots[0]].rank} did not tear its process group down "
+                                   f"within {INTERRUPT_GRACE_S:g} s") from None
+        port = self._internal_call([0], _heal.open_store, self.world_size)[0]
+        self._internal_call(self.rank_ids, _heal.rejoin, self.backend, port)
+        self.master_port = port
+        return port
+
+    def _internal_send(self, ranks, fn, *args) -> _Request:
+        return self._send({"op": "apply", "fn": fn, "args": args, "kwargs": {}}, ranks, _HEAL_WHAT)
+
+    def _internal_call(self, ranks, fn, *args) -> list:
+        req = self._internal_send(ranks, fn, *args)
+        results = self._collect(req, _Callbacks(), _heal.REJOIN_TIMEOUT_S + INTERRUPT_GRACE_S)
+        failed = [r for r in results if r.error is not None]
+        if failed:
+            raise RuntimeError(f"{fn.__name__} failed on {failed[0].error.describe()}")
+        return [r.value for r in results]
 
     def _ranks(self, slots) -> str:
         return ", ".join(str(self.rank_ids[s]) for s in sorted(slots))
@@ -996,7 +1150,7 @@ class Group:
                                        traceback=err.get("traceback") or [], exception=err.get("exception"))
 
     @staticmethod
-    def _raise_failures(results: list[RankResult], what: str):
+    def _raise_failures(results: list[RankResult], what: str, heal: HealReport | None = None):
         failed = [r for r in results if r.error is not None]
         if failed:
             # Root cause first: a death, then exceptions in the order they came; interrupts we
@@ -1007,7 +1161,7 @@ class Group:
                     3 if e.ename == "StillRunning" else 1
                 return kind, r.finished_at if r.finished_at is not None else float("inf")
             failed.sort(key=rank_of)
-            raise RemoteError([r.error for r in failed], results, what)
+            raise RemoteError([r.error for r in failed], results, what, heal)
 
 
 def _close_fds(fds):
@@ -1019,24 +1173,117 @@ def _close_fds(fds):
 
 
 class LabelledOutput:
-    """An on_output callback: ranks' output written to the notebook live, each line labelled
-    with its rank (a line that arrives in pieces is labelled once)."""
+    """An on_output callback: ranks' output written live, each line labelled with its rank.
 
-    def __init__(self):
-        self._at_line_start: dict[tuple[int, str], bool] = {}
+    Writers share the streams, so a line is never continued by another writer: text that comes
+    while another's line is unfinished starts a new line. A line redrawn with '\r' (a text
+    progress bar) is labelled again after each '\r' and stays in place; two writers redrawing
+    take turns on one line, padded so that nothing of the other's line shows. Used as a context
+    manager (ranch), this process's own sys.stdout/sys.stderr (the notebook's rank) go through it
+    too, unlabelled."""
+
+    def __init__(self, label: str = "[rank {}] "):
+        self._label = label
+        self._lock = threading.RLock()
+        self._lines: dict[str, dict] = {}  # stream -> its open line: owner, at_cr, col, span
+        self._after_cr: set = set()  # writers whose last text ended a redraw ('\r')
+        self._replaced: dict = {}  # stream name -> the stream __enter__ replaced
 
     def __call__(self, rank, stream, text):
-        key = (rank, stream)
-        label = f"[rank {rank}] "
-        parts = []
-        start = self._at_line_start.get(key, True)
-        for line in text.splitlines(keepends=True):
-            parts.append((label if start else "") + line)
-            start = line.endswith(("\n", "\r"))
-        self._at_line_start[key] = start
-        dest = sys.stdout if stream == "stdout" else sys.stderr
-        dest.write("".join(parts))
-        dest.flush()
+        self.write((rank, stream), self._label.format(rank), stream, text)
+
+    def write(self, writer, label: str, stream: str, text: str, dest=None) -> None:
+        """Writes `writer`'s text to sys.<stream> (or `dest`), labelled with `label`."""
+        if not text:
+            return
+        with self._lock:
+            line = self._lines.setdefault(stream, self._new_line())
+            out: list[str] = []
+            i = 0
+            while i < len(text):
+                ends = [j for j in (text.find("\r", i), text.find("\n", i)) if j >= 0]
+                j = min(ends) if ends else len(text)
+                end = text[j:j + 2] if text.startswith("\r\n", j) else text[j:j + 1]
+                if j > i:
+                    self._body(line, writer, label, text[i:j], out)
+                if end:
+                    self._end(line, writer, label, end, out)
+                i = j + len(end)
+            if dest is None:
+                dest = self._replaced.get(stream) or getattr(sys, stream)
+            dest.write("".join(out))
+            dest.flush()
+
+    @staticmethod
+    def _new_line() -> dict:
+        return {"owner": None, "at_cr": False, "col": 0, "span": 0}
+
+    def _body(self, line, writer, label, body, out):
+        if line["owner"] not in (None, writer) and not (line["at_cr"] and writer in self._after_cr):
+            out.append("\n")  # another's unfinished line: ours starts below it
+            line.update(self._new_line())
+        if line["owner"] != writer or line["at_cr"]:  # a line of ours starts (or is redrawn)
+            out.append(label)
+            line.update(owner=writer, at_cr=False, col=len(label))
+        out.append(body)
+        line["col"] += len(body)
+        line["span"] = max(line["span"], line["col"])
+        self._after_cr.discard(writer)
+
+    def _end(self, line, writer, label, end, out):
+        mine = line["owner"] == writer
+        if mine and not line["at_cr"]:
+            out.append(" " * (line["span"] - line["col"]))  # covers a longer line drawn there
+        if end == "\r":
+            if mine and not line["at_cr"]:
+                out.append("\r")
+                line.update(at_cr=True, col=0)
+            self._after_cr.add(writer)
+            return
+        if mine:
+            out.append("\n")
+        elif writer not in self._after_cr:  # an empty line of ours ("\r\n" split in two is not)
+            if line["owner"] is not None:
+                out.append("\n")
+            out.append(label + "\n")
+        if mine or writer not in self._after_cr:
+            line.update(self._new_line())
+        self._after_cr.discard(writer)
+
+    class _Own:
+        """This process's own stream while a LabelledOutput is entered: its text goes through it."""
+
+        def __init__(self, out: "LabelledOutput", name: str, stream):
+            self._out, self._name, self._stream = out, name, stream
+
+        def write(self, text):
+            if not isinstance(text, str):
+                return self._stream.write(text)
+            self._out.write("own", "", self._name, text, self._stream)
+            return len(text)
+
+        def writelines(self, lines):
+            for text in lines:
+                self.write(text)
+
+        def flush(self):
+            self._stream.flush()
+
+        def __getattr__(self, name):
+            return getattr(self._stream, name)
+
+    def __enter__(self):
+        for name in ("stdout", "stderr"):
+            self._replaced[name] = getattr(sys, name)
+            setattr(sys, name, LabelledOutput._Own(self, name, self._replaced[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, stream in self._replaced.items():
+            current = getattr(sys, name)
+            if isinstance(current, LabelledOutput._Own) and current._out is self:
+                setattr(sys, name, stream)  # unless the user's code replaced it meanwhile
+        self._replaced = {}
 
 
 class Pending:
@@ -1052,6 +1299,7 @@ class Pending:
         self._cb = _Callbacks()
         self._results: list[RankResult] | None = None
         self._on_failure = True  # interrupt the other ranks when one fails (ranch does its own)
+        self._heal: HealReport | None = None
 
     @property
     def done(self) -> bool:
@@ -1084,6 +1332,7 @@ class Pending:
             stop = None if timeout is None else time.monotonic() + timeout
             self._results = group._collect(self._req, self._cb, None, stop_waiting_at=stop,
                                            on_failure=self._on_failure)
+            self._heal = self._req.heal.report if self._req.heal else None
             self._req = None  # nothing of the runtime is kept once collected
         return self._results
 
@@ -1091,7 +1340,7 @@ class Pending:
         """Waits for every rank; their return values in rank order, or RemoteError.
         timeout: stop waiting after that many seconds (TimeoutError); the request goes on."""
         results = self.results(on_output=on_output, timeout=timeout)
-        Group._raise_failures(results, self._what)
+        Group._raise_failures(results, self._what, self._heal)
         return [r.value for r in results]
 
     def cancel(self):

@@ -25,7 +25,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import publish_display_data
 
 from .displays import RankDisplays, notebook_env
-from .errors import RemoteError, StartError, merge_failures
+from .errors import HealError, RemoteError, StartError, merge_failures
 from .group import Group, resolve_backend, parse_gpus
 from . import hosts as _hosts
 from . import template as _template
@@ -227,6 +227,8 @@ class DipMagics(Magics):
     @argument("-a", "--app", metavar="APP", help="set the group up for an app (ddip.apps.APP), e.g. fastai")
     @argument("-r", "--restart", action="store_true", help="kill the group and start it again (new flags override)")
     @argument("-k", "--kill", action="store_true", help="kill the group")
+    @argument("--heal", action="store_true",
+              help="rebuild torch.distributed on every rank (same ranks, fresh port), keeping their variables")
     @argument("-i", "--info", action="store_true", help="print pids, rank -> device, backend, app and %%autodip")
     @argument("-v", "--verbose", action="store_true", help="print progress while the group starts")
     @argument("--cold", action="store_true", help="start ranks as fresh processes, not forked from the warm rank template")
@@ -254,9 +256,15 @@ class DipMagics(Magics):
                    or args.cold)
 
         if args.kill:
-            if args.restart or options or args.info:
+            if args.restart or options or args.info or args.heal:
                 raise self._usage_error(fn, "-k kills the group and takes no other flag (but -v)")
             self._kill(args.verbose)
+            return
+        if args.heal:
+            if args.restart or options or args.info:
+                raise self._usage_error(fn, "--heal rebuilds the running group's torch.distributed and takes "
+                                            "no other flag")
+            self._heal()
             return
 
         # Everything is checked before anything is stopped or started: bad input changes nothing.
@@ -427,6 +435,19 @@ class DipMagics(Magics):
             print(f"{what} ready: pids {group.pids}, backend {group.backend or 'none'}" +
                   (f", app {spec.app}" if spec.app else ""))
 
+    def _heal(self):
+        group = self._group()
+        try:
+            report = group.heal()
+        except HealError as exc:
+            raise CellError(str(exc), [("HealError", str(exc), [_header("HealError"), str(exc)])]) from None
+        except RuntimeError as exc:  # no backend, a dead rank: nothing was changed
+            raise UsageError(f"%makedip --heal: {exc}".replace("call restart()", "run %makedip -r")) from None
+        print(f"healed in {report.seconds:.2f} s: torch.distributed's default group rebuilt on all "
+              f"{report.world_size} ranks (MASTER_PORT {report.port}); their variables are kept"
+              + (f"; rank(s) {', '.join(map(str, report.released))} were released from what they ran"
+                 if report.released else ""))
+
     def _kill(self, verbose: bool, keep_autodip: bool = False):
         if self.group is None or self.group.closed:
             print("no group is running")
@@ -581,6 +602,8 @@ class DipMagics(Magics):
             if r.rank in out.shown and r.ok and r.format is not None:
                 show_value(r.rank, r.execution_count, r.format)
         if error is not None:
+            if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
+                print(error.heal.describe(), file=sys.stderr, flush=True)
             raise CellError(str(error).splitlines()[0], _failure_entries(error.failures)) from None
 
     # -- %autodip ---------------------------------------------------------------------------

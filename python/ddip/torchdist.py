@@ -72,7 +72,10 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
     kw = {}
     if collective_timeout is not None:
         kw["timeout"] = timedelta(seconds=collective_timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+    from . import heal
+
+    with heal.tracking_sockets():  # a heal may have to close them under a model still holding them
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     global _kept_store
     # Rank 0 hosts the store, and its fn may end (tearing its process group down) while a peer is
     # still building its own on the store: the store outlives the process group, until

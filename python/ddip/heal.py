@@ -1,0 +1,133 @@
+"""Heal: a group whose collective was broken by one rank's exception gets a working
+torch.distributed again, without losing any rank's namespace.
+
+When one rank raises inside a training step, its peers wait for it in a collective that will
+never complete. The kernel (group.py) then:
+
+1. tears down the process groups of every rank of the request that is no longer running
+   (`release`): with gloo, a peer blocked on a torn-down rank's connections fails at once, and
+   is torn down in turn when it replies;
+2. once every rank has replied, rebuilds the default process group on every rank with the same
+   ranks and world size: rank 0 opens a fresh store on a port of its own host's choosing
+   (`open_store`, so it is free where rank 0 runs, on any host), then every rank joins it
+   (`rejoin`).
+
+What held the old group (a DistributedDataParallel wrapper, subgroups, FSDP state) must be made
+again by the user; the cell's error says so. A rank that died still needs a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+
+from . import torchdist
+
+# How long rank 0's fresh store waits for the others to join it.
+REJOIN_TIMEOUT_S = 60.0
+
+_store = None  # rank 0: the store opened for the rebuild, until rejoin() uses it
+_sockets: set[tuple[int, str]] = set()  # (fd, "socket:[inode]") opened by the last init
+
+
+def _open_sockets() -> set[tuple[int, str]]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (listdir's own fd, say)
+            continue
+        if target.startswith("socket:"):
+            found.add((int(name), target))
+    return found
+
+
+@contextlib.contextmanager
+def tracking_sockets():
+    """Remembers the sockets opened inside (init_process_group's: gloo's connections to its peers),
+    so that release() can close them even while a model still holds the process group."""
+    global _sockets
+    before = _open_sockets()
+    try:
+        yield
+    finally:
+        _sockets = _open_sockets() - before
+
+
+def _shutdown_sockets():
+    """Shuts down the last init's sockets that are still open (the same socket, by inode): a peer
+    blocked on one of them gets 'Connection closed by peer' at once."""
+    global _sockets
+    for fd, target in _sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != target:
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            # Connections only: gloo's listener must stay (its thread aborts the process when its
+            # accept() fails), and nobody waits on it.
+            if s.family in (socket.AF_INET, socket.AF_INET6) and \
+                    not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                s.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not only on our dup
+        except OSError:  # not connected: nobody waits on it
+            pass
+        finally:
+            s.close()
+    _sockets = set()
+
+
+def release() -> bool:
+    """In a rank whose request ended while peers may still wait on it: tears down every process
+    group, so that those peers' pending operations fail. Returns whether there was one."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    # A DDP model (or FSDP, or a subgroup) still holds the group: destroying or even aborting it
+    # leaves gloo's connections open and the peers waiting. Closing them is what frees the peers.
+    _shutdown_sockets()
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:  # an older torch, or a group broken already: tear down what is left
+        pass
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group may fail its own teardown; it is gone either way
+            pass
+    return True
+
+
+def open_store(world: int, timeout: float = REJOIN_TIMEOUT_S) -> int:
+    """Rank 0: a fresh TCPStore server on a free port of this host; returns the port."""
+    from torch.distributed import TCPStore
+
+    global _store
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    _store = TCPStore(addr, 0, world, True, timedelta(seconds=timeout), wait_for_workers=False)
+    return _store.port
+
+
+def rejoin(backend: str, port: int, timeout: float = REJOIN_TIMEOUT_S) -> dict:
+    """Every rank: the default process group again, same rank and world size, on rank 0's fresh
+    store at MASTER_ADDR:port. MASTER_PORT follows, so code that reads it later finds a live
+    store. Returns what the rank joined."""
+    global _store
+    import torch.distributed as dist
+
+    release()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ["MASTER_PORT"] = str(port)
+    store, _store = _store, None
+    torchdist.init(backend, rank, world, rendezvous_timeout=timeout, store=store)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
