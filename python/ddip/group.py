@@ -1185,8 +1185,8 @@ class LabelledOutput:
     def __init__(self, label: str = "[rank {}] "):
         self._label = label
         self._lock = threading.RLock()
-        self._lines: dict[str, dict] = {}  # stream -> its open line: owner, at_cr, col, span
-        self._after_cr: set = set()  # writers whose last text ended a redraw ('\r')
+        self._lines: dict[str, dict] = {}  # stream -> its open line (_new_line)
+        self._writers: dict = {}  # writer -> its state (_writer)
         self._replaced: dict = {}  # stream name -> the stream __enter__ replaced
 
     def __call__(self, rank, stream, text):
@@ -1205,32 +1205,48 @@ class LabelledOutput:
                 j = min(ends) if ends else len(text)
                 end = text[j:j + 2] if text.startswith("\r\n", j) else text[j:j + 1]
                 if j > i:
-                    self._body(line, writer, label, text[i:j], out)
+                    self._body(line, writer, label, text[i:j], end == "\r", out)
                 if end:
                     self._end(line, writer, label, end, out)
                 i = j + len(end)
             if dest is None:
                 dest = self._replaced.get(stream) or getattr(sys, stream)
-            dest.write("".join(out))
-            dest.flush()
+            if out:
+                dest.write("".join(out))
+                dest.flush()
 
     @staticmethod
     def _new_line() -> dict:
-        return {"owner": None, "at_cr": False, "col": 0, "span": 0}
+        # redraw: the line began after its writer's '\r' (a bar); at_cr: the cursor is back at its start
+        return {"owner": None, "at_cr": False, "redraw": False, "col": 0, "span": 0}
 
-    def _body(self, line, writer, label, body, out):
-        if line["owner"] not in (None, writer) and not (line["at_cr"] and writer in self._after_cr):
-            out.append("\n")  # another's unfinished line: ours starts below it
-            line.update(self._new_line())
-        if line["owner"] != writer or line["at_cr"]:  # a line of ours starts (or is redrawn)
+    def _body(self, line, writer, label, body, then_cr, out):
+        me = self._writer(writer)
+        redraw = me["after_cr"] or then_cr  # a line that comes or goes with '\r': a bar
+        owner = line["owner"]
+        if owner not in (None, writer):
+            if redraw and (line["at_cr"] or line["redraw"]):
+                if not line["at_cr"]:
+                    out.append("\r")  # two bars take turns on one line
+                line["at_cr"] = True
+                self._writer(owner)["displaced"] = True
+            else:
+                out.append("\n")  # another's unfinished line: ours starts below it
+                line.update(self._new_line())
+        start = line["owner"] != writer or line["at_cr"]  # a line of ours starts (or is redrawn)
+        if start:
             out.append(label)
-            line.update(owner=writer, at_cr=False, col=len(label))
+            line.update(owner=writer, at_cr=False, col=len(label), redraw=redraw)
+            me["drawn"] = ""
         out.append(body)
         line["col"] += len(body)
+        if start and line["span"] > line["col"]:  # blank what is left of a longer line drawn there
+            out.append(" " * (line["span"] - line["col"]) + "\r" + label + body)
         line["span"] = max(line["span"], line["col"])
-        self._after_cr.discard(writer)
+        me.update(after_cr=False, mid=True, displaced=False, drawn=me["drawn"] + body)
 
     def _end(self, line, writer, label, end, out):
+        me = self._writer(writer)
         mine = line["owner"] == writer
         if mine and not line["at_cr"]:
             out.append(" " * (line["span"] - line["col"]))  # covers a longer line drawn there
@@ -1238,17 +1254,23 @@ class LabelledOutput:
             if mine and not line["at_cr"]:
                 out.append("\r")
                 line.update(at_cr=True, col=0)
-            self._after_cr.add(writer)
+            me["after_cr"] = True
             return
-        if mine:
+        if mine or me["displaced"] or not me["mid"]:
+            if not mine and line["owner"] is not None:
+                out.append("\n")  # below the line another writer has open
+            if not mine:  # our last draw (overwritten by another's), or an empty line of ours
+                out.append(label + (me["drawn"] if me["displaced"] else ""))
             out.append("\n")
-        elif writer not in self._after_cr:  # an empty line of ours ("\r\n" split in two is not)
-            if line["owner"] is not None:
-                out.append("\n")
-            out.append(label + "\n")
-        if mine or writer not in self._after_cr:
             line.update(self._new_line())
-        self._after_cr.discard(writer)
+        # else: our line was ended already, by another's text below it
+        me.update(after_cr=False, mid=False, displaced=False, drawn="")
+
+    def _writer(self, writer) -> dict:
+        # after_cr: its last text was '\r'; mid: its line is unfinished (shown, or displaced by
+        # another's redraw, its last draw `drawn`)
+        return self._writers.setdefault(writer, {"after_cr": False, "mid": False, "displaced": False,
+                                                 "drawn": ""})
 
     class _Own:
         """This process's own stream while a LabelledOutput is entered: its text goes through it."""

@@ -335,7 +335,9 @@ class _Launch:
                 collector.start()
             self._set_env(self.caller_rank, port or free_port())
             try:
-                own = self._run_caller(fn, args, kwargs, ctx)
+                # The notebook's own text goes through `out` too: its lines and its children's never mix.
+                with out if self.child_ranks else LabelledOutput():
+                    own = self._run_caller(fn, args, kwargs, ctx)
             finally:
                 self._restore_env()
             results = self._join(collector) if collector else []

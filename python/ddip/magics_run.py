@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import selectors
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cli import binary
+from .group import LabelledOutput
 
 
 class DipRunError(RuntimeError):
@@ -103,9 +105,38 @@ def _rank_env() -> dict:
     return env
 
 
+class _Relabel:
+    """`ddip run`'s labelled output ("[rank] " after every '\n' and every '\r' that text follows;
+    every piece it writes ends in one of them), written to the notebook by a LabelledOutput: ranks'
+    redrawn bars take turns in place instead of overwriting each other's text."""
+
+    _TAG = re.compile(r"\[(\d+)\] ")
+
+    def __init__(self):
+        self.out = LabelledOutput("[{}] ")
+        self.partial = {"stdout": "", "stderr": ""}  # a read can end inside a piece
+        self.last = {"stdout": None, "stderr": None}  # whose text came last, per stream
+
+    def write(self, stream: str, text: str, final: bool = False):
+        text = self.partial[stream] + text
+        cut = len(text) if final else max(text.rfind("\n"), text.rfind("\r")) + 1
+        self.partial[stream] = text[cut:]
+        for piece in re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+", text[:cut]):
+            tag = self._TAG.match(piece)
+            if tag:
+                rank, piece = int(tag.group(1)), piece[tag.end():]
+            elif piece.strip("\r\n"):
+                rank = None  # ddip run's own message
+            else:
+                rank = self.last[stream]  # "\r" or the "\n" of "\r\n": the last writer's
+            self.last[stream] = rank
+            label = "" if rank is None else f"[{rank}] "
+            self.out.write((rank, stream), label, stream, piece)
+
+
 def _stream(argv: list[str]):
-    """Runs `ddip run`, copying its (already labelled, whole-line) output to the notebook as it
-    arrives. Returns its exit code, or "interrupted" when the kernel was interrupted."""
+    """Runs `ddip run`, copying its labelled output to the notebook as it arrives. Returns its
+    exit code, or "interrupted" when the kernel was interrupted."""
     # Its own session: jupyter_client interrupts the kernel's whole process group, and the
     # launcher must get each interrupt once (from here), or the second copy would kill the ranks.
     # --die-with-parent ties it to the kernel instead.
@@ -115,17 +146,15 @@ def _stream(argv: list[str]):
     sel = selectors.DefaultSelector()
     try:
         # A read can end inside a UTF-8 character: decode incrementally, per stream.
-        for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            sel.register(pipe, selectors.EVENT_READ, (sink, codecs.getincrementaldecoder("utf-8")("replace")))
+        out = _Relabel()
+        for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            sel.register(pipe, selectors.EVENT_READ, (name, codecs.getincrementaldecoder("utf-8")("replace")))
         while sel.get_map():
             try:
                 for key, _ in sel.select(timeout=0.5):
-                    sink, decoder = key.data
+                    name, decoder = key.data
                     data = os.read(key.fd, 65536)
-                    text = decoder.decode(data, final=not data)
-                    if text:
-                        sink.write(text)
-                        sink.flush()
+                    out.write(name, decoder.decode(data, final=not data), final=not data)
                     if not data:
                         sel.unregister(key.fileobj)
             except KeyboardInterrupt:
