@@ -96,6 +96,28 @@ def test_heal_on_request_releases_a_rank_stuck_in_a_collective(group):
     assert [r.value for r in sums] == [[2.0, 2.0], [2.0, 2.0]]
 
 
+def test_heal_frees_a_stuck_rank_from_its_own_side_while_its_peer_is_busy(group):
+    # Rank 0 waits in an all_reduce that rank 1 never joins; rank 1 is busy in Python, so its
+    # group can't be torn down for rank 0's sake: rank 0 is freed by its own abort thread.
+    with pytest.raises(TimeoutError):
+        group.run("t = torch.ones(1); dist.all_reduce(t)", ranks=[0], timeout=1)
+    busy = group.apply_async(_busy_python, ranks=[1])
+    report = group.heal()
+    assert report.ok and report.released == [0, 1]
+    with pytest.raises(ddip.RemoteError, match="KeyboardInterrupt"):
+        busy.result()  # interrupted by the heal, after its grace
+    out = group.run("t = torch.ones(1); dist.all_reduce(t); t.item()")
+    assert [r.value for r in out] == [2.0, 2.0]
+
+
+def _busy_python():
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_failure_outside_collectives_does_not_heal(group):
     port = group.master_port
     with pytest.raises(ddip.RemoteError) as info:

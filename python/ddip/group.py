@@ -936,6 +936,9 @@ class Group:
         slots = list(range(len(self.rank_ids)))
         heal = _Healing([])
         heal.stuck = [self.rank_ids[s] for s in slots if s in self._running]
+        for s in slots:  # still stuck in a collective, maybe: freed from their side
+            if s in self._running:
+                self._coord.signal(s, _heal.ABORT_SIGNAL)
         interrupted = None
         while True:
             for s in slots:  # every idle rank lets go of the old group, freeing whoever waits on it
@@ -981,6 +984,8 @@ class Group:
         req.heal = _Healing(failed)
         req.heal.stuck = sorted(self.rank_ids[s] for s in req.pending)
         self._heal_release(req)
+        for s in req.pending:  # from their side too: NCCL's peers are freed only by their own abort
+            self._coord.signal(s, _heal.ABORT_SIGNAL)
         return True
 
     def _heal_release(self, req: _Request):

@@ -19,11 +19,21 @@ again by the user; the cell's error says so. A rank that died still needs a rest
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import socket
+import sys
+import threading
 from datetime import timedelta
 
 from . import torchdist
+
+# The signal a heal sends a rank stuck in a collective: its process groups are aborted from a
+# thread of its own, since its main thread may be blocked in C (gloo, NCCL) where no Python
+# handler runs. faulthandler's C handler turns it into bytes on a pipe that thread reads. A
+# real-time one, as the stack-dump signal (SIGRTMAX - 1) and the kernel-death one (SIGRTMAX).
+ABORT_SIGNAL = signal.SIGRTMAX - 2
 
 # How long rank 0's fresh store waits for the others to join it.
 REJOIN_TIMEOUT_S = 60.0
@@ -106,6 +116,43 @@ def release() -> bool:
         except Exception:  # a broken group may fail its own teardown; it is gone either way
             pass
     return True
+
+
+def abort_here():
+    """In a rank stuck in a collective that will never complete: fails its pending operations
+    (gloo: its connections are closed; NCCL: its communicators aborted), so that the main thread
+    returns with an error. The process groups are gone afterwards; rejoin() makes a new one."""
+    if "torch.distributed" not in sys.modules:
+        return
+    _shutdown_sockets()
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:  # none left, or an older torch: the closed connections did it
+        pass
+
+
+def listen_for_abort():
+    """In a rank (worker.main): ABORT_SIGNAL runs abort_here() on a thread of its own."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # a signal nobody reads must never block the rank
+    faulthandler.register(ABORT_SIGNAL, file=write_end, all_threads=False, chain=False)
+
+    def wait():
+        while True:
+            try:
+                os.read(read_end, 65536)  # what faulthandler wrote: only the wake-up matters
+            except OSError:
+                return
+            try:
+                abort_here()
+                print("ddip: this rank's process groups were aborted to free it from a broken "
+                      "collective (heal)", file=sys.stderr, flush=True)
+            except Exception as exc:  # never kill the rank from here
+                print(f"ddip: aborting this rank's process groups failed: {exc}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=wait, name="ddip-heal-abort", daemon=True).start()
 
 
 def open_store(world: int, timeout: float = REJOIN_TIMEOUT_S) -> int:

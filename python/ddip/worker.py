@@ -33,6 +33,7 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
+from ddip import heal as _heal  # noqa: E402
 from ddip.displays import DisplayFrames, install_notebook_progress  # noqa: E402
 from ddip.messages import RemoteValue, dumps, dumps_framed, loads, loads_framed, memfd_with  # noqa: E402
 
@@ -281,6 +282,7 @@ def main():
     os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
     faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
     _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
+    _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
     try:
         while True:
             try:
