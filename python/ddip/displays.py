@@ -480,7 +480,7 @@ def _rank_tqdm_class(tqdm_notebook):
                 d = self.format_dict
                 d["bar_format"] = (d["bar_format"] or "{l_bar}<bar/>{r_bar}").replace("{bar}", "<bar/>")
                 msg = self.format_meter(**d)
-            bar.n = self.n
+            bar.n, bar.total = self.n, self.total  # Lightning sets .total after reset()
             if msg:
                 msg = msg.replace(" ", "\u2007")  # keeps the text's columns in HTML
                 if "<bar/>" in msg:
