@@ -24,7 +24,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 import weakref
 from typing import Callable
 
@@ -182,9 +181,9 @@ class _PatchingLoader(importlib.abc.Loader):
 def _apply(patch, module):
     try:
         patch(module)
-    except Exception:  # a library changed under us: keep its own behaviour, say why
-        print(f"ddip: could not switch {module.__name__} to notebook display:", file=sys.stderr)
-        traceback.print_exc()
+    except Exception as exc:  # a library changed under us: keep its own behaviour, say why
+        print(f"ddip: {module.__name__} keeps its text form in this rank; its notebook form could "
+              f"not be set up ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
