@@ -437,13 +437,11 @@ def test_a_rank_failing_before_a_collective_is_reported_instead_of_hanging():
         root, other = e.value.failures
         assert (root.rank, root.ename, root.evalue) == (1, "RuntimeError", "rank 1 broke before all_reduce")
         assert "root cause on rank 1: RuntimeError" in str(e.value)
-        assert other.rank == 0 and other.ename in ("StillRunning", "KeyboardInterrupt")
-        if other.ename == "StillRunning":  # stuck in gloo's C++ wait: busy until restarted
-            with pytest.raises(RuntimeError, match=r"rank\(s\) 0 still busy with an earlier request"):
-                g.run("1", ranks=[0])
-            assert [r.value for r in g.run("'fine'", ranks=[1])] == ["fine"]
-            g.restart()
-        assert [r.value for r in g.run("2")] == [2, 2]
+        # Rank 0 was freed from gloo's C++ wait (the group healed: see test_heal.py), so nothing
+        # is left busy and no restart is needed.
+        assert other.rank == 0 and "Connection closed by peer" in other.evalue, other
+        assert e.value.heal is not None and e.value.heal.ok
+        assert [r.value for r in g.run("t = torch.ones(1); dist.all_reduce(t); int(t.item())")] == [2, 2]
 
 
 def test_a_timeout_is_a_timeout_error_even_when_ranks_ignore_the_interrupt(group2):
