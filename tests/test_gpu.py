@@ -322,3 +322,25 @@ def test_a_gpu_that_is_not_visible_is_a_clear_error(ngpu, visible):
     assert msg.startswith(f"GPU {ngpu} is not visible: the notebook sees {ngpu} GPU")
     assert (f"positions 0-{ngpu - 1}" if ngpu > 1 else "positions 0,") in msg
     assert children_of(os.getpid()) == before
+
+
+def test_gpu_ranks_are_not_forced_to_cpu_for_accelerate(ngpu):
+    with ddip.Group(gpus=[0]) as g:
+        env = g.apply(lambda: __import__("os").environ.get("ACCELERATE_USE_CPU"))
+    assert env == [None]
+
+
+def test_nccl_group_heals_after_a_rank_raises_mid_step(ngpu):
+    """NCCL peers are freed only by their own abort (the heal's ABORT_SIGNAL thread)."""
+    if ngpu < 2:
+        pytest.skip("NCCL needs a GPU per rank: needs 2 GPUs")
+    with ddip.Group(gpus=[0, 1]) as g:
+        g.run("import torch, torch.distributed as dist\nx = 41")
+        with pytest.raises(ddip.RemoteError) as info:
+            g.run("t = torch.ones(4, device='cuda')\n"
+                  "if dist.get_rank() == 1:\n    raise ValueError('bad batch')\n"
+                  "dist.all_reduce(t); torch.cuda.synchronize()")
+        assert info.value.failures[0].rank == 1
+        assert info.value.heal is not None and info.value.heal.ok, info.value.heal
+        out = g.run("t = torch.ones(2, device='cuda'); dist.all_reduce(t); t.tolist(), x")
+        assert [r.value for r in out] == [([2.0, 2.0], 41)] * 2
