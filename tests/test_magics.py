@@ -182,6 +182,13 @@ def test_makedip_needs_a_size(kernel):
     assert "-n N" in err and "usage: %makedip" in err
 
 
+def test_an_unknown_app_is_named_with_the_known_ones_even_without_a_size(kernel):
+    for line in ("%makedip -a nosuchapp", "%makedip -n 2 -a nosuchapp"):
+        err = usage_error(kernel.run(line))
+        assert "-a nosuchapp: no such app; known apps: fastai" in err, err
+        assert "-n N" not in err.split("usage:")[0]
+
+
 # -- running cells -----------------------------------------------------------------------------
 
 def test_makedip_starts_three_ranks_and_info_describes_them(k):

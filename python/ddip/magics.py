@@ -302,6 +302,10 @@ class DipMagics(Magics):
         across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(_unquote(args.gpus)))
         if not across and (args.launcher is not None or args.python is not None or args.bind is not None):
             raise self._usage_error(fn, "--launcher, --python and --bind go with --hosts")
+        if args.app is not None and args.app not in _known_apps():  # before anything else is asked for
+            known = _known_apps()
+            raise self._usage_error(fn, f"-a {args.app}: no such app; known apps: "
+                                        f"{', '.join(known) if known else '(none installed)'}")
         base = self.spec if (args.restart and self.spec is not None) else None
         if base is None and not creating:
             if args.app is not None or args.timeout is not None or args.backend is not None or args.cold:
@@ -341,11 +345,6 @@ class DipMagics(Magics):
                             else [g for h in _hosts.parse_hosts(spec.hosts) for g in (h.gpus or [])])
         except ValueError as exc:
             raise self._usage_error(fn, f"--backend {spec.backend}: {exc}") from None
-        if spec.app is not None:
-            known = _known_apps()
-            if spec.app not in known:
-                raise self._usage_error(fn, f"-a {spec.app}: no such app; known apps: "
-                                            f"{', '.join(known) if known else '(none installed)'}")
         return spec
 
     def _hosts_spec(self, fn, args, spec: GroupSpec) -> GroupSpec:
