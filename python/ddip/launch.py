@@ -14,6 +14,7 @@ connections closed and returns; the notebook is never left waiting.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import os
@@ -29,6 +30,7 @@ from .displays import RankDisplays, notebook_env
 from .errors import RankFailure, RemoteError
 from .group import LabelledOutput, Group, free_port
 from .messages import dumps
+from .notebook_rank import NotebookRank
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
 
@@ -40,6 +42,15 @@ INTERRUPT_GRACE_S = 3.0
 # After another rank failed, how long the notebook's fn may take to end by itself before it is
 # interrupted.
 INTERRUPT_DELAY_S = 0.5
+# ...and how long after that failure the notebook is told why its rank is still running, when our
+# interrupt has not landed yet (fn is importing, or in a call that doesn't return to Python).
+INTERRUPT_NOTICE_S = 10.0
+# How often the notebook's stack is looked at while our interrupt waits for a safe point.
+_POLL_FIRST_S, _POLL_MAX_S = 0.005, 0.05
+# Frames of the import system: every import that runs a module's code runs it under
+# importlib._bootstrap._find_and_load (CPython 3.3 to 3.13, frozen or not).
+_IMPORT_SYSTEM = frozenset({"importlib._bootstrap", "importlib._bootstrap_external", "_frozen_importlib",
+                            "_frozen_importlib_external"})
 
 
 # -- the public API -----------------------------------------------------------------------------
@@ -280,12 +291,17 @@ class _Launch:
         self.running: set[int] = set()  # child ranks past ctx.__enter__, not yet done or failed
         self.stopped: set[int] = set()  # child ranks we killed because another failed
         self.main_in_fn = False
-        self.interrupt_sent = False
-        self.interrupt_seen = False
+        self.interrupt_sent = False  # ddip interrupted (or decided not to start) the notebook's fn
+        self.interrupt_seen = False  # ...and fn got it
         self.main_ident = None
+        self._sigint_prev = None  # the SIGINT handler _on_sigint stands in for while fn runs
+        self._own_sigints = collections.deque()  # our SIGINTs sent, not yet taken by _on_sigint
+        self._in_flight = False  # one of ours is sent and not put off: none more until it is
+        self._stopper: threading.Thread | None = None
         self.saved_env: dict[str, str] | None = None
         self.warm = None  # Group(warm=...) for the children
         self.displays = RankDisplays()  # the children's display() calls, shown in the notebook
+        self.notebook = NotebookRank()  # what fn changes in the notebook's process, undone after
 
     # The notebook's environment is restored exactly, whatever fn or ctx did to it.
     def _set_env(self, rank, port):
@@ -293,6 +309,9 @@ class _Launch:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nprocs),
                            "LOCAL_WORLD_SIZE": str(self.nprocs), "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)})
+        if self.selected is None:
+            # accelerate goes multi-process on CPU only if told, as the CPU children are.
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
     def _restore_env(self):
         saved, self.saved_env = self.saved_env, None
@@ -334,12 +353,14 @@ class _Launch:
                 collector = _Collector(self, pending, out)
                 collector.start()
             self._set_env(self.caller_rank, port or free_port())
+            self.notebook.as_launched()
             try:
                 # The notebook's own text goes through `out` too: its lines and its children's never mix.
                 with out if self.child_ranks else LabelledOutput():
                     own = self._run_caller(fn, args, kwargs, ctx)
             finally:
                 self._restore_env()
+                self.notebook.look_interactive()
             results = self._join(collector) if collector else []
         return self._finish(results, own, gather)
 
@@ -352,33 +373,23 @@ class _Launch:
 
         def body(*a, **kw):
             # Our interrupt (another rank failed) is only ever delivered inside here, never
-            # while ctx sets up or tears down.
-            with self.lock:
-                self.main_in_fn = True
-                if self.failed_at and not self.interrupt_sent:
-                    self.interrupt_sent = True  # a rank failed while ctx was entering: don't start
-                    self.main_in_fn = False
+            # while ctx sets up or tears down, and never inside an import.
+            self._guard_sigint()
             try:
-                if not self.main_in_fn:
+                with self.lock:
+                    late = bool(self.failed_at)  # a rank failed while ctx was entering: don't start
+                    self.main_in_fn = not late
+                    self.interrupt_sent |= late
+                if late:
+                    self.interrupt_seen = True
                     raise KeyboardInterrupt("another rank failed")
                 return fn(*a, **kw)
-            except KeyboardInterrupt:
-                if self.interrupt_sent:
-                    self.interrupt_seen = True
-                raise
             finally:
                 try:
                     with self.lock:
                         self.main_in_fn = False
-                    if self.interrupt_sent and not self.interrupt_seen:
-                        # Sent while fn ran, not yet raised: take it here, before ctx exits.
-                        deadline = time.monotonic() + 1.0
-                        while time.monotonic() < deadline:
-                            time.sleep(0.005)
-                except KeyboardInterrupt:
-                    if not self.interrupt_sent or self.interrupt_seen:
-                        raise
-                    self.interrupt_seen = True
+                finally:
+                    self._unguard_sigint()
 
         def on_error():
             exc = sys.exc_info()[1]
@@ -391,6 +402,7 @@ class _Launch:
         try:
             return ("ok", _call(body, args, kwargs, ctx, on_error))
         except BaseException as exc:
+            _drop_sigint_handler_frame(exc)
             tb = exc.__traceback__
             while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
                 tb = tb.tb_next  # start at the user's code, not at ours
@@ -407,22 +419,82 @@ class _Launch:
     def _interrupt_main(self):
         """Gives the notebook control back when its fn waits, in Python, for a rank that failed.
         (A wait inside gloo ends by itself: the failed rank's peers are killed, so their
-        connections close.) A moment's delay lets fn end by itself first."""
+        connections close.)"""
         with self.lock:
-            if not self.main_in_fn or self.interrupt_sent or self.main_ident is None:
+            if not self.main_in_fn or self._stopper is not None or self._sigint_prev is None:
                 return
-        timer = threading.Timer(INTERRUPT_DELAY_S, self._send_interrupt)
-        timer.daemon = True
-        timer.start()
+            self._stopper = threading.Thread(target=self._stop_main, name="ddip-ranch-stopper", daemon=True)
+        self._stopper.start()
 
-    def _send_interrupt(self):
+    def _stop_main(self):
+        """Sends our SIGINT to the notebook's fn, after a moment's delay that lets fn end by itself,
+        and again each time the handler put it off (fn was importing), until it lands or fn ends."""
+        started = time.monotonic()
+        time.sleep(INTERRUPT_DELAY_S)
+        poll, told = _POLL_FIRST_S, False
+        while True:
+            with self.lock:
+                if not self.main_in_fn or self.interrupt_seen or self._sigint_prev is None:
+                    return
+                frame = sys._current_frames().get(self.main_ident)
+                importing = _inside_import(frame)
+                if importing is None and not self._in_flight:
+                    self.interrupt_sent = self._in_flight = True
+                    self._own_sigints.append(True)
+                    signal.pthread_kill(self.main_ident, signal.SIGINT)
+                unreached = self._in_flight
+            if not told and time.monotonic() - started >= INTERRUPT_NOTICE_S and (importing or unreached):
+                told = True
+                self._tell_still_running(importing, frame)
+            del frame
+            time.sleep(poll)
+            poll = min(poll * 2, _POLL_MAX_S)
+
+    def _on_sigint(self, signum, frame):
+        """SIGINT while fn runs in the notebook: the user's goes on as always; ours raises
+        KeyboardInterrupt only where unwinding is safe, else _stop_main sends it again later."""
+        try:
+            self._own_sigints.popleft()
+        except IndexError:
+            return self._sigint_prev(signum, frame)  # the user's Ctrl-C: as always
+        if not self.main_in_fn:
+            return  # fn has ended: ctx's teardown is never interrupted
+        if _inside_import(frame) is not None:
+            self._in_flight = False  # half-initialized modules would break the kernel until a restart
+            return
+        self.interrupt_seen = True
+        raise KeyboardInterrupt("another rank failed")
+
+    def _guard_sigint(self):
+        # Only where SIGINT means KeyboardInterrupt, as in a kernel running a cell.
+        if self.main_ident is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._sigint_prev = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _unguard_sigint(self):
+        if self._sigint_prev is None:
+            return
+        try:
+            # Ours, sent just as fn ended, is taken here by our handler, not in ctx's teardown.
+            deadline = time.monotonic() + 1.0
+            while self._own_sigints and time.monotonic() < deadline:
+                time.sleep(0.001)
+        finally:
+            # Also undoes a handler fn left behind (Lightning ignores SIGINT after an interrupt).
+            signal.signal(signal.SIGINT, self._sigint_prev)
+            self._sigint_prev = None
+
+    def _tell_still_running(self, importing, frame):
         with self.lock:
-            if not self.main_in_fn or self.interrupt_sent or self.main_ident is None:
-                return
-            if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-                return  # only where SIGINT means KeyboardInterrupt, as in a kernel running a cell
-            self.interrupt_sent = True
-            signal.pthread_kill(self.main_ident, signal.SIGINT)
+            failed = sorted((t, r) for r, t in self.failed_at.items() if r != self.caller_rank)
+        first = f"rank {failed[0][1]}" if failed else "another rank"
+        if importing:
+            why = (f"it is inside `import {importing}`, which an interrupt would leave half-initialized; "
+                   f"it is interrupted once the import completes")
+        else:
+            where = f" ({frame.f_code.co_name} at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
+            why = f"it is in a call that does not return to Python{where}; it is interrupted once that returns"
+        print(f"ddip: {first} failed, but the notebook's rank {self.caller_rank} is still running fn: {why}",
+              file=sys.stderr, flush=True)
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -561,10 +633,14 @@ class _Launch:
 
     def cleanup(self):
         self._restore_env()
+        self.notebook.look_interactive()
         if self.group is not None:
             self.group.close(0.5)
             self.group = None
-        torchdist.release()  # the children are gone: the notebook's store server can go too
+        # The children are gone: what fn created in the notebook (process groups hosting the
+        # store they used, accelerate's state) can go too.
+        self.notebook.restore()
+        torchdist.release()
 
 
 class _Collector(threading.Thread):
@@ -583,6 +659,33 @@ class _Collector(threading.Thread):
             self.error = exc
             self.launch._kill(self.launch.child_ranks)
             self.launch._interrupt_main()
+
+
+def _inside_import(frame) -> str | None:
+    """The outermost module whose import is running on the stack that `frame` tops, or None.
+
+    The import system's own frames on the stack are the sign: they are there for every import,
+    in every CPython from 3.9 to 3.13, and need no private structure (the module locks' layout
+    changed in 3.12, and a lock is not even taken for every import)."""
+    name, inner = None, None
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _IMPORT_SYSTEM:
+            if name is None:
+                name = "?"
+            if inner is not None and inner.f_code.co_name == "<module>" \
+                    and inner.f_globals.get("__name__") not in _IMPORT_SYSTEM:
+                name = inner.f_globals.get("__name__", "?")
+        inner, frame = frame, frame.f_back
+    return name
+
+
+def _drop_sigint_handler_frame(exc):
+    # The user's Ctrl-C ends where fn was, as it did before _on_sigint stood in for the handler.
+    tb, last = exc.__traceback__, None
+    while tb is not None and tb.tb_next is not None:
+        last, tb = tb, tb.tb_next
+    if last is not None and tb.tb_frame.f_code is _Launch._on_sigint.__code__:
+        last.tb_next = None
 
 
 # -- in every rank ------------------------------------------------------------------------------

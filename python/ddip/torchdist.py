@@ -105,3 +105,38 @@ def shutdown():
     finally:
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+
+
+def process_groups() -> frozenset:
+    """The process groups that exist in this process now (the default one among them); empty
+    where torch.distributed was never imported, or isn't built in."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return frozenset()
+    return frozenset(dist.distributed_c10d._world.pg_map)
+
+
+def destroy_since(before: frozenset) -> list:
+    """Destroys every process group created since `before` = process_groups() was taken: all of
+    them at once when the default group is new (as destroy_process_group() does), else one by
+    one, leaving the groups of `before` (a default group the caller had already) untouched.
+    Returns the errors met, as (group, exception); a group that fails still goes on to the next."""
+    new = process_groups() - before
+    if not new:
+        return []
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d.GroupMember.WORLD
+    if default is not None and default in new:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:
+            return [(default, exc)]
+        return []
+    errors = []
+    for pg in new:
+        try:
+            dist.destroy_process_group(pg)
+        except Exception as exc:
+            errors.append((pg, exc))
+    return errors
