@@ -101,8 +101,13 @@ def _pip_sources() -> tuple[list[str], list[str]]:
     dirs = []
     for v in values:
         for item in v.split():
-            path = item.removeprefix("file://")
-            if path.startswith("/") and os.path.isdir(path) and path not in dirs:
+            path = item.removeprefix("file://").rstrip("/")
+            if not (path.startswith("/") and os.path.isdir(path)):
+                continue
+            # A local index's pages link to files beside it (../files/...): its parent comes too.
+            if path.endswith("/simple"):
+                path = os.path.dirname(path)
+            if path not in dirs:
                 dirs.append(path)
     return files, dirs
 
