@@ -67,7 +67,7 @@ def ensure(name: str, suite: str, packages: list[str], sysroot: bool = False, lo
     if (dest / ".ddip-complete").exists():
         return dest
     roots.mkdir(parents=True, exist_ok=True)
-    for old in roots.glob(f"{name}-*"):  # an older recipe's root, or one a killed run left
+    for old in [*roots.glob(f"{name}-*"), *roots.glob(f".{name}-*")]:  # an older recipe's, a killed run's
         shutil.rmtree(old, ignore_errors=True)
     tmp = roots / f".{dest.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -120,7 +120,7 @@ def run(root: Path, script: str, binds: dict[str, str] | None = None, env: dict[
     pip_cache = CACHE / "pip"
     pip_cache.mkdir(parents=True, exist_ok=True)
     mounts = [(str(pip_cache), "/root/.cache/pip", False)]
-    mounts += [(f, f, True) for f in files if not f.startswith("/root/.cache")]
+    mounts += [(f, f, True) for f in files]
     mounts += [(d, d, True) for d in dirs]
     mounts += [(p, p, True) for p in ("/etc/resolv.conf", "/etc/hosts", CA_BUNDLE) if os.path.exists(p)]
     mounts += [(src, dst, True) for src, dst in (binds or {}).items()]

@@ -41,6 +41,10 @@ with tempfile.TemporaryDirectory() as tmp:
                          capture_output=True, text=True, timeout=120)
     seen["run_rc"] = out.returncode
     seen["run_lines"] = sorted(line for line in out.stdout.splitlines() if "rank" in line)
+    # The same program inside the package (ddip/bin), as `python -m ddip` and %%diprun reach it.
+    out = subprocess.run([sys.executable, "-m", "ddip", "run", "-n", "1", sys.executable, script],
+                         capture_output=True, text=True, timeout=120)
+    seen["module_run"] = [out.returncode, [line for line in out.stdout.splitlines() if "rank" in line]]
 
 # 3. A notebook through a real kernel (the venv's ipykernel): the extension, %makedip, %%dip.
 nb = nbformat.v4.new_notebook()
