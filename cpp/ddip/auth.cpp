@@ -1,14 +1,17 @@
 #include "ddip/auth.hpp"
 
-#include <openssl/core_names.h>
+// OpenSSL 1.1.1's API (OPENSSL_API_COMPAT, set by CMake), which libcrypto.so.1.1 and
+// libcrypto.so.3 both export with the same signatures.
+#include <dlfcn.h>
 #include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
-#include <openssl/params.h>
+#include <openssl/hmac.h>
 #include <openssl/rand.h>
 
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace ddip {
 namespace detail {
@@ -18,16 +21,76 @@ constexpr std::string_view kMagic{"ddiplnk1", 8};
 constexpr std::string_view kHostLabel = "ddip host";
 constexpr std::string_view kKernelLabel = "ddip kernel";
 
-[[noreturn]] void throw_openssl(const char* call) {
-  char buf[256] = "unknown error";
-  if (unsigned long e = ERR_get_error()) ERR_error_string_n(e, buf, sizeof buf);
-  throw std::runtime_error(std::string(call) + " failed: " + buf);
+// libcrypto is opened at run time, not linked: a wheel then runs with whichever of the two
+// sonames the system has and with the system's security updates, and ddip without other hosts
+// (the only users of this file) never needs it at all.
+struct Libcrypto {
+  decltype(&::RAND_bytes) rand_bytes;
+  decltype(&::EVP_sha256) sha256;
+  decltype(&::HMAC_CTX_new) hmac_ctx_new;
+  decltype(&::HMAC_CTX_free) hmac_ctx_free;
+  decltype(&::HMAC_Init_ex) hmac_init;
+  decltype(&::HMAC_Update) hmac_update;
+  decltype(&::HMAC_Final) hmac_final;
+  decltype(&::CRYPTO_memcmp) memcmp;
+  decltype(&::ERR_get_error) get_error;
+  decltype(&::ERR_error_string_n) error_string;
+};
+
+constexpr const char* kLibcryptos[] = {"libcrypto.so.3", "libcrypto.so.1.1"};
+
+Libcrypto open_libcrypto() {
+  void* lib = nullptr;
+  const char* name = nullptr;
+  // One already in the process first (the Python interpreter's, say), so there is one libcrypto.
+  for (int mode : {RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
+    for (const char* n : kLibcryptos)
+      if ((lib = ::dlopen(n, mode))) {
+        name = n;
+        break;
+      }
+    if (lib) break;
+  }
+  if (!lib) {
+    const char* why = ::dlerror();
+    throw std::runtime_error(
+        "ddip needs OpenSSL's libcrypto (libcrypto.so.3 or libcrypto.so.1.1) to authenticate links "
+        "between hosts, and found neither (" +
+        std::string(why ? why : "dlopen failed") +
+        "): install libssl3 (Debian, Ubuntu; libssl1.1 on older releases), openssl-libs (RHEL, "
+        "Fedora) or openssl (conda)");
+  }
+  Libcrypto c{};
+  auto bind = [&](auto& fn, const char* symbol) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, symbol));
+    if (!fn)
+      throw std::runtime_error(std::string(name) + " has no " + symbol +
+                               ": ddip needs OpenSSL 1.1.1 or 3.x (libssl3 or libssl1.1)");
+  };
+  bind(c.rand_bytes, "RAND_bytes");
+  bind(c.sha256, "EVP_sha256");
+  bind(c.hmac_ctx_new, "HMAC_CTX_new");
+  bind(c.hmac_ctx_free, "HMAC_CTX_free");
+  bind(c.hmac_init, "HMAC_Init_ex");
+  bind(c.hmac_update, "HMAC_Update");
+  bind(c.hmac_final, "HMAC_Final");
+  bind(c.memcmp, "CRYPTO_memcmp");
+  bind(c.get_error, "ERR_get_error");
+  bind(c.error_string, "ERR_error_string_n");
+  return c;
 }
 
-struct MacDeleter {
-  void operator()(EVP_MAC* m) const { EVP_MAC_free(m); }
-  void operator()(EVP_MAC_CTX* c) const { EVP_MAC_CTX_free(c); }
-};
+// Opened on first use; a failed open throws and is tried again on the next use.
+const Libcrypto& libcrypto() {
+  static const Libcrypto c = open_libcrypto();
+  return c;
+}
+
+[[noreturn]] void throw_openssl(const char* call) {
+  char buf[256] = "unknown error";
+  if (unsigned long e = libcrypto().get_error()) libcrypto().error_string(e, buf, sizeof buf);
+  throw std::runtime_error(std::string(call) + " failed: " + buf);
+}
 
 std::string_view u32_bytes(const uint32_t& v) {
   return {reinterpret_cast<const char*>(&v), sizeof v};
@@ -47,39 +110,32 @@ LinkKeys derive(std::string_view key, std::string_view kernel_nonce, std::string
 
 std::string random_bytes(size_t n) {
   std::string out(n, '\0');
-  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1)
+  if (detail::libcrypto().rand_bytes(reinterpret_cast<unsigned char*>(out.data()),
+                                     static_cast<int>(n)) != 1)
     detail::throw_openssl("RAND_bytes");
   return out;
 }
 
 std::string hmac_sha256(std::string_view key, std::initializer_list<std::string_view> parts) {
-  // One fetch per process: fetching is the slow part of EVP_MAC.
-  static const std::unique_ptr<EVP_MAC, detail::MacDeleter> mac(
-      EVP_MAC_fetch(nullptr, "HMAC", nullptr));
-  if (!mac) detail::throw_openssl("EVP_MAC_fetch(HMAC)");
-  std::unique_ptr<EVP_MAC_CTX, detail::MacDeleter> ctx(EVP_MAC_CTX_new(mac.get()));
-  if (!ctx) detail::throw_openssl("EVP_MAC_CTX_new");
-  char digest[] = "SHA256";
-  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
-                         OSSL_PARAM_construct_end()};
-  if (EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(key.data()), key.size(),
-                   params) != 1)
-    detail::throw_openssl("EVP_MAC_init");
+  const detail::Libcrypto& c = detail::libcrypto();
+  std::unique_ptr<HMAC_CTX, decltype(c.hmac_ctx_free)> ctx(c.hmac_ctx_new(), c.hmac_ctx_free);
+  if (!ctx) detail::throw_openssl("HMAC_CTX_new");
+  if (c.hmac_init(ctx.get(), key.data(), static_cast<int>(key.size()), c.sha256(), nullptr) != 1)
+    detail::throw_openssl("HMAC_Init_ex");
   for (std::string_view p : parts)
     if (!p.empty() &&
-        EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(p.data()), p.size()) != 1)
-      detail::throw_openssl("EVP_MAC_update");
+        c.hmac_update(ctx.get(), reinterpret_cast<const unsigned char*>(p.data()), p.size()) != 1)
+      detail::throw_openssl("HMAC_Update");
   std::string out(kMacBytes, '\0');
-  size_t len = 0;
-  if (EVP_MAC_final(ctx.get(), reinterpret_cast<unsigned char*>(out.data()), &len, out.size()) !=
-          1 ||
+  unsigned int len = 0;
+  if (c.hmac_final(ctx.get(), reinterpret_cast<unsigned char*>(out.data()), &len) != 1 ||
       len != kMacBytes)
-    detail::throw_openssl("EVP_MAC_final");
+    detail::throw_openssl("HMAC_Final");
   return out;
 }
 
 bool same_mac(std::string_view a, std::string_view b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+  return a.size() == b.size() && detail::libcrypto().memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
 std::string FrameMac::compute(std::string_view header, std::string_view body) const {

@@ -390,8 +390,7 @@ void RankTemplate::on_frame(Frame f) {
       // kill and reap. __WALL: its exit signal is the template's, which may be 0.
       ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
       siginfo_t info{};
-      while (::waitid(P_PIDFD, static_cast<id_t>(pidfd.get()), &info, WEXITED | __WALL) < 0 &&
-             errno == EINTR) {
+      while (detail::waitid_pidfd(pidfd.get(), &info, WEXITED | __WALL) < 0 && errno == EINTR) {
       }
     }
     // Refused without a child: the template found itself unsafe to fork; never ask it again

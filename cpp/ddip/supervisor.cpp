@@ -15,12 +15,18 @@
 #include <csignal>
 #include <cstring>
 #include <system_error>
+#include <utility>
 
 namespace ddip {
 namespace detail {
 
 int pidfd_send_signal(int pidfd, int sig) {
   return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
+}
+
+int waitid_pidfd(int pidfd, siginfo_t* info, int options) {
+  constexpr idtype_t kPidfd = static_cast<idtype_t>(3);  // P_PIDFD in <linux/wait.h>
+  return ::waitid(kPidfd, static_cast<id_t>(pidfd), info, options);
 }
 
 std::vector<char*> c_strings(const std::vector<std::string>& v) {
@@ -125,8 +131,22 @@ ExitStatus decode(const siginfo_t& info) {
 }  // namespace detail
 
 std::string signal_name(int sig) {
-  const char* abbrev = ::sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+  // sigabbrev_np() would do, but it is glibc 2.32's and the wheels run on 2.31.
+  static constexpr std::pair<int, const char*> kNames[] = {
+      {SIGHUP, "SIGHUP"},       {SIGINT, "SIGINT"},       {SIGQUIT, "SIGQUIT"},
+      {SIGILL, "SIGILL"},       {SIGTRAP, "SIGTRAP"},     {SIGABRT, "SIGABRT"},
+      {SIGBUS, "SIGBUS"},       {SIGFPE, "SIGFPE"},       {SIGKILL, "SIGKILL"},
+      {SIGUSR1, "SIGUSR1"},     {SIGSEGV, "SIGSEGV"},     {SIGUSR2, "SIGUSR2"},
+      {SIGPIPE, "SIGPIPE"},     {SIGALRM, "SIGALRM"},     {SIGTERM, "SIGTERM"},
+      {SIGSTKFLT, "SIGSTKFLT"}, {SIGCHLD, "SIGCHLD"},     {SIGCONT, "SIGCONT"},
+      {SIGSTOP, "SIGSTOP"},     {SIGTSTP, "SIGTSTP"},     {SIGTTIN, "SIGTTIN"},
+      {SIGTTOU, "SIGTTOU"},     {SIGURG, "SIGURG"},       {SIGXCPU, "SIGXCPU"},
+      {SIGXFSZ, "SIGXFSZ"},     {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"},
+      {SIGWINCH, "SIGWINCH"},   {SIGIO, "SIGIO"},         {SIGPWR, "SIGPWR"},
+      {SIGSYS, "SIGSYS"}};
+  for (const auto& [number, name] : kNames)
+    if (number == sig) return name;
+  return "signal " + std::to_string(sig);
 }
 
 std::string ExitStatus::describe() const {
@@ -224,7 +244,7 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
     int child_errno = 0;
     std::memcpy(&child_errno, buf + len + 1, sizeof child_errno);
     siginfo_t info{};
-    ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &info, WEXITED);
+    detail::waitid_pidfd(c.pidfd_.get(), &info, WEXITED);
     throw std::system_error(child_errno, std::generic_category(),
                             std::string(buf) + " failed while starting '" + spec.argv[0] + "'");
   }
@@ -253,7 +273,7 @@ std::optional<ExitStatus> Supervisor::poll(size_t i) {
   siginfo_t info{};
   // WNOWAIT first: while the leader is an unreaped zombie its pid can't be reused, so killing its
   // group reaches only what it left behind (DataLoader workers, say), never a stranger.
-  int rc = ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &info, WEXITED | WNOHANG | WNOWAIT);
+  int rc = detail::waitid_pidfd(c.pidfd_.get(), &info, WEXITED | WNOHANG | WNOWAIT);
   if (rc < 0) {
     if (errno == EINTR) return std::nullopt;
     if (errno != ECHILD) throw_errno("waitid", "checking on a worker process");
@@ -266,7 +286,7 @@ std::optional<ExitStatus> Supervisor::poll(size_t i) {
   ::kill(-c.pid_, SIGKILL);
   siginfo_t reaped{};
   do {
-    rc = ::waitid(P_PIDFD, static_cast<id_t>(c.pidfd_.get()), &reaped, WEXITED);
+    rc = detail::waitid_pidfd(c.pidfd_.get(), &reaped, WEXITED);
   } while (rc < 0 && errno == EINTR);
   // ECHILD: reaped by someone else in between; the status already read is still the real one.
   if (rc < 0 && errno != ECHILD) throw_errno("waitid", "reaping a worker process");

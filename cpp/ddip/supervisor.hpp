@@ -8,6 +8,7 @@
 // 6.15+), or is reported as unknown.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -106,5 +107,11 @@ class Supervisor {
 };
 
 std::string signal_name(int sig);
+
+namespace detail {
+// waitid() on a pidfd (P_PIDFD, Linux 5.4). glibc declares P_PIDFD from 2.36 on and the wheels
+// build against 2.31, so the id type is given by its number here, once.
+int waitid_pidfd(int pidfd, siginfo_t* info, int options);
+}  // namespace detail
 
 }  // namespace ddip

