@@ -87,12 +87,27 @@ def all_reduce_rank():
     return dist.get_world_size(), t.item()
 
 
-def test_torch_fn_that_leaves_its_process_group_runs_twice_then_torchddp_launch_works():
-    for _ in range(2):
-        (w0, l0, p0), (w1, l1, p1) = ddip.ranch(2, ddp_that_leaves_its_group)
-        assert w0 == w1 == 2
-        assert same_params(p0, p1)  # DDP kept the ranks' weights identical
-        assert falls(l0) and falls(l1), (l0, l1)
+def ddp_that_fails_on_rank_1():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 failed mid-training")
+    dist.all_reduce(torch.ones(1))  # the notebook's rank waits for rank 1 in gloo
+
+
+def test_torch_fn_that_leaves_its_process_group_runs_twice_also_after_a_failure_then_torchddp_launch_works():
+    for fails in (False, True, False):
+        if fails:
+            with pytest.raises(ddip.RemoteError) as ei:
+                ddip.ranch(2, ddp_that_fails_on_rank_1)
+            assert (ei.value.failures[0].rank, ei.value.failures[0].ename) == (1, "RuntimeError")
+        else:
+            (w0, l0, p0), (w1, l1, p1) = ddip.ranch(2, ddp_that_leaves_its_group)
+            assert w0 == w1 == 2
+            assert same_params(p0, p1)  # DDP kept the ranks' weights identical
+            assert falls(l0) and falls(l1), (l0, l1)
         assert_notebook_is_as_found()
     assert ddip.torchddp_launch(2, all_reduce_rank) == (2, 3.0)
 
