@@ -71,6 +71,10 @@ def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather:
     warm: None/True forks the children from the kernel's rank template (ddip.prewarm());
         False starts them cold.
 
+    The notebook's process is left as it was found, also on error: its environment, the
+    process groups fn created there (HF Trainer, Accelerator() and Lightning leave theirs),
+    accelerate's and Lightning's process-wide state, the current CUDA device (docs/launch.md).
+
     Raises RemoteError naming the first failing rank (the root cause), then the others."""
     return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
                   need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals,
