@@ -410,6 +410,16 @@ def test_the_users_ctrl_c_during_an_import_is_immediate_as_always(tmp_path, monk
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def ignore_sigint_as_lightning_does_after_an_interrupt():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_a_sigint_handler_fn_leaves_in_the_notebook_is_undone():
+    assert ddip.ranch(2, ignore_sigint_as_lightning_does_after_an_interrupt) == [True, True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.skipif(ddip.group.gpu_count() < 2, reason="needs two NVIDIA GPUs")
 def test_the_notebooks_current_cuda_device_is_restored():
     import torch
