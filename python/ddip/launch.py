@@ -495,8 +495,9 @@ class _Launch:
             why = (f"it is inside `import {importing}`, which an interrupt would leave half-initialized; "
                    f"it is interrupted once the import completes")
         else:
-            where = f" ({frame.f_code.co_name} at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
-            why = f"it is in a call that does not return to Python{where}; it is interrupted once that returns"
+            where = f" ({frame.f_code.co_name} at {frame.f_code.co_filename}:{frame.f_lineno})" \
+                if frame else ""
+            why = f"it is in a call that does not return to Python{where}; it is interrupted once it returns"
         print(f"ddip: {first} failed, but the notebook's rank {self.caller_rank} is still running fn: {why}",
               file=sys.stderr, flush=True)
 

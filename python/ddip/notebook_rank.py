@@ -25,9 +25,9 @@ _ACCELERATE_STATES = ("PartialState", "AcceleratorState", "GradientState")
 
 
 class NotebookRank:
-    """One launch's changes to the notebook's process, undone in two steps: `as_launched()` ...
-    `look_interactive()` around fn (the environment restored in between, by the launch), then
-    `restore()` once the children are gone (their teardown may still use this rank's store)."""
+    """One launch's changes to the notebook's process: as_launched() before fn, undone in two
+    steps: look_interactive() right after fn (once the launch put the environment back), and
+    restore() once the children are gone (until then they may still use this rank's store)."""
 
     def __init__(self):
         self._ps1 = _MISSING
