@@ -65,5 +65,21 @@ def no_leftover_workers():
         f"leftover child processes: {children_of(os.getpid()) - before}"
 
 
+def render(text: str) -> list[str]:
+    """Stream text as a notebook front end (or a terminal) shows it: '\\r' returns to the start of
+    the line and what follows overwrites it."""
+    lines, cur, col = [], [], 0
+    for ch in text.replace("\r\n", "\n"):
+        if ch == "\n":
+            lines.append("".join(cur))
+            cur, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            cur[col:col + 1] = [ch]
+            col += 1
+    return lines + (["".join(cur)] if cur else [])
+
+
 requires_gpu = pytest.mark.skipif(ddip.group.gpu_count() == 0, reason="needs an NVIDIA GPU")
 PY = sys.executable

@@ -10,6 +10,7 @@ import cloudpickle
 import pytest
 
 import ddip
+from conftest import render
 
 fastai = pytest.importorskip("fastai", reason="fastai is not installed (make setup installs it)")
 pytest.importorskip("accelerate", reason="fastai's distributed training needs accelerate")
@@ -55,7 +56,7 @@ def test_fastai_learner_trains_with_ddp_across_two_cpu_ranks(monkeypatch):
     [[w0], [b0]] = res[0]["after"]
     assert abs(w0 - 3) < 0.6 and abs(b0 + 1) < 0.6, res[0]["after"]  # it learned y = 3x - 1
     assert res[0]["valid_loss"] < 0.5
-    text = out.getvalue()
+    text = "\n".join(render(out.getvalue()))  # as a notebook or a terminal shows it
     # Metrics come from rank 0 (the notebook) only: fastai drops them from the other ranks.
     assert re.search(r"epoch\s+train_loss\s+valid_loss", text), text
     assert len(re.findall(r"\b7\s+\d+\.\d+\s+\d+\.\d+\s+\d\d:\d\d", text)) == 1  # last epoch's row, once

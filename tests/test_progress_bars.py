@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_displays import RawKernel  # noqa: E402
+from conftest import render
 from test_magics import running_kernel  # noqa: E402
 
 pytest.importorskip("torch")
@@ -60,22 +61,6 @@ def in_place(cell) -> dict[str, list[dict]]:
             assert did in shown, f"update of {did} before it was shown"
             shown[did].append(c["data"])
     return shown
-
-
-def render(text: str) -> list[str]:
-    """Stream text as a notebook front end (or a terminal) shows it: '\\r' returns to the start of
-    the line and what follows overwrites it."""
-    lines, cur, col = [], [], 0
-    for ch in text.replace("\r\n", "\n"):
-        if ch == "\n":
-            lines.append("".join(cur))
-            cur, col = [], 0
-        elif ch == "\r":
-            col = 0
-        else:
-            cur[col:col + 1] = [ch]
-            col += 1
-    return lines + (["".join(cur)] if cur else [])
 
 
 # -- rich in %%dip ----------------------------------------------------------------------------------
