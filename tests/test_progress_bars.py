@@ -214,6 +214,19 @@ def test_ranch_lines_never_mix_and_bars_redraw_in_place(k):
     assert "100%" in bar[-1]["text/plain"]
 
 
+def test_a_bar_that_ends_under_another_writers_bar_takes_its_line_back():
+    import io
+
+    from ddip.group import LabelledOutput
+
+    dest, out = io.StringIO(), LabelledOutput()
+    for rank, text in ((0, "\rbar 0: 1/2"), (1, "\rbar 1: 1/2 ..."), (0, "\rbar 0: 2/2"),
+                       (1, "\rbar 1: 1/2 ...."), (0, "\n"), (1, "\rbar 1: 2/2"), (1, "\n")):
+        out.write(rank, f"[rank {rank}] ", "stderr", text, dest)
+    # Each bar's final state, once; no half-way state of either left behind.
+    assert [line.rstrip() for line in render(dest.getvalue())] == ["[rank 0] bar 0: 2/2", "[rank 1] bar 1: 2/2"]
+
+
 def test_diprun_tqdm_bars_of_two_ranks_redraw_in_place(k):
     cell = k.run("%%diprun -n 2\nimport os, time\nfrom tqdm import tqdm\n"
                  "for i in tqdm(range(30), mininterval=0, desc='rank ' + os.environ['RANK']):\n"

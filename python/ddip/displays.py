@@ -222,7 +222,7 @@ def _fastprogress_notebook(mod):
     mod.IN_NOTEBOOK = True  # printing() asks this
     console = {mod.ConsoleMasterBar: mod.NBMasterBar, mod.ConsoleProgressBar: mod.NBProgressBar}
     # Modules that imported the console classes already (fastai, preloaded by a rank template).
-    for other in list(sys.modules.values()):
+    for other in sys.modules.copy().values():  # copied at once: another thread may be importing
         for name in ("master_bar", "progress_bar"):
             try:
                 value = getattr(other, name, None)

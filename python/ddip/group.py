@@ -1262,10 +1262,18 @@ class LabelledOutput:
             me["after_cr"] = True
             return
         if mine or me["displaced"] or not me["mid"]:
+            pad = 0
             if not mine and line["owner"] is not None:
-                out.append("\n")  # below the line another writer has open
+                if me["displaced"] and line["redraw"]:
+                    # Another's bar redraws over ours: our last state takes the line back, and its
+                    # bar comes back below with its next redraw (or its end), never left half-way.
+                    out.append("\r")
+                    pad = line["span"] - len(label + me["drawn"])
+                    self._writer(line["owner"])["displaced"] = True
+                else:
+                    out.append("\n")  # below the line another writer has open
             if not mine:  # our last draw (overwritten by another's), or an empty line of ours
-                out.append(label + (me["drawn"] if me["displaced"] else ""))
+                out.append(label + (me["drawn"] if me["displaced"] else "") + " " * max(0, pad))
             out.append("\n")
             line.update(self._new_line())
         # else: our line was ended already, by another's text below it

@@ -104,7 +104,8 @@ class NotebookRank:
 
 
 def _lightning_modules():
-    return [(name, module) for name, module in list(sys.modules.items())
+    # Copied in one step: a thread of fn's (a DataLoader's, say) may be importing meanwhile.
+    return [(name, module) for name, module in sys.modules.copy().items()
             if name.partition(".")[0] in _LIGHTNING and module is not None
             and "_IS_INTERACTIVE" in getattr(module, "__dict__", {})]
 
