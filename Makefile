@@ -97,7 +97,7 @@ cpp-test: $(STAMPS)/system $(STAMPS)/build-deps
 	done
 
 py-test: setup $(STAMPS)/release-deps
-	$(VPY) -m pytest -q --timeout=300 tests
+	$(VPY) -m pytest -q --timeout=300 --durations=25 tests
 
 # The GPU suite (skipped without an NVIDIA GPU) and GPU selection's unit tests.
 .PHONY: test-gpu
