@@ -182,6 +182,20 @@ def test_makedip_needs_a_size(kernel):
     assert "-n N" in err and "usage: %makedip" in err
 
 
+def test_restart_keeps_a_group_handle_taken_earlier_and_a_new_group_says_so(kernel):
+    take = "g = get_ipython().magics_manager.registry['DipMagics'].group"
+    assert kernel.run("%makedip -n 2 --backend none").ok
+    assert kernel.run(take + "\nold_pids = g.pids").ok
+    cell = kernel.run("%makedip -r\nprint(g is get_ipython().magics_manager.registry['DipMagics'].group, "
+                      "g.pids != old_pids, [r.value for r in g.run('1 + 1')])")
+    assert cell.ok, cell.outputs
+    assert cell.stream().splitlines()[-1] == "True True [2, 2]"
+    cell = kernel.run("%makedip -r -n 3 --backend none\nprint(g.closed)")
+    assert cell.ok, cell.outputs
+    assert "a Group object taken earlier" in cell.stream() and cell.stream().splitlines()[-1] == "True"
+    kernel.run("%makedip -k")
+
+
 def test_an_unknown_app_is_named_with_the_known_ones_even_without_a_size(kernel):
     for line in ("%makedip -a nosuchapp", "%makedip -n 2 -a nosuchapp"):
         err = usage_error(kernel.run(line))

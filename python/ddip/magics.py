@@ -289,11 +289,23 @@ class DipMagics(Magics):
             raise self._usage_error(fn, f"a group is already running ({self.spec.describe()}): "
                                         f"add -r to replace it with {spec.describe()}, or -k to kill it first")
 
-        if running:
+        reuse = None
+        if running and replace(spec, app=None, timeout=None) == replace(self.spec, app=None, timeout=None):
+            # The same ranks again: restarted in place, so a Group handle taken from the magics
+            # earlier (`g = ...registry["DipMagics"].group`) stays the group they drive.
+            reuse, pids = self.group, self.group.pids
+            if args.verbose:
+                print(f"stopping ranks (pids {pids}) ...", flush=True)
+            reuse.close()
+            print(f"killed the group (pids {pids})")
+        elif running:
+            old = self.group
             self._kill(args.verbose, keep_autodip=True)
+            print(f"(a Group object taken earlier ({old!r}) is closed now; the new group is "
+                  f"get_ipython().magics_manager.registry['DipMagics'].group)")
         elif args.restart and self.group is not None:
             self.group = None  # closed behind our back (group.close() in a cell): start afresh
-        self._start(spec, args.verbose)
+        self._start(spec, args.verbose, reuse)
         if args.info:
             self._print_info()
 
@@ -363,7 +375,7 @@ class DipMagics(Magics):
             raise self._usage_error(fn, f"--hosts {hosts}: {exc}") from None
         return replace(spec, hosts=hosts, launcher=launcher, python=args.python, bind=args.bind)
 
-    def _start(self, spec: GroupSpec, verbose: bool):
+    def _start(self, spec: GroupSpec, verbose: bool, reuse: Group | None = None):
         if spec.hosts is not None:
             what = f"{_hosts.layout(spec.hosts, spec.launcher, spec.python, spec.bind).size} rank(s) on {spec.hosts}"
         else:
@@ -381,7 +393,11 @@ class DipMagics(Magics):
         # Remembered even if the start fails, so `%makedip -r` (perhaps with -t) tries it again.
         self.spec = replace(spec, app=None)
         try:
-            if spec.hosts is not None:
+            if reuse is not None:
+                reuse.timeout = spec.timeout
+                reuse.restart()
+                group = reuse
+            elif spec.hosts is not None:
                 group = Group(hosts=spec.hosts, launcher=spec.launcher, python=spec.python, bind=spec.bind,
                               backend=backend, timeout=spec.timeout, env=notebook_env() or None)
             else:
@@ -390,10 +406,12 @@ class DipMagics(Magics):
                               backend=backend, timeout=spec.timeout, warm=False if spec.cold else None,
                               env=notebook_env() or None)
         except StartError as exc:
+            self.group = None
             text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
             text += "\n(no group is running; %makedip -r tries again)"
             raise CellError(text, [("StartError", text, [_header("StartError"), text])]) from None
         except KeyboardInterrupt:
+            self.group = None
             # Group() has already stopped whatever it had started.
             text = "the start was interrupted; no group is running (%makedip -r tries again)"
             raise CellError(text, [("KeyboardInterrupt", text, [_header("KeyboardInterrupt"), text])]) from None
