@@ -1,6 +1,7 @@
 #include "ddip/channel.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <stdexcept>
 
@@ -342,9 +344,33 @@ RuntimeDir::RuntimeDir() {
     }
   }
   if (base.empty()) base = "/tmp";
+  sweep(base);
   std::string tmpl = base + "/ddip-XXXXXX";
   if (!::mkdtemp(tmpl.data())) throw_errno("mkdtemp", "creating the private runtime directory");
   path_ = tmpl;  // mkdtemp creates it with mode 0700
+  // Without a lock the directory still works; it is only never swept if its process is killed.
+  lock_ = Fd(::open((path_ + "/lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (lock_ && ::flock(lock_.get(), LOCK_EX | LOCK_NB) != 0) lock_ = Fd();
+}
+
+int RuntimeDir::sweep(const std::string& base, long min_age_s) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(base, ec);
+  int removed = 0;
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("ddip-", 0) != 0 || name.size() != 11) continue;  // mkdtemp's ddip-XXXXXX
+    const std::string dir = it->path().string();
+    struct stat st{};
+    if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
+    if (::time(nullptr) - st.st_mtime < min_age_s) continue;
+    // No lock file: not one of ours (or from before locks), left alone.
+    Fd lock(::open((dir + "/lock").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!lock || ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // held: its group lives
+    std::error_code rm;
+    if (std::filesystem::remove_all(dir, rm) > 0 && !rm) ++removed;
+  }
+  return removed;
 }
 
 RuntimeDir::~RuntimeDir() {

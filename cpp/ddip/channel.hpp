@@ -132,6 +132,8 @@ class Channel {
 std::pair<Channel, Channel> channel_pair();
 
 // A private directory (mode 0700) that holds the group's socket; removed with everything in it.
+// Its `lock` file is flock()ed for the directory's life, so a directory whose process was killed
+// (SIGKILL skips the destructor) can be told apart: creating one removes such leftovers.
 class RuntimeDir {
  public:
   RuntimeDir();  // under $XDG_RUNTIME_DIR if set and writable, else $TMPDIR or /tmp
@@ -141,8 +143,13 @@ class RuntimeDir {
   const std::string& path() const { return path_; }
   std::string socket_path() const { return path_ + "/ddip.sock"; }
 
+  // Removes this user's ddip-* directories under `base` whose lock nobody holds, unchanged for
+  // `min_age_s` (a new one takes its lock just after it is made); returns how many.
+  static int sweep(const std::string& base, long min_age_s = 60);
+
  private:
   std::string path_;
+  Fd lock_;
 };
 
 class Listener {

@@ -132,6 +132,37 @@ TEST(RuntimeDir, PrivateAndRemoved) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
+TEST(RuntimeDir, LeftoversOfKilledProcessesAreSweptLiveOnesKept) {
+  char base_tmpl[] = "/tmp/ddip-sweep-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(base_tmpl), nullptr);
+  const std::string base = base_tmpl;
+  auto make = [&](const std::string& name, bool with_lock) {
+    std::filesystem::create_directory(base + "/" + name);
+    if (with_lock) Fd(::open((base + "/" + name + "/lock").c_str(), O_RDWR | O_CREAT, 0600));
+  };
+  make("ddip-killed", true);  // its holder is gone: nobody has its lock
+  make("ddip-nolock", false);  // not ours to judge
+  make("ddip-fresh1", true);   // too new: its maker may not have locked it yet
+  ::setenv("TMPDIR", base.c_str(), 1);
+  ::unsetenv("XDG_RUNTIME_DIR");
+  {
+    RuntimeDir live;  // holds its lock while it exists
+    const std::string live_name = std::filesystem::path(live.path()).filename().string();
+    // Everything old enough to be judged, the live one too.
+    for (const auto& e : std::filesystem::directory_iterator(base)) {
+      struct timespec old[2] = {{::time(nullptr) - 3600, 0}, {::time(nullptr) - 3600, 0}};
+      if (e.path().filename() != "ddip-fresh1") ::utimensat(AT_FDCWD, e.path().c_str(), old, 0);
+    }
+    EXPECT_EQ(RuntimeDir::sweep(base), 1);
+    EXPECT_FALSE(std::filesystem::exists(base + "/ddip-killed"));
+    EXPECT_TRUE(std::filesystem::exists(base + "/ddip-nolock"));
+    EXPECT_TRUE(std::filesystem::exists(base + "/ddip-fresh1"));
+    EXPECT_TRUE(std::filesystem::exists(base + "/" + live_name));
+  }
+  ::unsetenv("TMPDIR");
+  std::filesystem::remove_all(base);
+}
+
 TEST(Listener, AcceptsAndKnowsThePeer) {
   RuntimeDir d;
   Listener l(d.socket_path());
