@@ -941,10 +941,7 @@ class Group:
                 self._coord.signal(s, _heal.ABORT_SIGNAL)
         interrupted = None
         while True:
-            for s in slots:  # every idle rank lets go of the old group, freeing whoever waits on it
-                if s not in heal.released and s not in self._running:
-                    heal.released.add(s)
-                    heal.teardowns.append(self._internal_send([self.rank_ids[s]], _heal.release))
+            self._release_idle(heal, slots)  # freeing whoever waits on them, as they become idle
             busy = [s for s in slots if s in self._running]
             if not busy:
                 break
@@ -990,9 +987,12 @@ class Group:
 
     def _heal_release(self, req: _Request):
         """Tears down the process groups of the request's ranks that no longer run it."""
-        heal = req.heal
-        for s in req.slots:
-            if s in req.pending or s in heal.released or s in self._running or s in self._exits:
+        self._release_idle(req.heal, req.slots, req.pending)
+
+    def _release_idle(self, heal: _Healing, slots, running=()):
+        """Each idle, live rank of `slots` not released yet lets go of its process groups."""
+        for s in slots:
+            if s in running or s in heal.released or s in self._running or s in self._exits:
                 continue
             heal.released.add(s)
             try:
@@ -1003,6 +1003,7 @@ class Group:
     def _heal_finish(self, req: _Request, stuck: set):
         """After every rank of a healing request replied (or was given up on): the rebuild."""
         heal = req.heal
+        interrupted = "it was interrupted (Ctrl-C); g.heal() or %makedip --heal tries again"
         released = [r for r in heal.stuck if self._slot(r) not in stuck]
         port, reason = None, ""
         if stuck:
@@ -1011,12 +1012,12 @@ class Group:
         elif req.died_at is not None:
             reason = "a rank died"
         elif req.why == "ctrl-c":
-            reason = "it was interrupted (Ctrl-C); g.heal() or %makedip --heal tries again"
+            reason = interrupted
         else:
             try:
                 port = self._rebuild(heal.teardowns)
             except KeyboardInterrupt:
-                reason = "it was interrupted (Ctrl-C); g.heal() or %makedip --heal tries again"
+                reason = interrupted
             except (HealError, RuntimeError, TimeoutError) as exc:
                 reason = str(exc)
         heal.report = HealReport(not reason, time.monotonic() - heal.started, self.world_size, heal.failed,

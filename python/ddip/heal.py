@@ -93,23 +93,13 @@ def _shutdown_sockets():
 def release() -> bool:
     """In a rank whose request ended while peers may still wait on it: tears down every process
     group, so that those peers' pending operations fail. Returns whether there was one."""
-    import sys
-
     if "torch.distributed" not in sys.modules:
         return False
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    # A DDP model (or FSDP, or a subgroup) still holds the group: destroying or even aborting it
-    # leaves gloo's connections open and the peers waiting. Closing them is what frees the peers.
-    _shutdown_sockets()
-    try:
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        _abort_process_group()
-    except Exception:  # an older torch, or a group broken already: tear down what is left
-        pass
+    abort_here()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -124,6 +114,8 @@ def abort_here():
     returns with an error. The process groups are gone afterwards; rejoin() makes a new one."""
     if "torch.distributed" not in sys.modules:
         return
+    # A DDP model (or FSDP, or a subgroup) still holds the group: destroying or even aborting it
+    # leaves gloo's connections open and the peers waiting. Closing them is what frees the peers.
     _shutdown_sockets()
     try:
         from torch.distributed.distributed_c10d import _abort_process_group

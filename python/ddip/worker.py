@@ -282,7 +282,8 @@ def main():
     os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
     faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
     _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
-    _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
+    if backend:  # only groups whose torch.distributed ddip set up are healed
+        _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
     try:
         while True:
             try:
