@@ -111,11 +111,13 @@ def test_omp_threads_default(launcher, tmp_path):
     p = subprocess.run([DDIP, "run", "-n", "2", PY, path], capture_output=True, text=True, env=env,
                        timeout=60)
     assert p.returncode == 0, p.stderr
-    assert {e["OMP_NUM_THREADS"] for e in rank_envs(p.stdout).values()} == {"1"}
+    # The one thread rule, as in groups: this host's cores divided among its ranks, at least 1.
+    cores = len(os.sched_getaffinity(0))
+    assert {e["OMP_NUM_THREADS"] for e in rank_envs(p.stdout).values()} == {str(max(1, cores // 2))}
     assert p.stderr == ""  # and nothing said about it
     p = subprocess.run([DDIP, "run", "-n", "1", PY, path], capture_output=True, text=True, env=env,
                        timeout=60)
-    assert rank_envs(p.stdout)[0]["OMP_NUM_THREADS"] is None  # one rank: OpenMP's own default
+    assert rank_envs(p.stdout)[0]["OMP_NUM_THREADS"] == str(cores)
 
 
 def test_gpus_are_positions_in_the_visible_list(launcher, tmp_path):
@@ -126,10 +128,10 @@ def test_gpus_are_positions_in_the_visible_list(launcher, tmp_path):
     envs = rank_envs(out)
     assert {r: e["CUDA_VISIBLE_DEVICES"] for r, e in envs.items()} == {0: "7,4", 1: "7,4"}
     assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
-    code, out, err = run(launcher, ["run", "--gpus", "GPU-8f2e,1", PY, path],
-                         env={"CUDA_VISIBLE_DEVICES": "4,6"})
+    code, out, err = run(launcher, ["run", "--gpus", "GPU-8f2e,0", PY, path],
+                         env={"CUDA_VISIBLE_DEVICES": "4,GPU-8f2e"})
     assert code == 0, err
-    assert rank_envs(out)[1]["CUDA_VISIBLE_DEVICES"] == "GPU-8f2e,6"
+    assert rank_envs(out)[1]["CUDA_VISIBLE_DEVICES"] == "GPU-8f2e,4"
 
 
 def test_gpu_outside_the_visible_list_is_a_clear_error(launcher, tmp_path):
@@ -137,8 +139,21 @@ def test_gpu_outside_the_visible_list_is_a_clear_error(launcher, tmp_path):
     code, out, err = run(launcher, ["run", "--gpus", "0,2", "touch", str(marker)],
                          env={"CUDA_VISIBLE_DEVICES": "4,6"})
     assert code == 2
-    assert "GPU 2 is not visible: CUDA_VISIBLE_DEVICES = 4,6 lists 2 GPU(s)" in err
+    assert ("GPU 2 is not visible: ddip run sees 2 GPUs (CUDA_VISIBLE_DEVICES=4,6): give positions "
+            "0-1, 'all', or their UUIDs") in err
     assert not marker.exists() and out == ""
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/gpus").exists(), reason="this machine has NVIDIA GPUs")
+def test_gpus_without_any_gpu_is_an_error_as_in_groups(launcher, tmp_path):
+    # One answer everywhere: Group, ranch, %makedip -g and ddip run --gpus all say there is no GPU.
+    marker = tmp_path / "started"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    p = subprocess.run([DDIP, "run", "--gpus", "0,1", "touch", str(marker)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert p.returncode == 2
+    assert "GPU 0 is not visible: this machine has no NVIDIA GPU; for CPU processes, give -n 2" in p.stderr
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -108,29 +108,6 @@ std::string label(std::string_view text, const std::string& tag, bool& after_cr)
   return out;
 }
 
-// A port free on loopback, or on every address when ranks on other hosts will connect to it.
-int free_port(bool any_address = false) {
-  Fd s(check(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket", "finding a free port"));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(any_address ? INADDR_ANY : INADDR_LOOPBACK);
-  check(::bind(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), "bind",
-        "finding a free port");
-  socklen_t len = sizeof addr;
-  check(::getsockname(s.get(), reinterpret_cast<sockaddr*>(&addr), &len), "getsockname",
-        "finding a free port");
-  return ntohs(addr.sin_port);
-}
-
-std::optional<int> nvidia_device_count() {
-  std::error_code ec;
-  std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec);
-  if (ec) return std::nullopt;
-  int n = 0;
-  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) ++n;
-  return n;
-}
-
 // A rank's command could not be started (not found, not executable): the shell's 127 / 126.
 struct CannotStart : std::system_error {
   using std::system_error::system_error;
@@ -839,33 +816,6 @@ int Launcher::run() {
 namespace ddip::run {
 namespace {
 
-// This machine's address on the route to `host` (a UDP connect() sends nothing but picks the
-// route): where ranks on other hosts reach rank 0 when it runs here.
-std::string source_address(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (int rc = ::getaddrinfo(host.c_str(), "9", &hints, &found); rc != 0)
-    throw std::invalid_argument("can't resolve host " + host + " (" + ::gai_strerror(rc) +
-                                "); check the name, or give --master-addr");
-  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, ::freeaddrinfo);
-  for (addrinfo* a = found; a; a = a->ai_next) {
-    Fd s(::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-    if (!s || ::connect(s.get(), a->ai_addr, a->ai_addrlen) != 0) continue;
-    sockaddr_storage me{};
-    socklen_t len = sizeof me;
-    if (::getsockname(s.get(), reinterpret_cast<sockaddr*>(&me), &len) != 0) continue;
-    char text[INET6_ADDRSTRLEN] = {};
-    const void* where = me.ss_family == AF_INET6
-                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&me)->sin6_addr)
-                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&me)->sin_addr);
-    if (::inet_ntop(me.ss_family, where, text, sizeof text)) return text;
-  }
-  throw std::invalid_argument("no route to host " + host +
-                              "; give --master-addr with this machine's address on the network "
-                              "the hosts share");
-}
-
 std::string self_path() {
   std::error_code ec;
   auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -912,10 +862,28 @@ std::optional<std::string> env_var(const char* name) {
   return v ? std::optional<std::string>(v) : std::nullopt;
 }
 
-// Ranks given no --gpus see no GPU here: CUDA_VISIBLE_DEVICES set empty, or no NVIDIA GPU.
+// What --gpus entries are resolved against: this process's CUDA_VISIBLE_DEVICES, else the
+// machine's GPUs.
+plan::GpuView gpu_view() {
+  plan::GpuView view;
+  view.env = env_var("CUDA_VISIBLE_DEVICES");
+  view.physical_count = plan::nvidia_device_count();
+  view.who = "ddip run";
+  view.cpu_hint = "; for CPU processes, give -n 2 (for example) instead of --gpus";
+  return view;
+}
+
+// --gpus entries -> CUDA_VISIBLE_DEVICES for every rank, in rank order.
+std::string resolved_gpus(const std::vector<std::string>& requested) {
+  std::string out;
+  for (const auto& g : plan::select_gpus(requested, gpu_view())) out += (out.empty() ? "" : ",") + g.entry;
+  return out;
+}
+
+// Ranks given no --gpus see no GPU here: CUDA_VISIBLE_DEVICES hides them all, or there is none.
 bool no_visible_gpu() {
-  if (auto visible = env_var("CUDA_VISIBLE_DEVICES")) return visible->empty();
-  return nvidia_device_count().value_or(0) == 0;
+  auto view = gpu_view();
+  return plan::visible_gpus(view.env, view.physical_count).empty();
 }
 
 }  // namespace
@@ -923,6 +891,7 @@ bool no_visible_gpu() {
 
 int main(int argc, char** argv) {
   using namespace ddip::run;
+  namespace plan = ddip::plan;
   CommandLine cl;
   RunOptions opts;
   try {
@@ -945,10 +914,10 @@ int main(int argc, char** argv) {
       }
     }
     LaunchEnv launch;
+    launch.cores = plan::cpu_count();
     if (!opts.gpus.empty()) {
-      auto gpus = resolve_gpus(opts.gpus, env_var("CUDA_VISIBLE_DEVICES"), nvidia_device_count());
-      launch.cuda_visible_devices = join(gpus);
-      launch.world_size = static_cast<int>(gpus.size());
+      launch.cuda_visible_devices = resolved_gpus(opts.gpus);
+      launch.world_size = static_cast<int>(plan::split_list(*launch.cuda_visible_devices).size());
     } else if (opts.hosts.empty()) {
       launch.world_size = opts.nproc;
       launch.cpu_ranks = no_visible_gpu();
@@ -965,32 +934,19 @@ int main(int argc, char** argv) {
         launch.group_world_size = opts.node->nnodes;
       }
       launch.master_addr = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
-      launch.master_port = opts.master_port ? opts.master_port : free_port();
+      launch.master_port = opts.master_port ? opts.master_port : plan::free_port();
       add_ranks(plans, opts.command, launch, shown, opts.env);
     } else {
       // Ranks host by host. Rank 0's host serves MASTER_ADDR:MASTER_PORT for torch.distributed.
-      const HostSpec& first = opts.hosts[0];
-      const HostSpec* remote = nullptr;
-      for (const auto& h : opts.hosts)
-        if (!h.local && !remote) remote = &h;
-      std::string addr = opts.master_addr;
-      if (addr.empty()) addr = first.local ? (remote ? source_address(remote->name) : "127.0.0.1")
-                                           : first.name;
-      int port = opts.master_port;
-      if (!port) {
-        if (first.local) {
-          port = free_port(true);
-        } else {  // ports free on another host can't be seen from here
-          std::random_device rd;
-          port = 29500 + static_cast<int>(rd() % 1000);
-        }
-      }
+      plan::Layout layout = plan::lay_out(opts.hosts, opts.master_addr, "", false);
+      const std::string& addr = layout.master_addr;
+      int port = opts.master_port ? opts.master_port : plan::master_port(opts.hosts[0].local);
       std::error_code ec;
       std::string cwd = std::filesystem::current_path(ec).string();
       std::string ddip = opts.remote_ddip.empty() ? self_path() : opts.remote_ddip;
-      int offset = 0;
       for (size_t i = 0; i < opts.hosts.size(); ++i) {
         const HostSpec& h = opts.hosts[i];
+        const int offset = layout.first_rank[i];
         if (h.local) {
           LaunchEnv here;
           here.world_size = world;
@@ -1000,9 +956,9 @@ int main(int argc, char** argv) {
           here.group_world_size = static_cast<int>(opts.hosts.size());
           here.master_addr = addr;
           here.master_port = port;
+          here.cores = plan::cpu_count();
           if (!h.gpus.empty())
-            here.cuda_visible_devices =
-                join(resolve_gpus(h.gpus, env_var("CUDA_VISIBLE_DEVICES"), nvidia_device_count()));
+            here.cuda_visible_devices = resolved_gpus(h.gpus);
           else
             here.cpu_ranks = no_visible_gpu();
           add_ranks(plans, opts.command, here, shown, opts.env);
@@ -1042,7 +998,6 @@ int main(int argc, char** argv) {
           p.spec.stdin_pipe = true;
           plans.push_back(std::move(p));
         }
-        offset += h.ranks;
       }
     }
   } catch (const std::invalid_argument& e) {

@@ -13,6 +13,7 @@ void init_coordinator(nb::module_& m);
 void init_endpoint(nb::module_& m);
 void init_rank_template(nb::module_& m);
 void init_remote(nb::module_& m);
+void init_plan(nb::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "ddip's C++ runtime: process supervision, framed messaging, output capture";
@@ -42,4 +43,5 @@ NB_MODULE(_core, m) {
   init_coordinator(m);
   init_endpoint(m);
   init_remote(m);
+  init_plan(m);
 }
