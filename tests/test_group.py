@@ -288,9 +288,9 @@ def test_gpus_on_a_machine_without_gpus_suggests_cpu_ranks():
 
 def test_gpu_list_parsing_rejects_duplicates_and_junk():
     with pytest.raises(ValueError, match="more than once"):
-        ddip.gpus.select("0,0", ["0", "1"])
-    with pytest.raises(ValueError, match="is not a GPU list"):
-        ddip.gpus.select("zero", ["0"])
+        ddip.gpus.select("0,0", "0,1")
+    with pytest.raises(ValueError, match="'zero' is not a GPU"):
+        ddip.gpus.select("zero", "0")
 
 
 def test_a_rank_that_fails_at_start_is_reported_with_its_stderr(tmp_path):

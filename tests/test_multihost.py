@@ -464,7 +464,9 @@ def test_ddip_run_with_this_machine_and_a_template_host(tmp_path):
 def test_ddip_run_gpus_per_host(tmp_path):
     # --gpus 'HOST:LIST ...' gives each host's ranks their GPUs (the list, in order; rank i of the
     # host uses device i). Nothing touches CUDA here: the ranks only print their environment.
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    # This machine has no GPU: a visible list stands in for them (it is trusted when the driver
+    # lists none), as a GPU-less machine gets an error for --gpus, like a group.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2"}
     p = subprocess.run([DDIP, "run", "--gpus", "here:1,0 there:2", "--launcher", "exec {command} # {host}",
                         "--master-addr", "127.0.0.1", "--", "sh", "-c",
                         'echo "$RANK $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $CUDA_VISIBLE_DEVICES"'],
@@ -542,7 +544,8 @@ def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
         (["--hosts", "a:1,a:2"], "listed twice"),
         (["--hosts", "a:1", "-n", "2"], "excludes"),
         (["--hosts", "a,b", "--gpus", "all"], "can't count the GPUs of other hosts"),
-        (["--gpus", "a:0 a:1"], "names host a twice"),
+        (["--gpus", "a:0 a:1"], "name host a twice"),
+        (["--hosts", "-v:1"], "can't start with '-'"),
         (["--hosts", "a[0,0]"], "lists a GPU twice"),
         (["--hosts", "a:1", "--launcher", "telnet"], "must be ssh, slurm or a template"),
         (["--hosts", "a:1", "--launcher", "ssh {host}"], "needs both {host} and {command}"),
@@ -557,7 +560,7 @@ def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
 
 def test_host_lists():
     hs = H.parse_hosts("node1:4,node2:2")
-    assert [(h.name, h.ranks, h.gpus, h.local) for h in hs] == [("node1", 4, None, False), ("node2", 2, None, False)]
+    assert [(h.name, h.ranks, h.gpus, h.local) for h in hs] == [("node1", 4, [], False), ("node2", 2, [], False)]
     hs = H.parse_hosts("node1[0,1] node2[3]")
     assert [(h.name, h.ranks, h.gpus) for h in hs] == [("node1", 2, ["0", "1"]), ("node2", 1, ["3"])]
     assert H.parse_hosts({"localhost": 2, "node2": [2, 3]})[0].local
@@ -573,13 +576,12 @@ def test_gpus_for_every_host_or_per_host_as_data():
     assert H.with_gpus("node1,node2", "node2:2,3 node1:0,1") == "node1[0,1] node2[2,3]"  # --hosts' order
     assert H.with_gpus(None, "node1:0,1 node2:GPU-ab12") == "node1[0,1] node2[GPU-ab12]"
     lay = H.layout(H.with_gpus("node1,node2", "node1:0,1 node2:3"), bind="10.0.0.1")
-    assert [(lay.env(s)["LOCAL_RANK"], lay.env(s)["CUDA_VISIBLE_DEVICES"]) for s in range(3)] == [
-        ("0", "0,1"), ("1", "0,1"), ("0", "3")]
+    assert [(lay.local_rank[s], lay.gpus(s)) for s in range(3)] == [(0, ["0", "1"]), (1, ["0", "1"]), (0, ["3"])]
     for hosts, gpus, words in (
         ("node1:2,node2", "0,1", "by name only"),
         ("node1,node2", "all", "can't count the GPUs of other hosts"),
         ("node1,node2", "node1:0", "give each host's GPUs once"),
-        (None, "0,1", "without hosts="),
+        (None, "0,1", "need the hosts"),
         ("node1", "node1:0,0", "lists a GPU twice"),
         ({"node1": 1}, "0", "a dict says each host's GPUs itself"),
         ("node1", "node1:", "write HOST:GPUS"),
@@ -595,18 +597,23 @@ def test_layout_numbers_ranks_host_by_host():
     lay = H.layout("localhost:2,node2[5,6]", launcher="ssh", bind="10.0.0.1")
     assert lay.slot_host == [0, 0, 1, 1] and lay.local_rank == [0, 1, 0, 1]
     assert lay.master_addr == "10.0.0.1"  # rank 0 here: the address the other hosts reach
-    assert lay.env(3) == {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
-                          "DDIP_HOST": "node2", "CUDA_VISIBLE_DEVICES": "5,6"}
+    assert lay.launch_env(3) == dict(local_world_size=2, rank_offset=2, group_rank=1, group_world_size=2)
+    assert lay.gpus(3) == ["5", "6"] and lay.gpus(0) is None and lay.remote(3) and not lay.remote(1)
     lay = H.layout("node1:1,node2:1", launcher="ssh", bind="10.0.0.1")
     assert lay.master_addr == "node1"
-    assert H.REMOTE_MASTER_PORTS[0] <= lay.master_port(None) <= H.REMOTE_MASTER_PORTS[1]
+    assert 29500 <= lay.master_port() <= 30499  # rank 0 elsewhere: torchrun's customary range
 
 
 def test_launcher_commands():
     py = "/venv/bin/python"
-    assert H.launcher_argv("ssh", "n1", py) == ["ssh", "-T", "-o", "BatchMode=yes", "n1",
+    assert H.launcher_argv("ssh", "n1", py) == ["ssh", "-T", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10",
+                                                 "-o", "ServerAliveCountMax=3", "n1",
                                                  "exec /venv/bin/python -m ddip.remote"]
-    assert H.launcher_argv("ssh -F cfg -p 2222", "n1", py)[4:7] == ["-F", "cfg", "-p"]
+    # The user's ssh options come first, so they win (ssh takes an option's first value), as in
+    # ddip run: it is the same launch plan.
+    assert H.launcher_argv("ssh -F cfg -o BatchMode=no", "n1", py)[1:5] == ["-F", "cfg", "-o", "BatchMode=no"]
+    with pytest.raises(ValueError, match="can't start with '-'"):
+        H.layout("-v:1")
     assert H.launcher_argv("docker exec -i {host} {command}", "c1", py) == [
         "/bin/sh", "-c", "docker exec -i c1 /venv/bin/python -m ddip.remote"]
     with pytest.raises(ValueError):
@@ -615,17 +622,16 @@ def test_launcher_commands():
         H.launcher_argv("ssh {host}", "n1", py)
 
 
-def test_srun_command_as_data():
+def test_srun_command_as_data(monkeypatch):
     # The command as data; tests/test_slurm.py runs it on a real single-node Slurm.
-    argv = H.srun_argv("gpu07", ["/venv/bin/python", "-m", "ddip.remote"], ["--gres=gpu:4"],
-                       env={"SLURM_JOB_CPUS_PER_NODE": "32(x2),32"})
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "32(x2),32")
+    argv = H.launcher_argv("slurm --gres=gpu:4", "gpu07", "/venv/bin/python")
     assert argv == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07", "--overlap",
                     "--kill-on-bad-exit=1", "--job-name=ddip", "--cpus-per-task=32", "--gres=gpu:4",
                     "/venv/bin/python", "-m", "ddip.remote"]
     # Nodes with different CPU counts: no count (a small node would refuse the big one's).
-    assert not any(a.startswith("--cpus-per-task") for a in H.srun_argv(
-        "gpu07", ["x"], env={"SLURM_JOB_CPUS_PER_NODE": "32,8"}))
-    assert H.launcher_argv("slurm", "gpu07", "/p")[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu07"]
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "32,8")
+    assert not any(a.startswith("--cpus-per-task") for a in H.launcher_argv("slurm", "gpu07", "x"))
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
         H.slurm_hosts(env={})
 

@@ -482,9 +482,13 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base,
   return env;
 }
 
-void add_thread_default(std::vector<std::string>& env, int local_ranks) {
-  for (const auto& e : env)
+void add_thread_default(std::vector<std::string>& env) {
+  int local_ranks = 1;
+  for (const auto& e : env) {
     if (e.rfind("OMP_NUM_THREADS=", 0) == 0) return;
+    if (e.rfind("LOCAL_WORLD_SIZE=", 0) == 0)
+      local_ranks = parse_index(e.substr(e.find('=') + 1)).value_or(1);
+  }
   env.push_back("OMP_NUM_THREADS=" + std::to_string(omp_threads(cpu_count(), local_ranks)));
 }
 

@@ -145,8 +145,9 @@ struct LaunchEnv {
 std::vector<std::string> rank_environment(const std::vector<std::string>& base,
                                           const LaunchEnv& launch, int local_rank);
 
-// On the host where ranks start: OMP_NUM_THREADS by the thread rule when `env` does not set it.
-void add_thread_default(std::vector<std::string>& env, int local_ranks);
+// On the host where a rank starts, for a plan made elsewhere (cores 0): OMP_NUM_THREADS by the
+// thread rule, for this host's cores and the LOCAL_WORLD_SIZE `env` says, unless `env` sets it.
+void add_thread_default(std::vector<std::string>& env);
 
 // -- reaching other hosts -----------------------------------------------------------------------
 

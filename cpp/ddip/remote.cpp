@@ -17,6 +17,7 @@
 #include "ddip/auth.hpp"
 #include "ddip/channel.hpp"
 #include "ddip/coordinator.hpp"
+#include "ddip/plan.hpp"
 #include "ddip/tcp.hpp"
 
 extern char** environ;
@@ -266,6 +267,7 @@ int HostAgent::run() {
   std::map<int, int> local;
   for (auto& [slot, spec] : spawn) {
     spec.env = detail::merged_environment(spec.env);
+    plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
     // The notebook's directory, where this host shares it; else the agent's own (the home).
     if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
     local[slot] = static_cast<int>(co.workers.size());

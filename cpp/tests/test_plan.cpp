@@ -195,10 +195,13 @@ TEST(RankEnvironment, OneThreadRuleTheHostsCoresDividedAmongItsRanks) {
   launch.cores = 0;  // not known here: the host that starts the ranks decides
   EXPECT_EQ(as_map(rank_environment({}, launch, 0)).count("OMP_NUM_THREADS"), 0u);
   std::vector<std::string> there = {"A=1"};
-  add_thread_default(there, 1);
+  add_thread_default(there);
   EXPECT_EQ(as_map(there)["OMP_NUM_THREADS"], std::to_string(cpu_count()));
+  there = {"LOCAL_WORLD_SIZE=2"};
+  add_thread_default(there);
+  EXPECT_EQ(as_map(there)["OMP_NUM_THREADS"], std::to_string(omp_threads(cpu_count(), 2)));
   there = {"OMP_NUM_THREADS=3"};
-  add_thread_default(there, 1);
+  add_thread_default(there);
   EXPECT_EQ(there, (std::vector<std::string>{"OMP_NUM_THREADS=3"}));
 }
 

@@ -14,8 +14,9 @@ Every rank gets CUDA_VISIBLE_DEVICES listing the group's GPUs in the order given
 LOCAL_RANK uses device index LOCAL_RANK. CUDA_DEVICE_ORDER is passed through unchanged, so a
 number means in a rank what it means in the notebook.
 
-The selection itself is plain data in, data out (`visible_entries`, `select`), tested without
-a GPU; only `inventory()` and `usage()` look at the machine, through /proc and nvidia-smi.
+The rules themselves are the launch plan's (cpp/ddip/plan.hpp, one copy for Group, ranch,
+%makedip and ddip run): plain data in, data out, tested without a GPU. Here: Python's request
+forms, and `inventory()` and `usage()`, which look at the machine through nvidia-smi and /proc.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import os
 import subprocess
 import time
 from dataclasses import dataclass
+
+from . import _core
 
 
 @dataclass(frozen=True)
@@ -90,117 +93,70 @@ def _query_physical_gpus() -> list[GpuInfo]:
 
 
 def visible_entries(visible_env: str | None, physical_count: int) -> list[str]:
-    """The notebook's visible GPUs as CUDA_VISIBLE_DEVICES entries, in its device-index order.
-    Like CUDA, the list ends at the first invalid entry: an empty or negative one ("" or "-1"
-    hide every GPU), a word that is no index, UUID or MIG id, or an index past the GPUs there
-    are (when their number is known)."""
-    if visible_env is None:
-        return [str(i) for i in range(physical_count)]
-    entries = []
-    for e in visible_env.split(","):
-        e = e.strip()
-        if _is_id(e):
-            entries.append(e)
-            continue
-        if not e.isdigit() or (physical_count > 0 and int(e) >= physical_count):
-            break
-        entries.append(e)
-    return entries
+    """The notebook's visible GPUs as CUDA_VISIBLE_DEVICES entries, in its device-index order
+    (CUDA's rule, decided by the launch plan: the list ends at the first invalid entry)."""
+    return _core.plan.visible_gpus(visible_env, physical_count)
 
 
-def _describe_visible(visible: list[str], visible_env: str | None, who: str = "the notebook") -> str:
-    if not visible:
-        if visible_env is not None:
-            return f"{who} sees no GPU (CUDA_VISIBLE_DEVICES={visible_env!r})"
-        return "this machine has no NVIDIA GPU"
-    where = f" (CUDA_VISIBLE_DEVICES={visible_env})" if visible_env is not None else ""
-    positions = "0" if len(visible) == 1 else f"0-{len(visible) - 1}"
-    return f"{who} sees {len(visible)} GPU{'s' if len(visible) > 1 else ''}{where}: give positions {positions}, 'all', or their UUIDs"
+# How to ask for CPU ranks instead, said when no GPU is visible.
+CPU_HINT = "; to run CPU processes instead, use n=2 (for example) for a group, or leave out gpus= in ranch"
 
 
-def _position(item) -> int | None:
-    """An int, a numpy integer or a string of digits (with an optional '-'); None otherwise
-    (a float is no position: 1.5 must not quietly mean GPU 1)."""
+def _position(item) -> str | None:
+    """An int, a numpy integer or a string of digits (with an optional '-') as a position;
+    None otherwise (a float is no position: 1.5 must not quietly mean GPU 1)."""
     if isinstance(item, str):
         t = item.strip()
-        return int(t) if t.lstrip("-").isdigit() else None
+        return t if t.lstrip("-").isdigit() else None
     if isinstance(item, bool):
         return None
     try:
-        return operator.index(item)
+        return str(operator.index(item))
     except TypeError:
         return None
 
 
-def _is_id(entry: str) -> bool:
-    return entry.startswith(("GPU-", "MIG-"))
-
-
-def select(request, visible: list[str], visible_env: str | None = None,
-           physical: list[GpuInfo] | None = None, who: str = "the notebook") -> list[Selected]:
-    """'all', 2, '0,3', [3, 2], 'GPU-ab12...,GPU-cd34...' -> one Selected per rank, in order.
-    Raises ValueError naming what is visible when the request can't be met. `who` names whose
-    CUDA_VISIBLE_DEVICES `visible_env` is (the notebook's, or a group's env=)."""
+def request_entries(request) -> list[str]:
+    """'all', 2, '0,3', [3, 2], 'GPU-ab12...,GPU-cd34...' -> the entries the launch plan resolves
+    (Python's own forms: ints, numpy integers, lists; the plan says what they mean)."""
     bad_form = (f"gpus={request!r} is not a GPU list; give 'all', positions like '0,3' or [3, 2], "
                 f"or GPU UUIDs")
-    cpu_hint = "; to run CPU processes instead, use n=2 (for example) for a group, or leave out gpus= in ranch"
-    if isinstance(request, str) and request.strip().lower() == "all":
-        if not visible:
-            raise ValueError(f"gpus='all' but {_describe_visible(visible, visible_env, who)}{cpu_hint}")
-        return [Selected(e, i) for i, e in enumerate(visible)]
     if isinstance(request, (bool, bytes, bytearray, float)):
         raise ValueError(bad_form)
     if isinstance(request, (set, frozenset, dict)):
         raise ValueError(f"gpus={request!r} has no order; give a list, since rank r uses the r-th GPU")
-    if _position(request) is not None and not isinstance(request, str):
-        items = [_position(request)]
-    elif isinstance(request, str):
+    if isinstance(request, str):
         items = [x.strip() for x in request.split(",") if x.strip() != ""]
+        items = ["all"] if [i.lower() for i in items] == ["all"] else items
+    elif _position(request) is not None:
+        items = [_position(request)]
     else:
         try:
             items = list(request)
         except TypeError:
             raise ValueError(bad_form) from None
+        for i, item in enumerate(items):
+            if isinstance(item, str) and item.strip().startswith(("GPU-", "MIG-")):
+                items[i] = item.strip()
+            elif _position(item) is not None:
+                items[i] = _position(item)
+            else:
+                raise ValueError(bad_form)
     if not items:
         raise ValueError("gpus is empty; give 'all', positions like '0,3', or GPU UUIDs")
-    chosen: list[Selected] = []
-    for item in items:
-        if isinstance(item, bool):
-            raise ValueError(bad_form)
-        if isinstance(item, str) and _is_id(item):
-            chosen.append(_by_id(item, visible, visible_env, physical, who))
-            continue
-        pos = _position(item)
-        if pos is None:
-            raise ValueError(bad_form)
-        if not 0 <= pos < len(visible):
-            raise ValueError(f"GPU {pos} is not visible: {_describe_visible(visible, visible_env, who)}"
-                             + (cpu_hint if not visible else ""))
-        chosen.append(Selected(visible[pos], pos))
-    # The same GPU named twice (a position and its UUID, say) is a duplicate too.
-    keys = [c.position if c.position is not None else c.entry for c in chosen]
-    dup = sorted({c.entry for c, k in zip(chosen, keys) if keys.count(k) > 1})
-    if dup:
-        raise ValueError(f"gpus={request!r} lists GPU {', '.join(dup)} more than once; each rank needs its own GPU")
-    return chosen
+    return items
 
 
-def _by_id(uid: str, visible: list[str], visible_env, physical, who="the notebook") -> Selected:
-    if uid in visible:
-        return Selected(uid, visible.index(uid))
-    if visible_env is None and physical is not None:
-        # Nothing hidden: a UUID names a physical GPU; its position is its index (when the
-        # default order agrees with nvidia-smi's, which a UUID request makes moot for ranks).
-        for g in physical:
-            if g.uuid and g.uuid.startswith(uid):  # CUDA takes a unique UUID prefix too
-                return Selected(uid, g.index)
-        if any(g.uuid for g in physical) and uid.startswith("GPU-"):
-            known = ", ".join(g.uuid for g in physical if g.uuid)
-            raise ValueError(f"no GPU has UUID {uid}; this machine has {known}")
-        return Selected(uid, None)
-    if visible_env is None:
-        return Selected(uid, None)
-    raise ValueError(f"{uid} is not visible: {_describe_visible(visible, visible_env, who)}")
+def select(request, visible_env: str | None = None, physical: list[GpuInfo] | None = None,
+           who: str = "the notebook") -> list[Selected]:
+    """One Selected per rank, in order, resolved by the launch plan against `visible_env` (the
+    CUDA_VISIBLE_DEVICES positions refer to) and the `physical` GPUs. Raises ValueError naming
+    what is visible when the request can't be met. `who` names whose view it is (the notebook's,
+    or a group's env=)."""
+    physical = physical or []
+    pairs = _core.plan.select_gpus(request_entries(request), visible_env, len(physical),
+                                   [g.uuid for g in physical], who, CPU_HINT)
+    return [Selected(entry, position) for entry, position in pairs]
 
 
 def inventory() -> tuple[list[str], str | None, list[GpuInfo]]:
@@ -212,8 +168,7 @@ def inventory() -> tuple[list[str], str | None, list[GpuInfo]]:
 
 def resolve(request) -> list[Selected]:
     """select() against this machine and the notebook's environment."""
-    visible, env, physical = inventory()
-    return select(request, visible, env, physical)
+    return select(request, os.environ.get("CUDA_VISIBLE_DEVICES"), physical_gpus())
 
 
 def usage(pids) -> dict[int, dict]:

@@ -79,9 +79,7 @@ class RankResult:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return _core.plan.free_port(host)
 
 
 def gpu_count() -> int:
@@ -112,17 +110,13 @@ def resolve_backend(backend, gpus) -> str | None:
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return _core.plan.cpu_count()
 
 
 def omp_threads(local_ranks: int) -> int:
-    """OMP_NUM_THREADS for ranks that did not choose: the notebook's cores divided among the
-    ranks on this host (torchrun sets 1 whenever it runs several; dividing is the same on small
-    machines and leaves CPU work on big ones its share of cores)."""
-    return max(1, cpu_count() // max(1, local_ranks))
+    """OMP_NUM_THREADS for ranks that did not choose: the launch plan's one rule (this host's
+    cores divided among its ranks; see cpp/ddip/plan.hpp)."""
+    return _core.plan.omp_threads(cpu_count(), local_ranks)
 
 
 def _positive_timeout(timeout, what="timeout"):
@@ -215,10 +209,8 @@ class Group:
         if gpus is not None:
             # The user's own CUDA_VISIBLE_DEVICES (in env=) is the list that positions refer to.
             visible_env = self._env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-            physical = _gpus.physical_gpus()
-            visible = _gpus.visible_entries(visible_env, len(physical))
             who = "the group's env=" if "CUDA_VISIBLE_DEVICES" in self._env else "the notebook"
-            gpu_ids = [s.entry for s in _gpus.select(gpus, visible, visible_env, physical, who)]
+            gpu_ids = [s.entry for s in _gpus.select(gpus, visible_env, _gpus.physical_gpus(), who)]
         if n is None and gpu_ids is None:
             raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
         if rank_ids is not None:
@@ -257,58 +249,38 @@ class Group:
     # -- life cycle ---------------------------------------------------------------------------
 
     def _worker_env(self, slot: int, port: int) -> list[str]:
-        env = dict(os.environ)
-        env.update(self._env)
-        rank = self.rank_ids[slot]
-        env.update({
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self._master_addr,
-            "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "DDIP_SLOT": str(slot),
-            "DDIP_SYS_PATH": os.pathsep.join(p for p in sys.path if p),
-        })
-        if "OMP_NUM_THREADS" not in self._env and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(omp_threads(self.world_size))
-        if self.gpus is not None:
-            # Every rank sees the group's GPUs in the order given; rank r uses device r.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
-        elif "CUDA_VISIBLE_DEVICES" not in self._env:
-            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: keep them off the GPUs
-            # ...and say so to accelerate, which otherwise runs each CPU rank as a world of one.
-            if "ACCELERATE_USE_CPU" not in self._env:
-                env.setdefault("ACCELERATE_USE_CPU", "true")
+        """Rank `slot`'s environment: ddip's own variables and env= on top of the notebook's (on
+        another host: of that host's own), then torchrun's by the launch plan."""
+        layout = self._layout
+        remote = layout is not None and layout.remote(slot)
+        ours = {"DDIP_SLOT": str(slot), "DDIP_SYS_PATH": os.pathsep.join(p for p in sys.path if p)}
         if self.backend:
-            env["DDIP_BACKEND"] = self.backend
+            ours["DDIP_BACKEND"] = self.backend
+        if "DDIP_RENDEZVOUS_TIMEOUT" in os.environ:
+            ours["DDIP_RENDEZVOUS_TIMEOUT"] = os.environ["DDIP_RENDEZVOUS_TIMEOUT"]
+        base = {} if remote else {k: v for k, v in os.environ.items()
+                                  if k not in ("DDIP_SOCKET", "DDIP_BACKEND")}
+        base.update(self._env)
+        base.update(ours)
+        if layout is None:
+            local_rank, per_host = self.rank_ids[slot], dict(local_world_size=self.world_size)
+            # Every rank sees the group's GPUs in the order given (rank r uses device r); CPU
+            # ranks are kept off the GPUs, unless env= says otherwise.
+            cuda = ",".join(self.gpus) if self.gpus is not None else (
+                None if "CUDA_VISIBLE_DEVICES" in self._env else "")
+            cores = cpu_count()
         else:
-            env.pop("DDIP_BACKEND", None)
-        env.pop("DDIP_SOCKET", None)
-        if self._layout is not None:
-            env = self._host_env(slot, env)
-        return [f"{k}={v}" for k, v in env.items()]
-
-    def _host_env(self, slot: int, env: dict) -> dict:
-        """A multi-host group's rank: torchrun's per-host variables; on another host, only what
-        ddip sets (and env=), on top of that host's own environment."""
-        env.update(self._layout.env(slot))
-        if "CUDA_VISIBLE_DEVICES" in self._env:
-            env["CUDA_VISIBLE_DEVICES"] = self._env["CUDA_VISIBLE_DEVICES"]
-        if "ACCELERATE_USE_CPU" not in self._env and "ACCELERATE_USE_CPU" not in os.environ:
-            if env["CUDA_VISIBLE_DEVICES"]:
-                env.pop("ACCELERATE_USE_CPU", None)  # a host's GPU ranks are not forced to CPU
-            else:
-                env["ACCELERATE_USE_CPU"] = "true"
-        if not self._layout.remote(slot):
-            host = self._layout.hosts[self._layout.slot_host[slot]]
-            if "OMP_NUM_THREADS" not in self._env and "OMP_NUM_THREADS" not in os.environ:
-                env["OMP_NUM_THREADS"] = str(omp_threads(host.ranks))
-            return env
-        keys = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "PYTHONUNBUFFERED", "DDIP_SLOT", "DDIP_SYS_PATH", "DDIP_HOST", "CUDA_VISIBLE_DEVICES",
-                "DDIP_BACKEND", "DDIP_RENDEZVOUS_TIMEOUT", "ACCELERATE_USE_CPU", *self._env}
-        out = {k: v for k, v in env.items() if k in keys}
-        # Its cores are not counted from here: torchrun's choice for several ranks on a host.
-        if "OMP_NUM_THREADS" not in self._env:
-            out["OMP_NUM_THREADS"] = "1"
-        return out
+            host = layout.host(slot)
+            local_rank, per_host = layout.local_rank[slot], layout.launch_env(slot)
+            base["DDIP_HOST"] = host.name
+            cuda = self._env.get("CUDA_VISIBLE_DEVICES", ",".join(host.gpus))
+            cores = 0 if remote else cpu_count()  # another host counts its own cores
+        cpu_ranks = cuda == "" or (cuda is None and not base.get("CUDA_VISIBLE_DEVICES"))
+        env = _core.plan.rank_environment(
+            [f"{k}={v}" for k, v in base.items()], local_rank, world_size=self.world_size,
+            master_addr=self._master_addr, master_port=port, cuda_visible_devices=cuda,
+            cpu_ranks=cpu_ranks, cores=cores, **per_host)
+        return env
 
     @property
     def omp_num_threads(self) -> tuple[str, str]:
@@ -324,7 +296,7 @@ class Group:
         if layout is None:
             self.master_port = self._fixed_port or free_port()
         else:
-            self.master_port = self._fixed_port or layout.master_port(free_port)
+            self.master_port = self._fixed_port or layout.master_port()
         size = len(self.rank_ids)
         specs = [([sys.executable if layout is None or not layout.remote(slot) else layout.python,
                    "-c", "import ddip.worker; ddip.worker.main()"],

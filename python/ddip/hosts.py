@@ -16,109 +16,53 @@ keys; words after "ssh" are passed to ssh, e.g. "ssh -F ./ssh_config -p 2222"), 
 inside an allocation; words after "slurm" are passed to srun), or a template with {host} and
 {command}, run by /bin/sh, e.g. "docker exec -i {host} {command}". The key reaches the remote
 side on the launcher's stdin, never on a command line.
+
+The rules (host lists, GPUs per host, where rank 0 listens, launcher command lines) are the
+launch plan's (cpp/ddip/plan.hpp), the one copy `ddip run` uses too; this module takes Python's
+forms (dicts, lists) and keeps what a group needs besides: the Python to run on each host.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import re
-import shlex
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 
-# When rank 0 runs on another host, ddip cannot see which ports are free there.
-REMOTE_MASTER_PORTS = (29500, 30499)
-_ITEM = re.compile(r"^\s*([A-Za-z0-9_.:\-]+?)\s*(?::\s*(\d+)|\[\s*([^\]]*)\])\s*$")
+from . import _core
 
-
-@dataclass
-class Host:
-    name: str
-    ranks: int
-    gpus: list[str] | None  # CUDA_VISIBLE_DEVICES entries for its ranks, or None: CPU ranks
-    local: bool  # the notebook's own host
+_plan = _core.plan
+Host = _plan.Host  # name, ranks, gpus (CUDA_VISIBLE_DEVICES entries; [] for CPU ranks), local
 
 
 def is_local(name: str) -> bool:
-    if name in ("localhost", "127.0.0.1", "::1"):
-        return True
-    try:
-        return name in (socket.gethostname(), socket.getfqdn())
-    except OSError:
-        return False
+    return _plan.is_this_host(name)
 
 
-def _split_items(text: str) -> list[str]:
-    """Commas and whitespace separate hosts, except inside [...]."""
-    items, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if depth == 0 and (ch == "," or ch.isspace()):
-            if cur.strip():
-                items.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        items.append(cur.strip())
-    return items
-
-
-def _gpu_list(host: str, text: str) -> list[str]:
-    ids = [g.strip() for g in text.split(",") if g.strip()]
-    if not ids or not all(re.fullmatch(r"\d+|GPU-[0-9A-Fa-f\-]+|MIG-[0-9A-Za-z\-/]+", g) for g in ids):
-        raise ValueError(f"host {host!r}: GPUs must be ids or UUIDs like {host}[0,1], got [{text}]")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"host {host!r} lists a GPU twice: [{text}]")
-    return ids
-
-
-def parse_hosts(hosts) -> list[Host]:
-    """'node1:4,node2:4', 'node1[0,1] node2[2,3]', {'node1': 4, 'node2': [2, 3]} -> Hosts."""
-    pairs = []
+def _as_text(hosts) -> str:
+    """Python's dict form as the plan's text: {'node1': 4, 'node2': [2, 3]} -> 'node1:4 node2[2,3]'."""
     if isinstance(hosts, str):
-        items = _split_items(hosts)
-        if not items:
-            raise ValueError("hosts is empty: give hosts like 'node1:4,node2:4'")
-        for item in items:
-            m = _ITEM.match(item)
-            if not m:
-                raise ValueError(f"can't read host {item!r}: write NAME:RANKS (node1:4) or "
-                                 f"NAME[GPUS] (node1[0,1])")
-            name, count, gpus = m.groups()
-            pairs.append((name, int(count) if count is not None else None,
-                          _gpu_list(name, gpus) if gpus is not None else None))
-    elif isinstance(hosts, dict):
-        if not hosts:
-            raise ValueError("hosts is empty: give hosts like {'node1': 4, 'node2': 4}")
-        for name, what in hosts.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"host names must be strings, got {name!r}")
-            if isinstance(what, int) and not isinstance(what, bool):
-                pairs.append((name, what, None))
-            elif isinstance(what, (list, tuple)):
-                pairs.append((name, None, _gpu_list(name, ",".join(str(g) for g in what))))
-            else:
-                raise ValueError(f"host {name!r}: give a number of ranks or a list of GPU ids, got {what!r}")
-    else:
+        return hosts
+    if not isinstance(hosts, dict):
         raise ValueError(f"hosts must be a string like 'node1:4,node2:4' or a dict, got {type(hosts).__name__}")
-    out, seen = [], set()
-    for name, count, gpus in pairs:
-        if count is not None and count < 1:
-            raise ValueError(f"host {name!r} needs at least one rank, got {count}")
-        if name in seen:
-            raise ValueError(f"host {name!r} is listed twice")
-        seen.add(name)
-        out.append(Host(name, count if gpus is None else len(gpus), gpus, is_local(name)))
-    if sum(h.local for h in out) > 1:
-        raise ValueError("the notebook's host is listed twice (as localhost and by name)")
-    return out
+    if not hosts:
+        raise ValueError("hosts is empty: give hosts like {'node1': 4, 'node2': 4}")
+    items = []
+    for name, what in hosts.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"host names must be strings, got {name!r}")
+        if isinstance(what, int) and not isinstance(what, bool):
+            items.append(f"{name}:{what}")
+        elif isinstance(what, (list, tuple)) and what:
+            items.append(f"{name}[{','.join(str(g) for g in what)}]")
+        else:
+            raise ValueError(f"host {name!r}: give a number of ranks or a list of GPU ids, got {what!r}")
+    return " ".join(items)
+
+
+def parse_hosts(hosts) -> list:
+    """'node1:4,node2:4', 'node1[0,1] node2[2,3]', {'node1': 4, 'node2': [2, 3]} -> [Host]."""
+    return _plan.parse_hosts(_as_text(hosts))
 
 
 def host_qualified(gpus) -> bool:
@@ -134,71 +78,16 @@ def with_gpus(hosts, gpus) -> str:
         hosts=None,          gpus='node1:0,1 node2:2,3'   the hosts are the ones -g names
 
     GPU numbers on another host are its own indices (ddip can't see its CUDA_VISIBLE_DEVICES)."""
-    names = None
-    if hosts is not None:
-        if not isinstance(hosts, str):
-            raise ValueError("with gpus=, give hosts= as names ('node1,node2'); a dict says each host's "
-                             "GPUs itself: {'node1': [0, 1]}")
-        names = _split_items(hosts)
-        for name in names:
-            if not re.fullmatch(r"[A-Za-z0-9_.:\-]+", name) or re.search(r":\d+$", name):
-                raise ValueError(f"with -g, list the hosts by name only (node1,node2), got {name!r}; "
-                                 f"-g says their GPUs")
-        if not names:
-            raise ValueError("hosts is empty: give hosts like 'node1,node2'")
-    if host_qualified(gpus):
-        per_host = {}
-        for item in re.split(r"[\s;]+", gpus.strip()):
-            name, _, ids = item.rpartition(":")
-            if not name or not ids:
-                raise ValueError(f"can't read -g {item!r}: write HOST:GPUS for each host, e.g. "
-                                 f"'node1:0,1 node2:2,3'")
-            if name in per_host:
-                raise ValueError(f"-g names host {name!r} twice")
-            per_host[name] = _gpu_list(name, ids)
-        if names is not None and sorted(per_host) != sorted(names):
-            raise ValueError(f"-g names the hosts {', '.join(per_host)} but --hosts lists {', '.join(names)}; "
-                             f"give each host's GPUs once")
-        order = names if names is not None else list(per_host)
-        return " ".join(f"{name}[{','.join(per_host[name])}]" for name in order)
-    if names is None:
-        raise ValueError("gpus= without hosts= is one host's; for several, write -g 'node1:0,1 node2:2,3'")
-    if isinstance(gpus, str):
-        text = gpus
-    elif isinstance(gpus, (list, tuple)) and gpus:
-        text = ",".join(str(g) for g in gpus)
-    else:
+    if hosts is not None and not isinstance(hosts, str):
+        raise ValueError("with gpus=, give hosts= as names ('node1,node2'); a dict says each host's "
+                         "GPUs itself: {'node1': [0, 1]}")
+    if isinstance(gpus, (list, tuple)) and gpus:
+        gpus = ",".join(str(g) for g in gpus)
+    if not isinstance(gpus, str):
         raise ValueError(f"gpus must be a list of GPU ids like 0,1, got {gpus!r}")
-    if text.strip() == "all":
-        raise ValueError("-g all can't count the GPUs of other hosts from here; list them, e.g. -g 0,1,2,3")
-    ids = _gpu_list(names[0], text)
-    return " ".join(f"{name}[{','.join(ids)}]" for name in names)
-
-
-def source_address(host: str) -> str:
-    """The address of this machine that routes to `host`: a UDP connect() sends nothing, but
-    makes the kernel choose the route and so the source address."""
-    try:
-        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
-    except socket.gaierror as exc:
-        raise ValueError(f"can't resolve host {host!r} ({exc}); check the name, or give its address") from None
-    for family, _, _, _, addr in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(addr)
-                return s.getsockname()[0]
-            except OSError:
-                continue
-    raise ValueError(f"no route to host {host!r}; pass bind= (--bind) with this machine's address on "
-                     f"the network the hosts share")
-
-
-def check_bind(address: str) -> str:
-    try:
-        socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)
-    except OSError:
-        raise ValueError(f"bind must be an IP address of this machine, got {address!r}") from None
-    return address
+    text = _plan.hosts_with_gpus(hosts, gpus.strip())
+    _plan.parse_hosts(text)  # each host's GPUs checked now (a GPU listed twice, say)
+    return text
 
 
 def agent_command(python: str) -> list[str]:
@@ -206,39 +95,9 @@ def agent_command(python: str) -> list[str]:
 
 
 def launcher_argv(launcher: str | None, host: str, python: str) -> list[str]:
-    """The command, run here, that starts ddip's agent on `host`."""
-    command = agent_command(python)
-    launcher = (launcher or "ssh").strip()
-    if "{command}" in launcher or "{host}" in launcher:
-        if "{command}" not in launcher or "{host}" not in launcher:
-            raise ValueError("a launcher template needs both {host} and {command}, e.g. "
-                             "'docker exec -i {host} {command}'")
-        text = launcher.replace("{host}", shlex.quote(host)).replace("{command}", shlex.join(command))
-        return ["/bin/sh", "-c", text]
-    words = shlex.split(launcher)
-    kind, extra = words[0], words[1:]
-    if kind == "ssh":
-        # BatchMode: never a password prompt the notebook can't answer. The remote shell runs
-        # the command string; exec leaves no shell between sshd and the agent.
-        return ["ssh", "-T", "-o", "BatchMode=yes", *extra, host, "exec " + shlex.join(command)]
-    if kind in ("slurm", "srun"):
-        return srun_argv(host, command, extra)
-    raise ValueError(f"launcher must be 'ssh', 'slurm' or a template with {{host}} and {{command}}, "
-                     f"got {launcher!r}")
-
-
-def srun_argv(host: str, command: list[str], extra: list[str] = (), env=None) -> list[str]:
-    """One job step on `host` with one task (the agent), allowed to share the allocation with
-    the other hosts' steps, with the node's CPUs (the agent's workers run inside the step): the
-    CPUs every node of the job has (SLURM_JOB_CPUS_PER_NODE, "8(x2)"), and no count when the
-    nodes differ (srun would refuse a step asking a small node for a big node's CPUs)."""
-    env = os.environ if env is None else env
-    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
-            "--kill-on-bad-exit=1", "--job-name=ddip"]
-    counts = {item.split("(")[0] for item in env.get("SLURM_JOB_CPUS_PER_NODE", "").split(",") if item}
-    if len(counts) == 1 and next(iter(counts)).isdigit():
-        argv.append(f"--cpus-per-task={next(iter(counts))}")
-    return [*argv, *extra, *command]
+    """The command, run here, that starts ddip's agent on `host` (see plan.hpp's launcher_argv)."""
+    cpus = _plan.uniform_cpus(os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
+    return _plan.launcher_argv(launcher or "ssh", host, agent_command(python), cpus)
 
 
 def slurm_hosts(env=None) -> list[str]:
@@ -257,74 +116,77 @@ def slurm_hosts(env=None) -> list[str]:
 
 @dataclass
 class Layout:
-    """Where each rank (slot) runs, and what its environment says about it."""
+    """Where each rank (slot) runs (the plan's layout), and how other hosts are reached."""
 
-    hosts: list[Host]
+    plan: object  # _core.plan.Layout
     launcher: str | None
     python: str
-    bind: str
-    master_addr: str
-    slot_host: list[int]  # slot -> index in hosts
-    local_rank: list[int]
+
+    @property
+    def hosts(self) -> list:
+        return self.plan.hosts
 
     @property
     def size(self) -> int:
-        return len(self.slot_host)
+        return self.plan.size
+
+    @property
+    def bind(self) -> str:
+        return self.plan.bind
+
+    @property
+    def master_addr(self) -> str:
+        return self.plan.master_addr
+
+    @property
+    def local_rank(self) -> list[int]:
+        return self.plan.local_rank
+
+    @property
+    def slot_host(self) -> list[int]:
+        return self.plan.slot_host
+
+    def host(self, slot: int):
+        return self.plan.hosts[self.plan.slot_host[slot]]
 
     def slots_of(self, h: int) -> list[int]:
-        return [s for s, hh in enumerate(self.slot_host) if hh == h]
+        return [s for s, hh in enumerate(self.plan.slot_host) if hh == h]
 
     def remote(self, slot: int) -> bool:
-        return not self.hosts[self.slot_host[slot]].local
+        return not self.host(slot).local
 
     def gpus(self, slot: int) -> list[str] | None:
-        return self.hosts[self.slot_host[slot]].gpus
+        return self.host(slot).gpus or None
 
-    def env(self, slot: int) -> dict:
-        host = self.hosts[self.slot_host[slot]]
-        env = {"LOCAL_RANK": str(self.local_rank[slot]), "LOCAL_WORLD_SIZE": str(host.ranks),
-               "MASTER_ADDR": self.master_addr, "DDIP_HOST": host.name}
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(host.gpus) if host.gpus else ""
-        return env
+    def launch_env(self, slot: int) -> dict:
+        """The plan's per-host part of rank `slot`'s environment (rank_environment's arguments)."""
+        h = self.plan.slot_host[slot]
+        return dict(local_world_size=self.plan.hosts[h].ranks, rank_offset=self.plan.first_rank[h],
+                    group_rank=h, group_world_size=len(self.plan.hosts))
 
     def launchers(self) -> list[tuple[str, list[str], list[int]]]:
         """(host name, launcher argv, slots) for each remote host."""
         return [(h.name, launcher_argv(self.launcher, h.name, self.python), self.slots_of(i))
-                for i, h in enumerate(self.hosts) if not h.local]
+                for i, h in enumerate(self.plan.hosts) if not h.local]
 
-    def master_port(self, local_free_port) -> int:
-        if self.hosts[0].local:
-            return local_free_port(self.bind)
-        return random.randint(*REMOTE_MASTER_PORTS)
+    def master_port(self) -> int:
+        return _plan.master_port(self.plan.hosts[0].local, self.plan.bind)
 
 
 def layout(hosts, launcher=None, python=None, bind=None) -> Layout:
     """Checks everything (bad input changes nothing) and lays the ranks out host by host."""
     if launcher is not None and not isinstance(launcher, str):
         raise ValueError(f"launcher must be 'ssh', 'slurm' or a template string, got {launcher!r}")
-    if hosts is None and launcher is not None and launcher.split()[0] in ("slurm", "srun"):
+    if hosts is None and launcher is not None and launcher.split()[:1] in (["slurm"], ["srun"]):
         raise ValueError("launcher='slurm' needs hosts= too (the ranks per node), e.g. hosts=ddip.hosts."
                          "slurm_hosts() as {name: 4 for name in ...}")
     parsed = parse_hosts(hosts)
-    remote = [h for h in parsed if not h.local]
     python = python or sys.executable
     if not isinstance(python, str) or not python:
         raise ValueError(f"python must be the path of the Python to run on the hosts, got {python!r}")
-    if bind is not None:
-        bind = check_bind(bind)
-    elif remote:
-        bind = source_address(remote[0].name)
-    else:
-        bind = "127.0.0.1"
-    for h in remote:  # fail now, not once ranks are starting
-        launcher_argv(launcher, h.name, python)
-    first = parsed[0]
-    master_addr = bind if first.local else first.name
-    if first.local and not remote:
-        master_addr = "127.0.0.1"
-    slot_host, local_rank = [], []
-    for i, h in enumerate(parsed):
-        for r in range(h.ranks):
-            slot_host.append(i)
-            local_rank.append(r)
-    return Layout(parsed, launcher, python, bind, master_addr, slot_host, local_rank)
+    if bind is not None and not isinstance(bind, str):
+        raise ValueError(f"bind must be an IP address of this machine, got {bind!r}")
+    plan = _plan.lay_out(parsed, "", bind or "")
+    out = Layout(plan, launcher, python)
+    out.launchers()  # fail now, not once ranks are starting
+    return out

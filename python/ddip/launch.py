@@ -25,7 +25,7 @@ import time
 import traceback as _traceback
 from typing import Callable
 
-from . import gpus as _gpus, torchdist
+from . import _core, gpus as _gpus, torchdist
 from .displays import RankDisplays, notebook_env
 from .errors import RankFailure, RemoteError
 from .group import LabelledOutput, Group, free_port
@@ -309,13 +309,16 @@ class _Launch:
 
     # The notebook's environment is restored exactly, whatever fn or ctx did to it.
     def _set_env(self, rank, port):
+        """The notebook, as rank `rank`, gets the variable set its children get (the launch
+        plan's), on top of its own environment; OMP_NUM_THREADS is not its to change now."""
         self.saved_env = dict(os.environ)
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nprocs),
-                           "LOCAL_WORLD_SIZE": str(self.nprocs), "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})
-        if self.selected is None:
-            # accelerate goes multi-process on CPU only if told, as the CPU children are.
-            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        env = _core.plan.rank_environment(
+            [f"{k}={v}" for k, v in os.environ.items()], rank, world_size=self.nprocs,
+            master_port=port, cpu_ranks=self.selected is None)
+        new = dict(e.split("=", 1) for e in env)
+        for k in [k for k in os.environ if k not in new]:
+            del os.environ[k]
+        os.environ.update(new)
 
     def _restore_env(self):
         saved, self.saved_env = self.saved_env, None

@@ -186,14 +186,11 @@ _started_at = 0.0
 
 
 def _usual_rank_threads() -> int:
-    from .gpus import visible_entries
+    from . import _core
     from .group import omp_threads
 
-    try:
-        physical = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        physical = 0
-    gpus = len(visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"), physical))
+    plan = _core.plan
+    gpus = len(plan.visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), plan.nvidia_device_count()))
     return omp_threads(gpus if gpus > 0 else 2)
 
 
