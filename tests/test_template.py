@@ -77,6 +77,33 @@ def test_warm_false_gives_cold_ranks():
     assert ddip.ranch(2, child_was_forked) == [False, True]  # rank 0 is the notebook itself
 
 
+def test_a_group_without_torch_does_not_wait_for_the_template_importing_it(tmp_path):
+    # The template imports a module that blocks until the test lets it go: a group that won't use
+    # it (no backend, no torch in the notebook) starts cold at once; one that asks waits.
+    gate = tmp_path / "gate"
+    (tmp_path / "slow_to_import.py").write_text(textwrap.dedent(f"""
+        import os, time
+        while not os.path.exists({str(gate)!r}):
+            time.sleep(0.01)
+    """))
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import ddip, ddip.template
+        ddip.prewarm(modules=("slow_to_import",))
+        with ddip.Group(n=2, backend=None) as g:
+            forked = [r.value for r in g.run("import ddip.template; ddip.template.forked")]
+            print("cold", forked, ddip.template._handle.status()[0], "torch" in sys.modules, flush=True)
+        pathlib.Path({str(gate)!r}).touch()
+        with ddip.Group(n=1, backend=None, warm=True) as g:
+            print("warm", g.run("import ddip.template; ddip.template.forked")[0].value, flush=True)
+    """))
+    p = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["cold [False, False] starting False", "warm True"], p.stdout + p.stderr
+
+
 def test_prewarm_off_by_environment(monkeypatch, capfd):
     monkeypatch.setenv("DDIP_PREWARM", "0")
     assert "off (DDIP_PREWARM=0)" in template.status()
@@ -104,7 +131,7 @@ def test_ranks_die_with_the_kernel(tmp_path):
     script.write_text(textwrap.dedent("""
         import ddip, ddip.template, time
         ddip.prewarm()
-        g = ddip.Group(n=2, backend=None)
+        g = ddip.Group(n=2, backend=None, warm=True)  # warm=True: waits for the template
         forked = g.run("import ddip.template; ddip.template.forked")
         print(*g.pids, ddip.template._handle.status()[1], all(r.value for r in forked), flush=True)
         time.sleep(600)

@@ -301,7 +301,10 @@ class Group:
         specs = [([sys.executable if layout is None or not layout.remote(slot) else layout.python,
                    "-c", "import ddip.worker; ddip.worker.main()"],
                   self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
-        tmpl = _template.choose(specs, self._warm, self.timeout)
+        # Wait for a template still importing torch only where the ranks will use it: for
+        # torch.distributed, when the notebook itself uses torch, or when warm=True asked for it.
+        uses_torch = self._warm is True or self.backend is not None or "torch" in sys.modules
+        tmpl = _template.choose(specs, self._warm, self.timeout, wait=uses_torch)
         refusals = tmpl.refusals if tmpl is not None else 0
         remote = {}
         if layout is not None:

@@ -99,9 +99,11 @@ def status() -> str:
         return f"rank template: {state}: {_reason(state, detail)}; ranks start cold"
 
 
-def choose(specs, warm=None, timeout: float = MAX_WAIT_S):
+def choose(specs, warm=None, timeout: float = MAX_WAIT_S, wait: bool = True):
     """The template the Coordinator should fork `specs` from, or None for cold ranks (having said
-    why once, unless the caller chose cold). Starts or replaces the template as needed."""
+    why once, unless the caller chose cold). Starts or replaces the template as needed. `wait`:
+    whether ranks would use what a template still starting imports; if not, they start cold at
+    once (cold ranks are ready in a fraction of a second) and the template goes on for later ones."""
     global _disabled
     if warm is False or not enabled() or not specs:
         return None
@@ -119,6 +121,8 @@ def choose(specs, warm=None, timeout: float = MAX_WAIT_S):
             _start(DEFAULT_MODULES)
         for _ in range(len(_modules) + 2):  # each round excludes a module or ends
             state, pid, detail = _handle.status()
+            if state == "starting" and not wait:
+                return None
             if state == "starting":
                 state, pid, detail = _handle.wait_ready(min(timeout, MAX_WAIT_S) * 1000)
             if state == "ready":
