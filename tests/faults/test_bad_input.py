@@ -27,7 +27,7 @@ GROUP_ARGS = [
     (dict(), ValueError, "give n= (the number of CPU processes) or gpus="),
     (dict(n=2, gpus=[0]), ValueError, "give n= (CPU processes) or gpus= (one rank per GPU), not both"),
     (dict(gpus=[99]), ValueError, "GPU 99 is not visible"),
-    (dict(gpus="zero"), ValueError, "is not a GPU list"),
+    (dict(gpus="zero"), ValueError, "'zero' is not a GPU"),
     (dict(gpus=[]), ValueError, "gpus is empty"),
     (dict(n=2, backend="mpi"), ValueError, "backend='mpi' is not one of 'gloo', 'nccl', 'auto' or None"),
     (dict(n=2, backend="nccl"), ValueError, "backend='nccl' needs GPUs"),
