@@ -28,7 +28,8 @@ from typing import Callable
 from . import _core, gpus as _gpus, torchdist
 from .displays import RankDisplays, notebook_env
 from .errors import RankFailure, RemoteError
-from .group import LabelledOutput, Group, free_port
+from .group import Group, free_port
+from .labels import LabelledOutput
 from .messages import dumps
 from .notebook_rank import NotebookRank
 

@@ -1,0 +1,164 @@
+"""Heal, kernel side: when a group's torch.distributed is healed, releasing the ranks a failure
+left waiting in a collective, and rebuilding the default group on every rank (`Group.heal()`, or
+by itself after a rank raised while its peers waited for it). The rank side is ddip/heal.py."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from . import heal as _heal
+from . import request as _request
+from .errors import HealError, HealReport
+
+# After a heal tore the failed rank's process group down, how long its peers get to leave the
+# collective by themselves (gloo: at once) before they are interrupted too.
+HEAL_RELEASE_S = 1.0
+WHAT = "ddip heal"  # the `what` of a heal's own requests (never healed themselves)
+
+
+class Healing:
+    """A heal under way for one failed request: the ranks released so far, and their requests."""
+
+    def __init__(self, failed: list[int]):
+        self.started = time.monotonic()
+        self.failed = failed  # ranks whose exception left the others waiting
+        self.stuck: list[int] = []  # ranks still running the request when the heal began
+        self.released: set[int] = set()  # slots whose process group was torn down
+        self.teardowns: list = []  # the release requests sent
+        self.report: HealReport | None = None
+
+
+def check_healable(group):
+    if not group.backend:
+        raise RuntimeError("this group has no torch.distributed to heal (backend none); start it with a "
+                           "backend (%makedip -n 2, or Group(n=2)) to have ddip set it up")
+    if group.world_size != len(group.rank_ids):
+        raise RuntimeError("this group's ranks are part of a larger world (ranch's children): "
+                           "they can't rebuild it on their own")
+
+
+def heal(group) -> HealReport:
+    """Group.heal(): releases ranks still stuck in a broken collective, then rebuilds."""
+    rt = group._rt
+    check_healable(group)
+    with rt.mu:
+        dead = [rt.exits[s] for s in range(len(group.rank_ids)) if s in rt.exits]
+    if dead:
+        raise RuntimeError(f"rank {dead[0].rank} is dead ({dead[0].evalue}); call restart() to start "
+                           f"the group again")
+    started = time.monotonic()
+    slots = list(range(len(group.rank_ids)))
+    h = Healing([])
+    h.stuck = [group.rank_ids[s] for s in slots if s in rt.running]
+    for s in slots:  # still stuck in a collective, maybe: freed from their side
+        if s in rt.running:
+            rt.coord.signal(s, _heal.ABORT_SIGNAL)
+    interrupted = None
+    while True:
+        release_idle(group, h, slots)  # freeing whoever waits on them, as they become idle
+        busy = [s for s in slots if s in rt.running]
+        if not busy:
+            break
+        now = time.monotonic()
+        if interrupted is None and now >= started + HEAL_RELEASE_S:
+            interrupted = now
+            rt.signal(busy, signal.SIGINT)
+        elif interrupted is not None and now >= interrupted + _request.INTERRUPT_GRACE_S:
+            report = HealReport(False, now - started, group.world_size, reason=(
+                f"rank(s) {_request.ranks_text(rt, busy)} did not leave what they were running (a "
+                f"collective that tearing its peers' groups down did not end, or code in C)"))
+            raise HealError(report)
+        rt.pump(_request.SLICE_S)
+    port = rebuild(group, h.teardowns)
+    return HealReport(True, time.monotonic() - started, group.world_size, released=h.stuck, port=port)
+
+
+def begin(group, req) -> bool:
+    """A rank of `req` raised and others still run it after FAILURE_GRACE_S: in DDP code,
+    waiting for it in a collective. Starts releasing them, when ddip owns torch.distributed."""
+    if req.what == WHAT or req.died_at is not None:
+        return False
+    try:
+        check_healable(group)
+    except RuntimeError:
+        return False
+    failed = [group.rank_ids[s] for s in req.slots if s not in req.pending
+              and req.results[s].error is not None and not req.results[s].error.died]
+    req.heal = Healing(failed)
+    req.heal.stuck = sorted(group.rank_ids[s] for s in req.pending)
+    release(group, req)
+    # From their side too: NCCL's peers are freed only by their own abort.
+    group._rt.signal(list(req.pending), _heal.ABORT_SIGNAL)
+    return True
+
+
+def release(group, req):
+    """Tears down the process groups of the request's ranks that no longer run it."""
+    release_idle(group, req.heal, req.slots, req.pending)
+
+
+def release_idle(group, h: Healing, slots, running=()):
+    """Each idle, live rank of `slots` not released yet lets go of its process groups."""
+    rt = group._rt
+    for s in slots:
+        if s in running or s in h.released or s in rt.running or s in rt.exits:
+            continue
+        h.released.add(s)
+        try:
+            h.teardowns.append(_internal_send(group, [group.rank_ids[s]], _heal.release))
+        except RuntimeError:  # died meanwhile: the heal's end reports it
+            pass
+
+
+def finish(group, req, stuck: set):
+    """After every rank of a healing request replied (or was given up on): the rebuild."""
+    h = req.heal
+    interrupted = "it was interrupted (Ctrl-C); g.heal() or %makedip --heal tries again"
+    released = [r for r in h.stuck if group._slot(r) not in stuck]
+    port, reason = None, ""
+    if stuck:
+        reason = (f"rank(s) {_request.ranks_text(group._rt, stuck)} stayed in the collective after the "
+                  f"failed rank's group was torn down" + (" (NCCL waits on the GPU)" if group.backend == "nccl" else ""))
+    elif req.died_at is not None:
+        reason = "a rank died"
+    elif req.why == "ctrl-c":
+        reason = interrupted
+    else:
+        try:
+            port = rebuild(group, h.teardowns)
+        except KeyboardInterrupt:
+            reason = interrupted
+        except (HealError, RuntimeError, TimeoutError) as exc:
+            reason = str(exc)
+    h.report = HealReport(not reason, time.monotonic() - h.started, group.world_size, h.failed,
+                          released, port, reason)
+
+
+def rebuild(group, teardowns: list) -> int:
+    """Every rank joins a fresh default group on a store rank 0 opens; returns its port."""
+    deadline = time.monotonic() + _request.INTERRUPT_GRACE_S
+    for t in teardowns:
+        try:
+            _request.collect(group, t, _request.Callbacks(), None, stop_waiting_at=deadline, on_failure=False)
+        except TimeoutError:
+            raise RuntimeError(f"rank {t.results[t.slots[0]].rank} did not tear its process group down "
+                               f"within {_request.INTERRUPT_GRACE_S:g} s") from None
+    port = _internal_call(group, [0], _heal.open_store, group.world_size)[0]
+    _internal_call(group, group.rank_ids, _heal.rejoin, group.backend, port)
+    group.master_port = port
+    return port
+
+
+def _internal_send(group, ranks, fn, *args):
+    return group._send({"op": "apply", "fn": fn, "args": args, "kwargs": {}}, ranks, WHAT)
+
+
+def _internal_call(group, ranks, fn, *args) -> list:
+    req = _internal_send(group, ranks, fn, *args)
+    results = _request.collect(group, req, _request.Callbacks(),
+                               _heal.REJOIN_TIMEOUT_S + _request.INTERRUPT_GRACE_S)
+    failed = [r for r in results if r.error is not None]
+    if failed:
+        raise RuntimeError(f"{fn.__name__} failed on {failed[0].error.describe()}")
+    return [r.value for r in results]

@@ -1,0 +1,150 @@
+"""Ranks' output in the notebook (or a terminal): each line labelled with its rank, written live."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+
+class LabelledOutput:
+    """An on_output callback: ranks' output written live, each line labelled with its rank.
+
+    Writers share the streams, so a line is never continued by another writer: text that comes
+    while another's line is unfinished starts a new line. A line redrawn with '\r' (a text
+    progress bar) is labelled again after each '\r' and stays in place; two writers redrawing
+    take turns on one line, padded so that nothing of the other's line shows. Used as a context
+    manager (ranch), this process's own sys.stdout/sys.stderr (the notebook's rank) go through it
+    too, unlabelled."""
+
+    def __init__(self, label: str = "[rank {}] "):
+        self._label = label
+        self._lock = threading.RLock()
+        self._lines: dict[str, dict] = {}  # stream -> its open line (_new_line)
+        self._writers: dict = {}  # writer -> its state (_writer)
+        self._replaced: dict = {}  # stream name -> the stream __enter__ replaced
+
+    def __call__(self, rank, stream, text):
+        self.write((rank, stream), self._label.format(rank), stream, text)
+
+    def write(self, writer, label: str, stream: str, text: str, dest=None) -> None:
+        """Writes `writer`'s text to sys.<stream> (or `dest`), labelled with `label`."""
+        if not text:
+            return
+        with self._lock:
+            line = self._lines.setdefault(stream, self._new_line())
+            out: list[str] = []
+            i = 0
+            while i < len(text):
+                ends = [j for j in (text.find("\r", i), text.find("\n", i)) if j >= 0]
+                j = min(ends) if ends else len(text)
+                end = text[j:j + 2] if text.startswith("\r\n", j) else text[j:j + 1]
+                if j > i:
+                    self._body(line, writer, label, text[i:j], end == "\r", out)
+                if end:
+                    self._end(line, writer, label, end, out)
+                i = j + len(end)
+            if dest is None:
+                dest = self._replaced.get(stream) or getattr(sys, stream)
+            if out:
+                dest.write("".join(out))
+                dest.flush()
+
+    @staticmethod
+    def _new_line() -> dict:
+        # redraw: the line began after its writer's '\r' (a bar); at_cr: the cursor is back at its start
+        return {"owner": None, "at_cr": False, "redraw": False, "col": 0, "span": 0}
+
+    def _body(self, line, writer, label, body, then_cr, out):
+        me = self._writer(writer)
+        redraw = me["after_cr"] or then_cr  # a line that comes or goes with '\r': a bar
+        owner = line["owner"]
+        if owner not in (None, writer):
+            if redraw and (line["at_cr"] or line["redraw"]):
+                if not line["at_cr"]:
+                    out.append("\r")  # two bars take turns on one line
+                line["at_cr"] = True
+                self._writer(owner)["displaced"] = True
+            else:
+                out.append("\n")  # another's unfinished line: ours starts below it
+                line.update(self._new_line())
+        start = line["owner"] != writer or line["at_cr"]  # a line of ours starts (or is redrawn)
+        if start:
+            out.append(label)
+            line.update(owner=writer, at_cr=False, col=len(label), redraw=redraw)
+            me["drawn"] = ""
+        out.append(body)
+        line["col"] += len(body)
+        if start and line["span"] > line["col"]:  # blank what is left of a longer line drawn there
+            out.append(" " * (line["span"] - line["col"]) + "\r" + label + body)
+        line["span"] = max(line["span"], line["col"])
+        me.update(after_cr=False, mid=True, displaced=False, drawn=me["drawn"] + body)
+
+    def _end(self, line, writer, label, end, out):
+        me = self._writer(writer)
+        mine = line["owner"] == writer
+        if mine and not line["at_cr"]:
+            out.append(" " * (line["span"] - line["col"]))  # covers a longer line drawn there
+        if end == "\r":
+            if mine and not line["at_cr"]:
+                out.append("\r")
+                line.update(at_cr=True, col=0)
+            me["after_cr"] = True
+            return
+        if mine or me["displaced"] or not me["mid"]:
+            pad = 0
+            if not mine and line["owner"] is not None:
+                if me["displaced"] and line["redraw"]:
+                    # Another's bar redraws over ours: our last state takes the line back, and its
+                    # bar comes back below with its next redraw (or its end), never left half-way.
+                    out.append("\r")
+                    pad = line["span"] - len(label + me["drawn"])
+                    self._writer(line["owner"])["displaced"] = True
+                else:
+                    out.append("\n")  # below the line another writer has open
+            if not mine:  # our last draw (overwritten by another's), or an empty line of ours
+                out.append(label + (me["drawn"] if me["displaced"] else "") + " " * max(0, pad))
+            out.append("\n")
+            line.update(self._new_line())
+        # else: our line was ended already, by another's text below it
+        me.update(after_cr=False, mid=False, displaced=False, drawn="")
+
+    def _writer(self, writer) -> dict:
+        # after_cr: its last text was '\r'; mid: its line is unfinished (shown, or displaced by
+        # another's redraw, its last draw `drawn`)
+        return self._writers.setdefault(writer, {"after_cr": False, "mid": False, "displaced": False,
+                                                 "drawn": ""})
+
+    class _Own:
+        """This process's own stream while a LabelledOutput is entered: its text goes through it."""
+
+        def __init__(self, out: "LabelledOutput", name: str, stream):
+            self._out, self._name, self._stream = out, name, stream
+
+        def write(self, text):
+            if not isinstance(text, str):
+                return self._stream.write(text)
+            self._out.write("own", "", self._name, text, self._stream)
+            return len(text)
+
+        def writelines(self, lines):
+            for text in lines:
+                self.write(text)
+
+        def flush(self):
+            self._stream.flush()
+
+        def __getattr__(self, name):
+            return getattr(self._stream, name)
+
+    def __enter__(self):
+        for name in ("stdout", "stderr"):
+            self._replaced[name] = getattr(sys, name)
+            setattr(sys, name, LabelledOutput._Own(self, name, self._replaced[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, stream in self._replaced.items():
+            current = getattr(sys, name)
+            if isinstance(current, LabelledOutput._Own) and current._out is self:
+                setattr(sys, name, stream)  # unless the user's code replaced it meanwhile
+        self._replaced = {}

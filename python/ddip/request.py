@@ -1,0 +1,402 @@
+"""A request to some ranks (a cell, an apply, a push, a pull) and its wait policy.
+
+Every request is a `Request` object: it owns its sequence number, its per-rank results and its
+mailbox, which the runtime (ddip/runtime.py) fills. Its waiter, `collect()`, processes the
+mailbox, calls the callbacks, and decides what a failure, a death, a timeout or Ctrl-C does to
+the others. So no caller can consume another's reply: `status()`, a concurrent
+`run(ranks=[1])`, or a callback that raises never drop a result. `Pending` is a thin view of a
+request sent with `apply_async`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import _core
+from . import healing as _healing
+from .errors import HealReport, RankFailure, RemoteError
+from .messages import loads, loads_framed
+
+# After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
+INTERRUPT_GRACE_S = 5.0
+# After one rank raised, how long the others get to finish before they are interrupted: in DDP
+# code they are often waiting for the failed rank in a collective that would never return.
+FAILURE_GRACE_S = 3.0
+# A death is final: the others are interrupted at once and the death is reported within this.
+DEATH_REPORT_S = 0.8
+# The slice in which waiters pump events (they check for Ctrl-C between slices).
+SLICE_S = 0.05
+_STREAMS = {1: "stdout", 2: "stderr"}
+
+
+@dataclass
+class RankResult:
+    """What one rank did for one request."""
+
+    rank: int
+    value: object = None
+    stdout: str = ""
+    stderr: str = ""
+    error: RankFailure | None = None
+    format: tuple | None = None  # (MIME bundle, metadata) of the last expression, as IPython's Out
+    displays: list = field(default_factory=list)  # display() calls, when no on_display was given
+    execution_count: int | None = None
+    finished_at: float | None = None  # time.monotonic() when its reply (or death) arrived
+    stacks: str | None = None  # where it was, when it did not stop after an interrupt
+    _parts: tuple = field(default_factory=lambda: ([], []), repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Request:
+    """One request to some ranks: its results, and the events delivered for it."""
+
+    def __init__(self, rank_ids: list[int], seq: int, slots: list[int], what: str):
+        self.seq = seq
+        self.slots = slots
+        self.what = what
+        self.results = {s: RankResult(rank=rank_ids[s]) for s in slots}
+        self.pending = set(slots)  # ranks whose reply (or death) has not been processed
+        self.mailbox: collections.deque = collections.deque()  # filled by whoever pumps
+        self.started = time.monotonic()
+        self.failed_at = None  # when the first rank raised
+        self.died_at = None  # when the first rank died or stopped answering heartbeats
+        self.interrupted_at = None
+        self.why = None  # why its ranks were interrupted: "ctrl-c", "timeout", "failure", "death"
+        self.callback_errors: list[str] = []
+        self.heal = None  # a healing.Healing, once its failure's peers are being released
+
+
+@dataclass
+class Callbacks:
+    on_output: Callable | None = None  # (rank, "stdout" | "stderr", text), live
+    on_display: Callable | None = None  # (rank, msg): a display() in the rank
+    on_message: Callable | None = None  # (rank, obj): ddip.worker.notify(obj) in the rank
+    on_done: Callable | None = None  # (RankResult): a rank finished, failed or died
+
+
+def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = True,
+            stop_waiting_at: float | None = None, on_failure: bool = True) -> list[RankResult]:
+    """Waits for every rank of `req`. timeout (with interrupt=True): interrupt the ranks then,
+    and raise TimeoutError. stop_waiting_at: a deadline after which we stop waiting
+    (TimeoutError) and leave the request running. on_failure: interrupt the other ranks when one
+    fails (False: the caller handles failures itself, as ranch does)."""
+    rt = group._rt
+    deadline = None if timeout is None else req.started + timeout
+
+    def interrupt_pending(reason):
+        req.why, req.interrupted_at = reason, time.monotonic()
+        coord = rt.coord
+        if coord is not None:
+            for s in req.pending:
+                coord.signal(s, signal.SIGINT)
+
+    while True:
+        # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
+        # ranks and keeps collecting their replies; a second one stops waiting.
+        try:
+            drain(rt, req, cb)
+            if req.heal is not None:
+                _healing.release(group, req)  # ranks that left the collective release their peers
+            if not req.pending:
+                break
+            now = time.monotonic()
+            if req.interrupted_at is not None:
+                grace = DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S
+                wake = req.interrupted_at + grace
+                if now >= wake:
+                    break
+            else:
+                wake = now + 0.25
+                if req.died_at is not None and on_failure:
+                    interrupt_pending("death")  # final: the others can't finish without it
+                    continue
+                if req.failed_at is not None and on_failure:
+                    if req.heal is not None:
+                        if now >= req.heal.started + _healing.HEAL_RELEASE_S:
+                            interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
+                            continue
+                        wake = min(wake, req.heal.started + _healing.HEAL_RELEASE_S)
+                    elif now >= req.failed_at + FAILURE_GRACE_S:
+                        if not _healing.begin(group, req):
+                            interrupt_pending("failure")
+                        continue
+                    else:
+                        wake = min(wake, req.failed_at + FAILURE_GRACE_S)
+                if deadline is not None and interrupt:
+                    if now >= deadline:
+                        interrupt_pending("timeout")
+                        continue
+                    wake = min(wake, deadline)
+            if stop_waiting_at is not None:
+                if now >= stop_waiting_at:
+                    err = TimeoutError(
+                        f"{req.what}: stopped waiting after {stop_waiting_at - now + (now - req.started):.1f} s; "
+                        f"rank(s) {ranks_text(rt, req.pending)} are still running it (result() again to "
+                        f"wait more, cancel() to interrupt them)")
+                    err.results = [req.results[s] for s in req.slots]
+                    raise err
+                wake = min(wake, stop_waiting_at)
+            if rt.coord is None and not req.mailbox:
+                for s in list(req.pending):  # closed under us (another thread)
+                    req.mailbox.append(("closed", s))
+                continue
+            rt.pump(max(0.0, min(wake - now, SLICE_S)))
+        except KeyboardInterrupt:
+            if req.why == "ctrl-c":
+                raise  # the request stays registered: its late replies still free the ranks
+            interrupt_pending("ctrl-c")
+    stuck = set(req.pending)
+    if stuck:
+        stacks = rt.stacks(sorted(stuck), 2.0, SLICE_S) if rt.coord is not None else {}
+        for s in stuck:
+            r = req.results[s]
+            r.stacks = stacks.get(s)
+            if s in rt.unresponsive:
+                r.error = unresponsive_failure(r.rank, rt.unresponsive[s])
+            else:
+                r.error = RankFailure(
+                    rank=r.rank, ename="StillRunning",
+                    evalue=f"did not stop within {DEATH_REPORT_S if req.why == 'death' else INTERRUPT_GRACE_S:g} s "
+                           f"of being interrupted (waiting in C code, or in a collective for a failed "
+                           f"rank?); it stays busy until it finishes: g.restart() (%makedip -r) ends it",
+                    traceback=(["where it was:"] + r.stacks.splitlines()) if r.stacks else [])
+        req.pending.clear()
+    for r in req.results.values():
+        r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
+    for msg in req.callback_errors:
+        sys.stderr.write(msg)
+    if req.heal is not None:
+        _healing.finish(group, req, stuck)
+    if req.why == "ctrl-c":
+        still = f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy" if stuck else ""
+        err = KeyboardInterrupt(f"interrupted rank(s) {ranks_text(rt, req.slots)}{still}")
+        err.results = [req.results[s] for s in req.slots]  # stuck ranks' .stacks: where they were
+        raise err
+    if req.why == "timeout":
+        err = TimeoutError(f"the request did not finish within {timeout:g} s, so rank(s) "
+                           f"{ranks_text(rt, req.slots)} were interrupted"
+                           + (f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy "
+                              f"(their stacks are in .results[i].stacks)" if stuck else
+                              f"; they stopped after {time.monotonic() - req.started:.1f} s"))
+        err.results = [req.results[s] for s in req.slots]
+        raise err
+    return [req.results[s] for s in req.slots]
+
+
+def ranks_text(rt, slots) -> str:
+    return ", ".join(str(rt.rank_ids[s]) for s in sorted(slots))
+
+
+def unresponsive_failure(rank, age) -> RankFailure:
+    return RankFailure(rank=rank, ename="Unresponsive",
+                       evalue=f"no heartbeat for {age:.1f} s (stopped, swapped out, or its host is "
+                              f"unreachable); %makedip -r / g.restart() replaces it")
+
+
+def drain(rt, req: Request, cb: Callbacks):
+    """Processes what the runtime delivered into `req`'s mailbox, calling the callbacks."""
+    while True:
+        with rt.mu:
+            if not req.mailbox:
+                return
+            item = req.mailbox.popleft()
+        _handle(req, item, cb)
+
+
+def _call(req: Request, cb: Callbacks, name: str, *args):
+    """A callback that raises is reported (once per callback) and switched off; the request
+    goes on."""
+    fn = getattr(cb, name)
+    if fn is None:
+        return
+    try:
+        fn(*args)
+    except KeyboardInterrupt:
+        raise
+    except Exception:
+        setattr(cb, name, None)
+        req.callback_errors.append(f"ddip: the {name} callback raised, so it was switched off for "
+                                   f"this request (which went on):\n{traceback.format_exc()}")
+
+
+def close_fds(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _handle(req: Request, item, cb: Callbacks):
+    tag, slot = item[0], item[1]
+    if slot not in req.pending:
+        if tag == "frame":
+            close_fds(item[4])
+        return
+    r = req.results[slot]
+    if tag == "output":
+        text = item[3].decode(errors="replace")
+        r._parts[item[2] - 1].append(text)  # joined once at the end: += would be quadratic
+        _call(req, cb, "on_output", r.rank, _STREAMS[item[2]], text)
+        return
+    if tag == "frame":
+        _, _, kind, data, fds = item
+        if kind == _core.DONE:
+            try:
+                _fill(r, loads_framed(data, fds))
+            except Exception as exc:
+                r.error = RankFailure(
+                    rank=r.rank, ename="UnpicklingError",
+                    evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
+                           f"(is what it returned importable here?)")
+            _finish(req, slot, cb)
+        else:
+            close_fds(fds)
+            try:
+                msg = loads(data)
+            except Exception:
+                return
+            if kind == _core.MESSAGE:
+                _call(req, cb, "on_message", r.rank, msg)
+            elif cb.on_display is not None:
+                _call(req, cb, "on_display", r.rank, msg)
+            else:
+                r.displays.append(msg)
+        return
+    if tag == "truncated":
+        r.error = RankFailure(rank=r.rank, ename="OSError",
+                              evalue="out of file descriptors: the notebook could not receive this rank's "
+                                     "reply buffers (raise `ulimit -n`, or close files and DataLoader "
+                                     "workers in the notebook)")
+        _finish(req, slot, cb)
+    elif tag == "died":
+        r.error = item[2]
+        req.died_at = req.died_at or time.monotonic()
+        _finish(req, slot, cb)
+    elif tag == "unresponsive":
+        r.error = unresponsive_failure(r.rank, item[2])
+        req.died_at = req.died_at or time.monotonic()
+        _finish(req, slot, cb)
+    elif tag == "broken":
+        r.error = RankFailure(rank=r.rank, ename="RuntimeFailure", evalue=item[2])
+        _finish(req, slot, cb)
+    elif tag == "closed":
+        r.error = RankFailure(rank=r.rank, ename="Closed", evalue="the group was closed while it ran")
+        _finish(req, slot, cb)
+
+
+def _finish(req: Request, slot: int, cb: Callbacks):
+    r = req.results[slot]
+    req.pending.discard(slot)
+    r.finished_at = time.monotonic()
+    if r.error is not None and not r.error.died and r.error.ename not in ("Unresponsive", "Closed") \
+            and req.failed_at is None:
+        req.failed_at = r.finished_at  # the others may be waiting for it in a collective
+    _call(req, cb, "on_done", r)
+
+
+def _fill(result: RankResult, reply: dict):
+    result.value = reply.get("value")
+    result.format = reply.get("format")
+    result.execution_count = reply.get("execution_count")
+    err = reply.get("error")
+    if err:
+        result.error = RankFailure(rank=result.rank, ename=err["ename"], evalue=err["evalue"],
+                                   traceback=err.get("traceback") or [], exception=err.get("exception"))
+
+
+def raise_failures(results: list[RankResult], what: str, heal: HealReport | None = None):
+    """RemoteError for the failed ranks, root cause first: a death, then exceptions in the order
+    they came; interrupts we caused, and ranks that never stopped, last."""
+    failed = [r for r in results if r.error is not None]
+    if failed:
+        def rank_of(r):
+            e = r.error
+            kind = 0 if (e.died or e.ename == "Unresponsive") else 2 if e.ename == "KeyboardInterrupt" else \
+                3 if e.ename == "StillRunning" else 1
+            return kind, r.finished_at if r.finished_at is not None else float("inf")
+        failed.sort(key=rank_of)
+        raise RemoteError([r.error for r in failed], results, what, heal)
+
+
+def positive_timeout(timeout, what="timeout"):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"{what} must be a positive number of seconds (or None), got {timeout!r}")
+
+
+class Pending:
+    """A request sent with apply_async. results()/result() wait for it; with timeout= they stop
+    waiting (TimeoutError) and leave it running, so they can be called again; cancel()
+    interrupts it. It holds no runtime resources: a closed group's sockets are not pinned."""
+
+    def __init__(self, group, req: Request):
+        self._group_ref = weakref.ref(group)
+        self._generation = group._generation
+        self._req = req
+        self._what = req.what
+        self._cb = Callbacks()
+        self._results: list[RankResult] | None = None
+        self._on_failure = True  # interrupt the other ranks when one fails (ranch does its own)
+        self._heal: HealReport | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether every rank has replied (or died); does not wait."""
+        if self._results is not None:
+            return True
+        group = self._live_group()
+        group._rt.pump(0)
+        drain(group._rt, self._req, self._cb)
+        return not self._req.pending
+
+    def _live_group(self):
+        group = self._group_ref()
+        if group is None or group._generation != self._generation or group._rt is None:
+            raise RuntimeError("the group was restarted or closed since this request was sent; "
+                               "its ranks are gone, and so is the request")
+        return group
+
+    def results(self, on_output: Callable | None = None, on_display: Callable | None = None,
+                timeout: float | None = None, *, on_message: Callable | None = None,
+                on_done: Callable | None = None) -> list[RankResult]:
+        """Waits for every rank; per-rank RankResults, errors included (nothing is raised).
+        on_done(result) is called as each rank finishes (or dies), so a caller can act on the
+        first failure; on_message(rank, obj) receives ddip.worker.notify(obj) from ranks.
+        timeout: stop waiting after that many seconds (TimeoutError); the request goes on."""
+        positive_timeout(timeout)
+        if self._results is None:
+            group = self._live_group()
+            self._cb = Callbacks(on_output, on_display, on_message, on_done)
+            stop = None if timeout is None else time.monotonic() + timeout
+            self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
+                                    on_failure=self._on_failure)
+            self._heal = self._req.heal.report if self._req.heal else None
+            self._req = None  # nothing of the runtime is kept once collected
+        return self._results
+
+    def result(self, on_output: Callable | None = None, timeout: float | None = None) -> list:
+        """Waits for every rank; their return values in rank order, or RemoteError.
+        timeout: stop waiting after that many seconds (TimeoutError); the request goes on."""
+        results = self.results(on_output=on_output, timeout=timeout)
+        raise_failures(results, self._what, self._heal)
+        return [r.value for r in results]
+
+    def cancel(self):
+        """Interrupts the request's ranks (KeyboardInterrupt in their code); result() then
+        reports how each one ended."""
+        if self._results is not None:
+            return
+        group = self._live_group()
+        group._rt.signal(list(self._req.pending), signal.SIGINT)

@@ -1,0 +1,298 @@
+"""The runtime side of a started group: the Coordinator, its event stream, and where each event
+goes.
+
+One `Runtime` per start of a `Group` (a restart makes a new one). It owns the ranks' state (idle,
+busy, dead), the request each rank is running, and the mailboxes events are delivered into.
+Whoever waits on the group pumps: one thread at a time takes events from the runtime and puts
+each into the mailbox of the request its rank is running (the frame's sequence number must
+match); the others wait on the condition. Callbacks never run here: each request's own waiter
+(ddip/request.py) processes its mailbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+
+from . import _core
+from .errors import RankFailure, StartError
+from .labels import LabelledOutput
+from .messages import dumps_framed, loads
+from .request import Request, close_fds
+
+# Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
+_OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED, _UNRESPONSIVE, _RESPONSIVE, _TRUNCATED = range(8)
+_LOST = 8  # a rank on another host, gone with its host's link or launcher (multi-host groups)
+STREAMS = {1: "stdout", 2: "stderr"}
+# How long an idle rank's output is kept for the next cell (per rank); older output is dropped.
+BACKGROUND_KEEP_BYTES = 64 * 1024
+
+
+class Runtime:
+    """A started group's Coordinator and the state its events change."""
+
+    def __init__(self, coord, rank_ids: list[int]):
+        size = len(rank_ids)
+        self.coord = coord
+        self.rank_ids = rank_ids
+        self.mu = threading.RLock()  # guards the state below; never held while waiting
+        self.cv = threading.Condition(self.mu)
+        self.pumping = False  # one thread at a time takes events from the runtime
+        self.broken = None  # why the runtime stopped on its own, if it did
+        self.seq = 0
+        self.state = ["starting"] * size
+        self.exits: dict[int, RankFailure] = {}
+        self.running: dict[int, Request] = {}  # slot -> the request it is busy with
+        self.unresponsive: dict[int, float] = {}  # slot -> seconds without a heartbeat
+        self.background = {s: collections.deque() for s in range(size)}  # idle ranks' output
+        self.background_bytes = [0] * size
+        self.background_dropped = [0] * size
+        self.stack_replies: dict[int, dict[int, str]] = {}  # seq -> slot -> text
+        self.info: list[dict] = [{} for _ in range(size)]  # each rank's hello
+
+    def wait_ready(self, timeout: float):
+        """Until every rank said hello; StartError naming the rank and why when one can't."""
+        deadline = time.monotonic() + timeout
+        waiting = set(range(len(self.rank_ids)))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = ", ".join(str(self.rank_ids[s]) for s in sorted(waiting))
+                raise StartError(f"rank(s) {ranks} did not become ready within {timeout:g} s; "
+                                 f"pass timeout= to wait longer")
+            ev = self.coord.next_event(min(left, 0.25) * 1000)
+            if ev is None:
+                continue
+            kind, slot, a, b, data, fds = ev
+            if kind == _FRAME and a == _core.HELLO:
+                self.info[slot] = loads(data)
+                self.state[slot] = "idle"
+                waiting.discard(slot)
+            elif kind == _EXITED:
+                f = self.death(slot, a, b, data)
+                raise StartError(f"rank {f.rank} exited while starting ({f.evalue})"
+                                 + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""))
+            elif kind == _LOST:
+                f = self.lost(slot, data)
+                raise StartError(f"rank {f.rank} could not start: {f.evalue}")
+            elif kind == _FAILED:
+                raise StartError(data.decode(errors="replace"))
+            else:
+                with self.mu:
+                    self.dispatch(ev)
+
+    def lost(self, slot, why: bytes) -> RankFailure:
+        """A rank on another host, gone with its host's link (or launcher): a death."""
+        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=why.decode(errors="replace"))
+        self.state[slot] = "dead"
+        self.exits[slot] = f
+        return f
+
+    def death(self, slot, code, sig, tail) -> RankFailure:
+        if code < 0:
+            cause = "exit status unknown (something else in the notebook's process reaped it)"
+        else:
+            cause = f"killed by {signal_name(sig)}" if sig else f"exit code {code}"
+        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=cause,
+                        stderr_tail=tail.decode(errors="replace"), exit_code=None if sig else code,
+                        exit_signal=sig or None)
+        self.state[slot] = "dead"
+        self.exits[slot] = f
+        return f
+
+    def pump(self, timeout: float):
+        """Delivers the events that arrive within `timeout` seconds (at least those already
+        there) into their requests' mailboxes. Returns early once something was delivered."""
+        with self.mu:
+            if self.pumping:
+                # Another thread pumps; it wakes us when it delivers something.
+                if timeout > 0:
+                    self.cv.wait(timeout)
+                return
+            coord = self.coord
+            if coord is None:
+                return
+            self.pumping = True
+        ev = None
+        try:
+            ev = coord.next_event(timeout * 1000 if timeout > 0 else 0)
+            while ev is not None:
+                with self.mu:
+                    self.dispatch(ev)
+                ev = None
+                ev = coord.next_event(0)
+        finally:
+            with self.mu:
+                if ev is not None:  # taken, then Ctrl-C landed before it was delivered
+                    self.dispatch(ev)
+                self.pumping = False
+                self.cv.notify_all()
+
+    def dispatch(self, ev):
+        """Puts one event where it belongs. Called with self.mu held; never raises."""
+        kind, slot, a, b, data, fds = ev
+        req = self.running.get(slot) if slot >= 0 else None
+        if kind == _OUTPUT:
+            if req is not None:
+                req.mailbox.append(("output", slot, a, data))
+            else:
+                self.keep_background(slot, a, data)
+        elif kind == _FRAME and a == _core.STACKS:
+            replies = self.stack_replies.get(b)
+            if replies is not None:
+                replies[slot] = data.decode(errors="replace")
+        elif kind in (_FRAME, _TRUNCATED) and a in (_core.DONE, _core.DISPLAY, _core.MESSAGE):
+            if req is None or req.seq != b:
+                close_fds(fds)  # a reply to a request its rank no longer runs (cannot happen)
+                return
+            if kind == _TRUNCATED:
+                close_fds(fds)
+                if a != _core.DONE:
+                    return  # a display whose buffers were lost; the reply says the rest
+                req.mailbox.append(("truncated", slot))
+            else:
+                req.mailbox.append(("frame", slot, a, data, fds))
+            if a == _core.DONE:
+                del self.running[slot]
+                if self.state[slot] == "busy":
+                    self.state[slot] = "idle"
+        elif kind == _FRAME:
+            close_fds(fds)
+        elif kind in (_EXITED, _LOST):
+            f = self.death(slot, a, b, data) if kind == _EXITED else self.lost(slot, data)
+            self.unresponsive.pop(slot, None)
+            if req is not None:
+                del self.running[slot]
+                req.mailbox.append(("died", slot, f))
+        elif kind == _UNRESPONSIVE:
+            self.unresponsive[slot] = a / 1000
+            if req is not None:
+                req.mailbox.append(("unresponsive", slot, a / 1000))
+        elif kind == _RESPONSIVE:
+            self.unresponsive.pop(slot, None)
+        elif kind == _FAILED:
+            self.broken = data.decode(errors="replace")
+            for r in set(self.running.values()):
+                for s in list(r.pending):
+                    r.mailbox.append(("broken", s, self.broken))
+            self.running = {}
+        self.cv.notify_all()
+
+    def keep_background(self, slot, stream, data):
+        q = self.background[slot]
+        q.append((stream, data))
+        self.background_bytes[slot] += len(data)
+        while self.background_bytes[slot] > BACKGROUND_KEEP_BYTES and len(q) > 1:
+            _, old = q.popleft()
+            self.background_bytes[slot] -= len(old)
+            self.background_dropped[slot] += len(old)
+
+    def show_background(self):
+        """Output ranks wrote while no request ran (a thread they started, say): shown, labelled,
+        before the next request's output; only the last BACKGROUND_KEEP_BYTES per rank are kept."""
+        with self.mu:
+            pending = []
+            for slot, q in self.background.items():
+                if q or self.background_dropped[slot]:
+                    pending.append((slot, list(q), self.background_dropped[slot]))
+                    q.clear()
+                    self.background_bytes[slot] = 0
+                    self.background_dropped[slot] = 0
+        out = LabelledOutput()
+        for slot, items, dropped in pending:
+            rank = self.rank_ids[slot]
+            if dropped:
+                out(rank, "stderr", f"[ddip: {dropped} bytes of earlier output from rank {rank} "
+                                    f"were dropped while no cell was running]\n")
+            for stream, data in items:
+                out(rank, STREAMS[stream], data.decode(errors="replace"))
+
+    def send(self, slots: list[int], msg: dict, what: str) -> Request:
+        """Sends `msg` to `slots` as one request; raises (sending nothing) when one of them is
+        dead or busy, or `msg` can't be pickled."""
+        self.pump(0)
+        self.show_background()
+        with self.mu:
+            dead = [self.exits[s] for s in slots if s in self.exits]
+            if dead:
+                d = dead[0]
+                raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
+            busy = [self.rank_ids[s] for s in slots if s in self.running]
+            if busy:
+                raise RuntimeError(f"rank(s) {', '.join(map(str, busy))} still busy with an earlier request "
+                                   f"(one that was interrupted but did not stop, or an apply_async not yet "
+                                   f"collected); wait, g.interrupt(), or g.restart() (%makedip -r)")
+            coord = self.coord
+            # Pickled before anything is sent: a value that can't be pickled changes nothing.
+            payload, segments = dumps_framed(msg, lambda raw: (coord.put(raw),) * 2, coord.release)
+            self.seq += 1
+            request = Request(self.rank_ids, self.seq, slots, what)
+            try:
+                coord.send(slots, _core.REQUEST, request.seq, payload, segments)
+            finally:
+                for segment in segments:  # the frames hold their own references now
+                    coord.release(segment)
+            for s in slots:
+                self.running[s] = request
+                self.state[s] = "busy"
+        return request
+
+    def signal(self, slots, sig: int):
+        for s in slots:
+            self.coord.signal(s, sig)
+
+    def stacks(self, slots, timeout, slice_s: float) -> dict[int, str]:
+        """Each slot's Python stack, answered by its runtime thread; a text saying why not for a
+        dead rank or one that did not answer within `timeout`."""
+        with self.mu:
+            self.seq += 1
+            seq = self.seq
+            self.stack_replies[seq] = {}
+            coord = self.coord
+        live = [s for s in slots if s not in self.exits]
+        try:
+            if live and coord is not None:
+                coord.send(live, _core.STACK_REQUEST, seq, b"")
+            deadline = time.monotonic() + timeout
+            while True:
+                with self.mu:
+                    got = self.stack_replies.get(seq, {})
+                    if all(s in got for s in live) or self.coord is None:
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.pump(min(left, slice_s))
+        finally:
+            with self.mu:
+                got = self.stack_replies.pop(seq, {})
+        out = {}
+        for s in slots:
+            if s in self.exits:
+                out[s] = f"(rank {self.rank_ids[s]} is dead: {self.exits[s].evalue})"
+            else:
+                out[s] = got.get(s, f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)")
+        return out
+
+    def detach(self):
+        """Marks every rank closed and tells the requests still running; returns the
+        Coordinator to close (None when already detached). Called once, by Group.close()."""
+        with self.mu:
+            coord, self.coord = self.coord, None
+            if coord is not None:
+                self.state = ["closed"] * len(self.state)
+                for req in set(self.running.values()):
+                    for s in list(req.pending):
+                        req.mailbox.append(("closed", s))
+                self.running = {}
+                self.cv.notify_all()
+        return coord
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # real-time signals have no name
+        return f"signal {sig}"
