@@ -146,6 +146,11 @@ def dumps_framed(obj, put, discard) -> tuple[bytes, list]:
     return table + body, [handle for _, handle in stored]
 
 
+# Before 3.13, mmap keeps a dup of the fd for as long as the mapping lives (for resize(), which
+# ddip never calls): one fd per received buffer. 3.13 can leave it out.
+_UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
 class _Mapping(mmap.mmap):
     """A private mapping of a received segment (a subclass, so it can carry a finalizer)."""
 
@@ -160,7 +165,8 @@ def loads_framed(payload: bytes, fds: list[int], release=None):
         body = memoryview(payload)[4 + 16 * count:]
         for i in range(count):
             seg, nbytes = table[2 * i], table[2 * i + 1]
-            m = _Mapping(fds[i], nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            m = _Mapping(fds[i], nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                         **_UNTRACKED)
             if release is not None:
                 weakref.finalize(m, release, seg)
             buffers.append(memoryview(m))

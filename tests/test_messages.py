@@ -1,0 +1,115 @@
+"""ddip.messages, in one process: what a frame's payload carries, in band and out of band.
+
+The same functions run on both ends of every request and reply (tests/test_group.py sends them
+between real processes); here each property is checked on its own: which buffers leave the
+pickle, that the receiver maps them writable without touching the sender's bytes, that a failed
+pickle gives back what it stored, and that segments are released once nothing refers to them."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+from ddip import messages as M
+
+
+def _reply(obj):
+    """obj packed as a rank packs a reply (one fresh memfd per large buffer), and its fds."""
+    return M.dumps_framed(obj, lambda raw: (0, M.memfd_with(raw)), os.close)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_small_values_stay_in_the_pickle():
+    stored = []
+    payload, handles = M.dumps_framed({"x": np.arange(10), "s": "text"}, stored.append, None)
+    assert handles == [] and stored == []
+    out = M.loads_framed(payload, [])
+    assert out["s"] == "text" and out["x"].tolist() == list(range(10))
+
+
+def test_large_buffers_travel_out_of_band_and_arrive_writable():
+    big = np.arange(M.OOB_THRESHOLD // 8 * 3, dtype=np.int64)  # 3 MiB
+    payload, fds = _reply({"big": big, "small": np.ones(4)})
+    assert len(fds) == 1  # only the big one left the pickle
+    assert len(payload) < M.OOB_THRESHOLD // 4  # and its bytes are not in the payload
+    out = M.loads_framed(payload, fds)
+    assert np.array_equal(out["big"], big) and out["small"].tolist() == [1.0] * 4
+    out["big"][0] = -1  # private, copy-on-write: the receiver may write to what it got
+    assert big[0] == 0
+
+
+def test_the_receiver_closes_every_fd_it_was_given():
+    before = _open_fds()
+    payload, fds = _reply([np.zeros(M.OOB_THRESHOLD, dtype=np.uint8) for _ in range(3)])
+    assert len(fds) == 3
+    arrays = M.loads_framed(payload, fds)
+    for fd in fds:  # the fds that came with the frame are closed at once...
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert all(a.nbytes == M.OOB_THRESHOLD for a in arrays)
+    del arrays
+    gc.collect()
+    assert _open_fds() == before  # ...and nothing is left once the arrays are gone
+
+
+def test_a_segment_is_released_once_nothing_refers_to_it():
+    released = []
+    payload, fds = _reply(np.ones(M.OOB_THRESHOLD, dtype=np.uint8))
+    arr = M.loads_framed(payload, fds, released.append)
+    view = arr[10:20]
+    del arr
+    gc.collect()
+    assert released == []  # a slice still holds the mapping
+    del view
+    gc.collect()
+    assert released == [0]
+
+
+def test_a_pickle_that_fails_half_way_gives_back_what_it_stored():
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("not today")
+
+    kept, discarded = [], []
+
+    def put(raw):
+        kept.append(raw.nbytes)
+        return len(kept), len(kept)
+
+    with pytest.raises(TypeError, match="not today"):
+        M.dumps_framed([np.ones(M.OOB_THRESHOLD, dtype=np.uint8), Unpicklable()], put, discarded.append)
+    assert discarded == [h for h in range(1, len(kept) + 1)]
+
+
+def test_notebook_functions_travel_by_value():
+    # What cloudpickle does for __main__, checked on a function made to look like the notebook's.
+    ns = {"__name__": "__main__"}
+    exec("def triple(x):\n    return 3 * x\n", ns)
+    payload, _ = M.dumps_framed(ns["triple"], None, None)
+    assert b"triple" in payload
+    assert M.loads_framed(payload, [])(5) == 15
+
+
+def test_picklable_says_what_can_be_sent():
+    assert M.picklable(np.ones(M.OOB_THRESHOLD * 2, dtype=np.uint8))  # without copying it out
+    assert not M.picklable(threading.Lock())
+    assert M.RemoteValue("Lock", "<lock>") == pickle.loads(pickle.dumps(M.RemoteValue("Lock", "<lock>")))
+
+
+def test_cpu_tensors_go_out_of_band_as_their_bytes():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(M.OOB_THRESHOLD // 4, dtype=torch.float32).reshape(256, -1)
+    payload, fds = _reply(t)
+    assert len(fds) == 1
+    back = M.loads_framed(payload, fds)
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    view = torch.arange(10)[2:5]  # a view of a bigger storage: pickled by torch itself, intact
+    assert M.loads_framed(*_reply(view)).tolist() == [2, 3, 4]
