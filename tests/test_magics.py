@@ -482,6 +482,17 @@ def test_restart_gives_new_pids_and_keeps_options(k):
     assert "-n 2 --backend none" in k.run("%makedip -i").stream()
 
 
+def test_a_busy_rank_is_reported_by_its_error_type(k):
+    assert k.run("import time\ng = get_ipython().magics_manager.registry['DipMagics'].group\n"
+                 "p = g.apply_async(time.sleep, 60, ranks=[1])").ok
+    cell = k.run("%%dip\nprint('ran')")
+    [err] = cell.of_type("error")
+    assert err["ename"] == "RankBusyError" and err["evalue"].startswith("rank(s) 1 still busy")
+    assert "ran" not in cell.stream()
+    assert k.run("p.cancel(); assert p.results()[0].error.ename == 'KeyboardInterrupt'").ok
+    assert k.run("%%dip\nprint('ran')").stream() == "ran\n"
+
+
 def test_a_dead_rank_is_reported_and_restart_recovers(k):
     import signal
     pids = k.pids()

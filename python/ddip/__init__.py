@@ -5,12 +5,14 @@
         g.run("import os; os.environ['RANK']")
 """
 
-from .errors import HealError, HealReport, RankFailure, RemoteError, StartError
+from .errors import (GroupClosedError, HealError, HealReport, RankBusyError, RankDeadError, RankError, RankFailure,
+                     RankUnresponsiveError, RemoteError, StartError)
 from .group import Group, RankResult
 from .launch import ranch, torchddp_launch, TorchDDPCtx, import_star
 from .template import prewarm
 
 __all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "StartError", "HealError", "HealReport"]
+__all__ += ["RankError", "RankDeadError", "RankBusyError", "RankUnresponsiveError", "GroupClosedError"]
 __all__ += ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star", "prewarm"]
 __version__ = "0.1.0"
 

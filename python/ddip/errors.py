@@ -114,4 +114,103 @@ class RemoteError(Exception):
 
 
 class StartError(RuntimeError):
-    """The group could not be started: a rank exited or did not become ready in time."""
+    """The group could not be started: a rank exited or could not be reached (`cause` says how),
+    or did not become ready in time (`timeout`: the seconds waited). `ranks`: the ranks it
+    names; `failure`: the RankFailure of a rank that exited while starting."""
+
+    def __init__(self, cause: str, ranks=(), timeout: float | None = None, failure: RankFailure | None = None):
+        self.cause = cause
+        self.ranks = sorted(ranks)
+        self.timeout = timeout
+        self.failure = failure
+        super().__init__(self.describe())
+
+    def describe(self, wait_longer: str = "pass timeout=") -> str:
+        """The message; `wait_longer` says how to wait longer (the magics: give -t SECONDS)."""
+        if self.timeout is None:
+            return self.cause
+        return f"{self.cause}; {wait_longer} to wait longer"
+
+
+def _ranks_text(ranks) -> str:
+    return ", ".join(map(str, ranks))
+
+
+class RankError(RuntimeError):
+    """A request the group refused, before sending anything, because of the state of some of its
+    ranks. `ranks`: those ranks, in rank order (`rank`: the first); `cause`: why, in words.
+    describe(restart) words the way out as the caller would take it (the magics: %makedip -r)."""
+
+    def __init__(self, ranks, cause: str):
+        self.ranks = sorted(ranks)
+        self.cause = cause
+        super().__init__(self.describe())
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[0]
+
+    def describe(self, restart: str = "call restart()") -> str:
+        return f"rank(s) {_ranks_text(self.ranks)}: {self.cause}; {restart} to start the group again"
+
+
+class RankDeadError(RankError):
+    """Ranks that died (their process exited, or their host's link is gone) before this request;
+    `failures`: a RankFailure for each (exit code or signal, last lines of stderr)."""
+
+    def __init__(self, failures: list[RankFailure]):
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        super().__init__([f.rank for f in self.failures], self.failures[0].evalue)
+
+    def describe(self, restart: str = "call restart()") -> str:
+        if len(self.failures) == 1:
+            what = f"rank {self.rank} is dead ({self.cause})"
+        else:
+            what = (f"ranks {_ranks_text(self.ranks)} are dead ("
+                    + "; ".join(f"rank {f.rank}: {f.evalue}" for f in self.failures) + ")")
+        return f"{what}; {restart} to start the group again"
+
+
+class RankBusyError(RankError):
+    """Ranks still running an earlier request: one that was interrupted but did not stop, or an
+    apply_async not yet collected. The new request was not queued behind it."""
+
+    def __init__(self, ranks):
+        super().__init__(ranks, "still busy with an earlier request (one that was interrupted but did "
+                                "not stop, or an apply_async not yet collected)")
+
+    def describe(self, restart: str = "call restart()") -> str:
+        return (f"rank(s) {_ranks_text(self.ranks)} {self.cause}; wait, g.interrupt(), or g.restart() "
+                f"(%makedip -r)")
+
+
+class RankUnresponsiveError(RankError):
+    """Ranks whose heartbeats stopped (the process is stopped or swapped out, or its host is
+    unreachable); `seconds`: rank -> seconds since its last heartbeat. They may answer again."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.seconds = dict(sorted(seconds.items()))
+        longest = max(self.seconds.values())
+        super().__init__(self.seconds, f"no heartbeat for {longest:.1f} s (stopped, swapped out, or its host is "
+                                       f"unreachable)")
+
+    def describe(self, restart: str = "call restart()") -> str:
+        return (f"rank(s) {_ranks_text(self.ranks)} stopped answering: {self.cause}; wait for them to "
+                f"answer again, or {restart} to replace them")
+
+
+class GroupClosedError(RuntimeError):
+    """The group (or, for a Pending, the group the request was sent to) is closed: by close(),
+    by restart(), or because the runtime failed (`cause`: that failure; None otherwise)."""
+
+    def __init__(self, cause: str | None = None, *, restarted: bool = False):
+        self.cause = cause
+        self.restarted = restarted  # a Pending whose group was restarted or closed since
+        super().__init__(self.describe())
+
+    def describe(self, restart: str = "call restart()") -> str:
+        if self.restarted:
+            return ("the group was restarted or closed since this request was sent; its ranks are gone, "
+                    "and so is the request")
+        why = f" after a runtime failure ({self.cause})" if self.cause else ""
+        return f"this group is closed{why}; create a new one (or {restart})"

@@ -25,7 +25,7 @@ from . import _core, gpus as _gpus
 from . import healing as _healing
 from . import hosts as _hosts
 from . import template as _template
-from .errors import HealReport
+from .errors import GroupClosedError, HealReport
 from .labels import LabelledOutput  # noqa: F401  (ddip.group.LabelledOutput, as before)
 from .messages import picklable
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
@@ -461,9 +461,7 @@ class Group:
     def _check_open(self) -> Runtime:
         rt = self._rt
         if rt is None or rt.coord is None:
-            broken = self._broken or (rt.broken if rt is not None else None)
-            why = f" after a runtime failure ({broken})" if broken else ""
-            raise RuntimeError(f"this group is closed{why}; create a new one (or call restart())")
+            raise GroupClosedError(self._broken or (rt.broken if rt is not None else None))
         return rt
 
     def _slot(self, rank: int) -> int:

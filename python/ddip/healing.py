@@ -9,7 +9,7 @@ import time
 
 from . import heal as _heal
 from . import request as _request
-from .errors import HealError, HealReport
+from .errors import HealError, HealReport, RankDeadError
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
 # collective by themselves (gloo: at once) before they are interrupted too.
@@ -45,8 +45,7 @@ def heal(group) -> HealReport:
     with rt.mu:
         dead = [rt.exits[s] for s in range(len(group.rank_ids)) if s in rt.exits]
     if dead:
-        raise RuntimeError(f"rank {dead[0].rank} is dead ({dead[0].evalue}); call restart() to start "
-                           f"the group again")
+        raise RankDeadError(dead)
     started = time.monotonic()
     slots = list(range(len(group.rank_ids)))
     h = Healing([])

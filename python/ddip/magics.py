@@ -25,12 +25,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import publish_display_data
 
 from .displays import RankDisplays, notebook_env
-from .errors import HealError, RemoteError, StartError, merge_failures
+from .errors import GroupClosedError, HealError, RankDeadError, RankError, RemoteError, StartError, merge_failures
 from .group import Group, resolve_backend, parse_gpus
 from . import hosts as _hosts
 from . import template as _template
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
+RESTART = "run %makedip -r"  # how errors that say "call restart()" to API users say it in a notebook
 _WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
 
 
@@ -407,8 +408,7 @@ class DipMagics(Magics):
                               env=notebook_env() or None)
         except StartError as exc:
             self.group = None
-            text = str(exc).replace("pass timeout= to wait longer", "give -t SECONDS to wait longer")
-            text += "\n(no group is running; %makedip -r tries again)"
+            text = exc.describe(wait_longer="give -t SECONDS") + "\n(no group is running; %makedip -r tries again)"
             raise CellError(text, [("StartError", text, [_header("StartError"), text])]) from None
         except KeyboardInterrupt:
             self.group = None
@@ -458,8 +458,10 @@ class DipMagics(Magics):
             report = group.heal()
         except HealError as exc:
             raise CellError(str(exc), [("HealError", str(exc), [_header("HealError"), str(exc)])]) from None
-        except RuntimeError as exc:  # no backend, a dead rank: nothing was changed
-            raise UsageError(f"%makedip --heal: {exc}".replace("call restart()", "run %makedip -r")) from None
+        except RankError as exc:  # a dead rank: nothing was changed
+            raise UsageError(f"%makedip --heal: {exc.describe(restart=RESTART)}") from None
+        except RuntimeError as exc:  # no backend, ranks of a larger world: nothing was changed
+            raise UsageError(f"%makedip --heal: {exc}") from None
         print(f"healed in {report.seconds:.2f} s: torch.distributed's default group rebuilt on all "
               f"{report.world_size} ranks (MASTER_PORT {report.port}); their variables are kept"
               + (f"; rank(s) {', '.join(map(str, report.released))} were released from what they ran"
@@ -610,9 +612,13 @@ class DipMagics(Magics):
                 if r.stacks:
                     body += [_header(f"[rank {r.rank}] did not stop; where it was:"), r.stacks.rstrip("\n")]
             raise CellError(str(exc), [("TimeoutError", str(exc), body)]) from None
-        except RuntimeError as exc:  # a dead rank (or a broken runtime): the group must be restarted
-            text = str(exc).replace("call restart()", "run %makedip -r")
-            ename = "RankDied" if " is dead " in text else type(exc).__name__
+        except (RankError, GroupClosedError) as exc:  # refused before it was sent: nothing ran
+            text = exc.describe(restart=RESTART)
+            # The same name as a rank that dies while running a cell.
+            ename = "RankDied" if isinstance(exc, RankDeadError) else type(exc).__name__
+            raise CellError(text, [(ename, text, [_header(ename), text])]) from None
+        except RuntimeError as exc:  # anything else from the runtime: its message, not our frames
+            ename, text = type(exc).__name__, str(exc)
             raise CellError(text, [(ename, text, [_header(ename), text])]) from None
         self.last_results = results
         for r in results:

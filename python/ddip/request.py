@@ -22,7 +22,7 @@ from typing import Callable
 
 from . import _core
 from . import healing as _healing
-from .errors import HealReport, RankFailure, RemoteError
+from .errors import GroupClosedError, HealReport, RankFailure, RemoteError
 from .messages import loads, loads_framed
 
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
@@ -364,8 +364,7 @@ class Pending:
     def _live_group(self):
         group = self._group_ref()
         if group is None or group._generation != self._generation or group._rt is None:
-            raise RuntimeError("the group was restarted or closed since this request was sent; "
-                               "its ranks are gone, and so is the request")
+            raise GroupClosedError(restarted=True)
         return group
 
     def results(self, on_output: Callable | None = None, on_display: Callable | None = None,

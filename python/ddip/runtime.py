@@ -17,7 +17,7 @@ import threading
 import time
 
 from . import _core
-from .errors import RankFailure, StartError
+from .errors import RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
 from .labels import LabelledOutput
 from .messages import dumps_framed, loads
 from .request import Request, close_fds
@@ -60,8 +60,8 @@ class Runtime:
             left = deadline - time.monotonic()
             if left <= 0:
                 ranks = ", ".join(str(self.rank_ids[s]) for s in sorted(waiting))
-                raise StartError(f"rank(s) {ranks} did not become ready within {timeout:g} s; "
-                                 f"pass timeout= to wait longer")
+                raise StartError(f"rank(s) {ranks} did not become ready within {timeout:g} s",
+                                 [self.rank_ids[s] for s in waiting], timeout=timeout)
             ev = self.coord.next_event(min(left, 0.25) * 1000)
             if ev is None:
                 continue
@@ -73,10 +73,11 @@ class Runtime:
             elif kind == _EXITED:
                 f = self.death(slot, a, b, data)
                 raise StartError(f"rank {f.rank} exited while starting ({f.evalue})"
-                                 + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""))
+                                 + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""),
+                                 [f.rank], failure=f)
             elif kind == _LOST:
                 f = self.lost(slot, data)
-                raise StartError(f"rank {f.rank} could not start: {f.evalue}")
+                raise StartError(f"rank {f.rank} could not start: {f.evalue}", [f.rank], failure=f)
             elif kind == _FAILED:
                 raise StartError(data.decode(errors="replace"))
             else:
@@ -211,19 +212,22 @@ class Runtime:
 
     def send(self, slots: list[int], msg: dict, what: str) -> Request:
         """Sends `msg` to `slots` as one request; raises (sending nothing) when one of them is
-        dead or busy, or `msg` can't be pickled."""
+        dead, stopped or busy (RankDeadError, RankUnresponsiveError, RankBusyError), or `msg`
+        can't be pickled."""
         self.pump(0)
         self.show_background()
         with self.mu:
             dead = [self.exits[s] for s in slots if s in self.exits]
             if dead:
-                d = dead[0]
-                raise RuntimeError(f"rank {d.rank} is dead ({d.evalue}); call restart() to start the group again")
+                raise RankDeadError(dead)
+            # Before busy: a stopped rank may still hold a request, and it would never answer a new one.
+            stopped = {self.rank_ids[s]: max(self.unresponsive[s], self.coord.heartbeat_age_ms(s) / 1000)
+                       for s in slots if s in self.unresponsive}
+            if stopped:
+                raise RankUnresponsiveError(stopped)
             busy = [self.rank_ids[s] for s in slots if s in self.running]
             if busy:
-                raise RuntimeError(f"rank(s) {', '.join(map(str, busy))} still busy with an earlier request "
-                                   f"(one that was interrupted but did not stop, or an apply_async not yet "
-                                   f"collected); wait, g.interrupt(), or g.restart() (%makedip -r)")
+                raise RankBusyError(busy)
             coord = self.coord
             # Pickled before anything is sent: a value that can't be pickled changes nothing.
             payload, segments = dumps_framed(msg, lambda raw: (coord.put(raw),) * 2, coord.release)

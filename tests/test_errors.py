@@ -1,0 +1,143 @@
+"""ddip.errors: each way a request is refused is its own exception type, raised for real (a
+killed rank, a busy one, a stopped one, a closed group, a start that fails) and carrying the
+ranks and the cause as attributes; subclasses of RuntimeError, so `except RuntimeError` still
+catches them. The magics' side (how a notebook shows them) is in test_magics.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import ddip
+from conftest import wait_until
+
+
+def _state(g, rank):
+    return next(r["state"] for r in g.status() if r["rank"] == rank)
+
+
+def test_a_dead_rank_is_a_rank_dead_error_naming_the_rank_and_its_exit():
+    with ddip.Group(n=3, backend=None) as g:
+        os.kill(g.pids[1], signal.SIGKILL)
+        assert wait_until(lambda: _state(g, 1) == "dead", 30)
+        with pytest.raises(ddip.RankDeadError) as e:
+            g.run("1")
+        err = e.value
+        assert isinstance(err, ddip.RankError) and isinstance(err, RuntimeError)
+        assert err.ranks == [1] and err.rank == 1 and err.cause == "killed by SIGKILL"
+        [f] = err.failures
+        assert f.rank == 1 and f.died and f.exit_signal == signal.SIGKILL
+        assert str(err) == "rank 1 is dead (killed by SIGKILL); call restart() to start the group again"
+        assert err.describe(restart="run %makedip -r") == \
+            "rank 1 is dead (killed by SIGKILL); run %makedip -r to start the group again"
+        # Only requests that need the dead rank are refused.
+        assert [r.value for r in g.run("2", ranks=[0, 2])] == [2, 2]
+        os.kill(g.pids[2], signal.SIGKILL)
+        assert wait_until(lambda: _state(g, 2) == "dead", 30)
+        with pytest.raises(ddip.RankDeadError) as e:
+            g.apply(abs, -1)
+        assert e.value.ranks == [1, 2] and [f.rank for f in e.value.failures] == [1, 2]
+        assert str(e.value).startswith("ranks 1, 2 are dead (rank 1: killed by SIGKILL; rank 2: killed by SIGKILL)")
+        g.restart()
+        assert [r.value for r in g.run("3")] == [3, 3, 3]
+
+
+def test_a_rank_still_running_an_earlier_request_is_a_rank_busy_error():
+    with ddip.Group(n=2, backend=None) as g:
+        g.run("import threading; gate = threading.Event()")
+        pending = g.apply_async(lambda: __import__("__main__").gate.wait(60), ranks=[1])
+        with pytest.raises(ddip.RankBusyError) as e:
+            g.run("1")
+        assert isinstance(e.value, ddip.RankError) and isinstance(e.value, RuntimeError)
+        assert e.value.ranks == [1] and e.value.rank == 1
+        assert e.value.cause.startswith("still busy with an earlier request")
+        assert str(e.value).startswith("rank(s) 1 still busy with an earlier request")
+        assert [r.value for r in g.run("4", ranks=[0])] == [4]  # the idle rank still takes requests
+        pending.cancel()
+        with pytest.raises(ddip.RemoteError) as e:
+            pending.result()
+        assert e.value.failures[0].ename == "KeyboardInterrupt"
+        assert [r.value for r in g.run("5")] == [5, 5]
+
+
+def test_a_stopped_rank_is_a_rank_unresponsive_error_until_it_answers_again():
+    with ddip.Group(n=2, backend=None, heartbeat_timeout=1.0) as g:
+        pid = g.pids[1]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: _state(g, 1) == "unresponsive", 30)
+            # Refused at once: sent, it would wait for an answer that can't come.
+            with pytest.raises(ddip.RankUnresponsiveError) as e:
+                g.run("1")
+            err = e.value
+            assert isinstance(err, ddip.RankError) and isinstance(err, RuntimeError)
+            assert err.ranks == [1] and list(err.seconds) == [1] and err.seconds[1] >= 1.0
+            assert err.cause.startswith(f"no heartbeat for {err.seconds[1]:.1f} s")
+            assert "wait for them to answer again, or call restart() to replace them" in str(err)
+            assert [r.value for r in g.run("2", ranks=[0])] == [2]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert wait_until(lambda: _state(g, 1) == "idle", 30)
+        assert [r.value for r in g.run("3")] == [3, 3]
+
+
+def test_a_rank_that_stops_while_running_fails_its_request_then_refuses_the_next():
+    with ddip.Group(n=2, backend=None, heartbeat_timeout=1.0) as g:
+        g.run("import threading; gate = threading.Event()")
+        pending = g.apply_async(lambda: __import__("__main__").gate.wait(60), ranks=[1])
+        pid = g.pids[1]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ddip.RemoteError) as e:
+                pending.result()
+            [f] = e.value.failures
+            assert f.rank == 1 and f.ename == "Unresponsive" and f.evalue.startswith("no heartbeat for")
+            with pytest.raises(ddip.RankUnresponsiveError) as e:
+                g.run("1", ranks=[1])
+            assert e.value.ranks == [1]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Answering again, it is still in the request the notebook gave up on: busy, not stopped.
+        assert wait_until(lambda: _state(g, 1) == "busy", 30)
+        with pytest.raises(ddip.RankBusyError):
+            g.run("1", ranks=[1])
+        g.interrupt([1])
+        assert wait_until(lambda: _state(g, 1) == "idle", 30)
+        assert [r.value for r in g.run("6")] == [6, 6]
+
+
+def test_a_closed_group_is_a_group_closed_error():
+    g = ddip.Group(n=1, backend=None)
+    pending = g.apply_async(abs, -7)
+    assert pending.result() == [7]
+    late = g.apply_async(abs, -8)
+    g.close()
+    with pytest.raises(ddip.GroupClosedError) as e:
+        g.run("1")
+    assert isinstance(e.value, RuntimeError) and not isinstance(e.value, ddip.RankError)
+    assert e.value.cause is None and not e.value.restarted
+    assert str(e.value) == "this group is closed; create a new one (or call restart())"
+    with pytest.raises(ddip.GroupClosedError) as e:
+        late.result()
+    assert e.value.restarted and "restarted or closed since this request was sent" in str(e.value)
+
+
+def test_a_start_that_times_out_is_a_start_error_with_its_ranks_and_timeout():
+    with pytest.raises(ddip.StartError) as e:
+        ddip.Group(n=2, backend=None, timeout=0.001, warm=False)
+    err = e.value
+    assert err.timeout == 0.001 and err.ranks == [0, 1] and err.failure is None
+    assert str(err) == "rank(s) 0, 1 did not become ready within 0.001 s; pass timeout= to wait longer"
+    assert err.describe(wait_longer="give -t SECONDS").endswith("; give -t SECONDS to wait longer")
+
+
+def test_a_rank_that_exits_at_start_is_a_start_error_with_its_failure(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(4)\n")
+    with pytest.raises(ddip.StartError) as e:
+        ddip.Group(n=2, backend=None, env={"PYTHONPATH": str(tmp_path)})
+    err = e.value
+    assert err.timeout is None and len(err.ranks) == 1 and err.failure.rank == err.ranks[0]
+    assert err.failure.died and err.failure.exit_code == 4
+    assert str(err).startswith(f"rank {err.ranks[0]} exited while starting (exit code 4)")
