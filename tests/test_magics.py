@@ -310,7 +310,7 @@ def test_identical_tracebacks_are_merged_with_their_ranks(k):
     assert err["ename"] == "ValueError"
     # Nothing about the magic's own frames in the notebook.
     everything = json.dumps(cell.outputs)
-    assert "magics.py" not in everything and "run_cell_magic" not in everything
+    assert "ddip/magics" not in everything and "run_cell_magic" not in everything
 
 
 def test_different_tracebacks_are_shown_per_rank(k):

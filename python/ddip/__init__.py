@@ -18,12 +18,9 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ip):
-    from .magics import load_ipython_extension as load
+    from .magics import load_ipython_extension as load  # IPython only when the magics are loaded
 
     load(ip)
-    from .magics_run import load_ipython_extension as load_run
-
-    load_run(ip)
 
 
 def unload_ipython_extension(ip):

@@ -16,39 +16,31 @@ from __future__ import annotations
 
 import codecs
 import os
-import re
 import selectors
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
-from .cli import binary
-from .group import LabelledOutput
+from ..cli import binary
+from . import render
+from .flags import parse, positive_seconds, size_flags, unquote, usage_error
 
 
 class DipRunError(RuntimeError):
     """`ddip run` exited with a non-zero code; its report (which rank failed, how) is above."""
 
 
-def _usage(fn) -> str:
-    # magic_arguments formats usage as reST ("::" and an indented block); show it plainly.
-    return "usage: " + " ".join(fn.parser.format_usage().replace("::", "").split())
-
-
 @magics_class
 class DipRunMagics(Magics):
+    """%%diprun. It shares no state with the other magics: each cell starts and ends its ranks."""
+
     @magic_arguments()
-    @argument("-n", "--nproc-per-node", type=int, default=None, metavar="N",
-              help="number of ranks (CPU processes); default 1")
-    @argument("--gpus", default=None, metavar="LIST",
-              help="one rank per listed GPU, in this order (e.g. 3,1 or all)")
+    @size_flags
     @argument("--tee", default=None, metavar="RANKS",
               help="ranks whose output is shown: all (default), none, or a list such as 0")
     @argument("--log-dir", default=None, metavar="DIR",
@@ -59,24 +51,18 @@ class DipRunMagics(Magics):
     def diprun(self, line, cell):
         """Run the cell as a script on N ranks with `ddip run` (torchrun's environment)."""
         __tracebackhide__ = True
-        usage = _usage(self.diprun)
-        try:
-            args = parse_argstring(self.diprun, line)
-        except UsageError as exc:
-            raise UsageError(f"{exc}\n{usage}") from None
-        except ValueError as exc:  # unbalanced quotes
-            raise UsageError(f"cannot split the arguments ({exc})\n{usage}") from None
-        if args.nproc_per_node is not None and args.gpus is not None:
-            raise UsageError(f"give -n or --gpus, not both\n{usage}")
-        if args.nproc_per_node is not None and args.nproc_per_node < 1:
-            raise UsageError(f"-n must be at least 1 (got {args.nproc_per_node})\n{usage}")
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout must be positive (got {args.timeout:g})\n{usage}")
+        fn = self.diprun
+        args = parse(fn, line)
+        if args.nprocs is not None and args.gpus is not None:
+            raise usage_error(fn, "give -n or --gpus, not both")
+        if args.nprocs is not None and args.nprocs < 1:
+            raise usage_error(fn, f"-n must be at least 1 (got {args.nprocs})")
+        positive_seconds(fn, "--timeout", args.timeout)
         flags = []
-        for flag, value in (("-n", args.nproc_per_node), ("--gpus", args.gpus), ("--tee", args.tee),
+        for flag, value in (("-n", args.nprocs), ("--gpus", args.gpus), ("--tee", args.tee),
                             ("--log-dir", args.log_dir), ("--timeout", args.timeout)):
             if value is not None:
-                flags += [flag, _unquote(str(value))]
+                flags += [flag, unquote(str(value))]
         workdir = tempfile.mkdtemp(prefix="ddip-diprun-")
         try:
             script = os.path.join(workdir, "cell.py")
@@ -91,47 +77,12 @@ class DipRunMagics(Magics):
             raise DipRunError(f"ddip run exited with code {code}") from None
 
 
-def _unquote(text: str) -> str:
-    # IPython hands magic arguments over with their quotes: --gpus "3,1" arrives quoted.
-    parts = shlex.split(text)
-    return parts[0] if len(parts) == 1 else text
-
-
 def _rank_env() -> dict:
     env = dict(os.environ)
     # ipykernel points matplotlib at its inline backend; in a rank that would draw nowhere.
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]
     return env
-
-
-class _Relabel:
-    """`ddip run`'s labelled output ("[rank] " after every '\n' and every '\r' that text follows;
-    every piece it writes ends in one of them), written to the notebook by a LabelledOutput: ranks'
-    redrawn bars take turns in place instead of overwriting each other's text."""
-
-    _TAG = re.compile(r"\[(\d+)\] ")
-
-    def __init__(self):
-        self.out = LabelledOutput("[{}] ")
-        self.partial = {"stdout": "", "stderr": ""}  # a read can end inside a piece
-        self.last = {"stdout": None, "stderr": None}  # whose text came last, per stream
-
-    def write(self, stream: str, text: str, final: bool = False):
-        text = self.partial[stream] + text
-        cut = len(text) if final else max(text.rfind("\n"), text.rfind("\r")) + 1
-        self.partial[stream] = text[cut:]
-        for piece in re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+", text[:cut]):
-            tag = self._TAG.match(piece)
-            if tag:
-                rank, piece = int(tag.group(1)), piece[tag.end():]
-            elif piece.strip("\r\n"):
-                rank = None  # ddip run's own message
-            else:
-                rank = self.last[stream]  # "\r" or the "\n" of "\r\n": the last writer's
-            self.last[stream] = rank
-            label = "" if rank is None else f"[{rank}] "
-            self.out.write((rank, stream), label, stream, piece)
 
 
 def _stream(argv: list[str]):
@@ -146,7 +97,7 @@ def _stream(argv: list[str]):
     sel = selectors.DefaultSelector()
     try:
         # A read can end inside a UTF-8 character: decode incrementally, per stream.
-        out = _Relabel()
+        out = render.RunOutput()
         for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             sel.register(pipe, selectors.EVENT_READ, (name, codecs.getincrementaldecoder("utf-8")("replace")))
         while sel.get_map():
@@ -175,22 +126,3 @@ def _stream(argv: list[str]):
         proc.stdout.close()
         proc.stderr.close()
     return "interrupted" if interrupted else code
-
-
-_magics: DipRunMagics | None = None
-
-
-def load_ipython_extension(ip):
-    global _magics
-    if _magics is not None and _magics.shell is ip:
-        return
-    _magics = DipRunMagics(ip)
-    ip.register_magics(_magics)
-
-
-def unload_ipython_extension(ip):
-    global _magics
-    if _magics is None:
-        return
-    ip.magics_manager.magics["cell"].pop("diprun", None)
-    _magics = None

@@ -1,0 +1,55 @@
+"""IPython magics: one Magics class per area, registered together by `%load_ext ddip`.
+
+    %load_ext ddip
+    %makedip -n 3
+    %%dip --see all
+    import os; print(os.environ["RANK"])
+
+- lifecycle.DipMagics: the group's life (%makedip) and its ranks' state (%dipstatus, %dipstack)
+- cells.CellMagics: running cells (%%dip, %autodip)
+- data.DataMagics: moving data (%dipush, %dipull)
+- run.DipRunMagics: %%diprun, a cell as a script under `ddip run`
+- session.Session: the state the first three share (the group, its spec, %autodip)
+- flags: shared flag groups and checks; render: everything the magics show
+
+Rank output is written to the notebook as it arrives; values, display() calls and tracebacks
+become the notebook's own display/error outputs.
+"""
+
+from __future__ import annotations
+
+from .. import template as _template
+from . import render
+from .cells import CellMagics
+from .data import DataMagics
+from .lifecycle import DipMagics
+from .run import DipRunError, DipRunMagics
+from .session import Session
+
+__all__ = ["CellMagics", "DataMagics", "DipMagics", "DipRunError", "DipRunMagics", "Session",
+           "load_ipython_extension", "unload_ipython_extension"]
+
+_loaded: dict = {}  # for the shell it is loaded in: its Session, its Magics, what to restore on unload
+
+
+def load_ipython_extension(ip):
+    if _loaded.get("shell") is ip:
+        return
+    session = Session(ip)
+    magics = [DipMagics(ip, session), CellMagics(ip, session), DataMagics(ip, session), DipRunMagics(ip)]
+    for m in magics:
+        ip.register_magics(m)
+    _loaded.update(shell=ip, session=session, magics=magics, exc=render.show_cell_errors(ip))
+    _template.prewarm()  # in the background: the first %makedip forks its ranks from it
+
+
+def unload_ipython_extension(ip):
+    if _loaded.get("shell") is not ip:
+        return
+    _loaded["session"].close()
+    render.restore_cell_errors(ip, _loaded["exc"])
+    for m in _loaded["magics"]:
+        for kind, names in m.magics.items():
+            for name in names:
+                ip.magics_manager.magics[kind].pop(name, None)
+    _loaded.clear()

@@ -1,0 +1,164 @@
+"""Running cells: %%dip runs a cell on the group's ranks (or in the notebook, or both); %autodip
+runs every following cell that way."""
+
+from __future__ import annotations
+
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from ..errors import GroupClosedError, RankDeadError, RankError, RemoteError
+from ..group import Group
+from . import render
+from .data import push
+from .flags import cell_flags, parse, positive_seconds, rank_list, unquote, usage_error
+from .lifecycle import RESTART
+from .session import Session
+
+_WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
+LINE_FORM = "as a line magic %dip takes --push VAR ...; to run code on the ranks, start the cell with %%dip"
+
+
+@magics_class
+class CellMagics(Magics):
+    """%%dip and %autodip."""
+
+    def __init__(self, shell, session: Session):
+        super().__init__(shell)
+        self.session = session
+
+    # -- %%dip --------------------------------------------------------------------------------------
+
+    @magic_arguments()
+    @cell_flags
+    @argument("--push", metavar="VAR", nargs="+", help="(line magic) copy these notebook variables to every rank")
+    @line_cell_magic
+    def dip(self, line="", cell=None):
+        """Run a cell on the group's ranks (remote), in the notebook (local), or both (everywhere)."""
+        fn = self.dip
+        if cell is None and "--push" not in line:
+            raise usage_error(fn, LINE_FORM)
+        args = parse(fn, line)
+        if cell is None:
+            if not args.push:
+                raise usage_error(fn, LINE_FORM)
+            push(self.session, args.push)
+            return
+        if args.push:
+            raise usage_error(fn, "--push goes on a line of its own (%dip --push VAR); not with %%dip")
+        where = self._where(fn, args)
+        positive_seconds(fn, "--timeout", args.timeout)
+        if where == "local":
+            self._run_local(cell)
+            return
+        group = self.session.running_group()
+        shown = self._shown(fn, args, group)
+        if where == "everywhere":
+            self._run_local(cell)
+        self._run_remote(group, cell, shown, args.timeout)
+
+    @staticmethod
+    def _where(fn, args) -> str:
+        where = args.where or "remote"
+        if args.to is not None:
+            to = _WHERE[args.to]
+            if args.where is not None and to != where:
+                raise usage_error(fn, f"'{args.where}' and --to {args.to} disagree; give one")
+            where = to
+        return where
+
+    @staticmethod
+    def _shown(fn, args, group) -> list[int]:
+        if args.quiet:
+            if args.see not in (None, "none"):
+                raise usage_error(fn, f"-q shows no rank; it contradicts --see {args.see}")
+            return []
+        if args.see is None:
+            return [group.rank_ids[0]]
+        see = unquote(args.see).lower()
+        if see == "all":
+            return list(group.rank_ids)
+        if see == "none":
+            return []
+        return rank_list(fn, "--see", args.see, group.rank_ids, "all, none or ranks like 0,2")
+
+    def _run_local(self, cell: str):
+        self.session.running_local = True
+        try:
+            result = self.shell.run_cell(cell, store_history=False)
+        finally:
+            self.session.running_local = False
+        if not result.success:
+            # The notebook's own traceback has been shown; fail the cell without adding to it.
+            raise render.CellError("the cell failed in the notebook; it did not run on the ranks")
+
+    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout):
+        out = render.RankOutput(shown)
+        error = None
+        try:
+            # Only the display form of the last value travels (values=False): the object stays in
+            # the rank, so a CUDA tensor never starts CUDA here and nothing big is copied back.
+            results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout,
+                                values=False)
+        except RemoteError as exc:
+            results, error = exc.results or [], exc
+        except KeyboardInterrupt as exc:
+            # Group.run has already interrupted every rank and waited for them; no need for a
+            # traceback of our own frames. (Raised again as a CellError so the cell counts as failed.)
+            # A Ctrl-C that lands while we write output escapes Group.run before it interrupts
+            # the ranks; make sure none is left running the cell.
+            busy = [r["rank"] for r in group.status() if r["state"] == "busy"]
+            if busy:
+                group.interrupt(busy)
+            raise render.CellError.of("KeyboardInterrupt", str(exc) or "interrupted",
+                                      *render.stuck_lines(getattr(exc, "results", None))) from None
+        except TimeoutError as exc:
+            raise render.CellError.of("TimeoutError", str(exc),
+                                      *render.stuck_lines(getattr(exc, "results", None))) from None
+        except (RankError, GroupClosedError) as exc:  # refused before it was sent: nothing ran
+            # A dead rank is named as a rank that dies while running a cell is.
+            ename = "RankDied" if isinstance(exc, RankDeadError) else type(exc).__name__
+            raise render.CellError.of(ename, exc.describe(restart=RESTART)) from None
+        except RuntimeError as exc:  # anything else from the runtime: its message, not our frames
+            raise render.CellError.of(type(exc).__name__, str(exc)) from None
+        self.session.last_results = results
+        for r in results:
+            if r.rank in out.shown and r.ok and r.format is not None:
+                render.show_value(r.rank, r.execution_count, r.format)
+        if error is not None:
+            if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
+                render.heal_note(error.heal)
+            raise render.CellError(str(error).splitlines()[0], render.failure_entries(error.failures)) from None
+
+    # -- %autodip -----------------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("state", nargs="?", choices=["on", "off"], help="on: every cell runs as %%%%dip; off: as written")
+    @argument("-a", "--args", default="", metavar='"..."',
+              help='%%%%dip flags for every cell, e.g. -a "--see all" (or --args=-q)')
+    @line_magic
+    def autodip(self, line=""):
+        """Run every following cell as if it began with %%dip (a cell starting with % runs as written)."""
+        fn = self.autodip
+        s = self.session
+        args = parse(fn, line)
+        args.args = unquote(args.args)
+        if args.state is None:
+            if args.args:
+                raise usage_error(fn, "-a goes with on: %autodip on -a \"--see all\"")
+            print(s.autodip_state())
+            return
+        if args.state == "off":
+            if args.args:
+                raise usage_error(fn, "-a goes with on, not off")
+            s.set_autodip(None)
+            print(s.autodip_state())
+            return
+        group = s.running_group()
+        # Check the flags now, so a typo fails here rather than in every following cell.
+        dip_args = parse(self.dip, args.args)
+        if dip_args.push:
+            raise usage_error(fn, "--push is not a cell flag; use %dipush VAR")
+        self._where(self.dip, dip_args)
+        self._shown(self.dip, dip_args, group)
+        s.set_autodip(args.args.strip())
+        print(s.autodip_state())

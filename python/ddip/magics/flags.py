@@ -1,0 +1,105 @@
+"""The magics' flags: flag groups shared by the magics that take them (decorators adding the same
+magic_arguments to each, as IPython's own magics do), and parsing and checks every magic does the
+same way. A bad flag or value is a UsageError that ends with the magic's usage line."""
+
+from __future__ import annotations
+
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, parse_argstring
+
+
+def flag_group(*arguments):
+    """A decorator adding these magic_arguments `argument(...)`s to a magic, in the order given
+    (the order the usage line shows them)."""
+
+    def add(fn):
+        for arg in reversed(arguments):  # decorators apply bottom-up
+            fn = arg(fn)
+        return fn
+
+    return add
+
+
+# How many ranks, as CPU processes or one per GPU: %makedip and %%diprun.
+size_flags = flag_group(
+    argument("-g", "--gpus", metavar="GPUS", help="one rank per listed GPU: 'all' or ids like 0,1,3 (in that order)"),
+    argument("-n", "--nprocs", "--nproc-per-node", dest="nprocs", metavar="N", type=int,
+             help="this many CPU ranks"),
+)
+
+# Ranks on several hosts: %makedip.
+hosts_flags = flag_group(
+    argument("--hosts", metavar="HOSTS",
+             help="ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU ranks), "
+                  "'node1[0,1] node2[2,3]' (one rank per listed GPU), or node1,node2 with -g 0,1 (the "
+                  "same GPUs on each; -g 'node1:0,1 node2:2,3' alone names each host's); localhost runs here"),
+    argument("--launcher", metavar="LAUNCHER",
+             help="how --hosts are reached: ssh (default; 'ssh -F cfg' adds ssh options), slurm "
+                  "(srun in an allocation), or a template with {host} and {command}"),
+    argument("--python", metavar="PATH", help="the Python to run on the hosts (default: this one's path)"),
+    argument("--bind", metavar="ADDRESS",
+             help="this machine's address the hosts connect back to (default: the one that routes "
+                  "to the first remote host)"),
+)
+
+# Where a cell runs and whose output shows: %%dip, and every cell while %autodip is on.
+cell_flags = flag_group(
+    argument("where", nargs="?", choices=["remote", "local", "everywhere"],
+             help="remote: the group (default); local: the notebook only; everywhere: the notebook, then the group"),
+    argument("--to", choices=["remote", "local", "both"], help="the same as `where` (both = everywhere)"),
+    argument("-S", "--see", metavar="all|none|RANKS", help="whose output to show: all, none or ranks like 0,2 (0)"),
+    argument("-q", "--quiet", action="store_true", help="show no rank's output (errors still show)"),
+    argument("--timeout", metavar="SECONDS", type=float, help="interrupt the ranks after this many seconds"),
+)
+
+
+def usage(fn) -> str:
+    # magic_arguments formats usage as reST ("::" and an indented block); show it plainly.
+    return "usage: " + " ".join(fn.parser.format_usage().replace("::", "").split())
+
+
+def usage_error(fn, message: str) -> UsageError:
+    return UsageError(f"{message}\n{usage(fn)}")
+
+
+def parse(fn, line: str):
+    """The magic's flags, or a UsageError with its usage line."""
+    try:
+        return parse_argstring(fn, line)
+    except UsageError as exc:
+        raise usage_error(fn, str(exc)) from None
+    except ValueError as exc:  # unbalanced quotes
+        raise usage_error(fn, f"cannot split the arguments ({exc})") from None
+
+
+def unquote(text: str) -> str:
+    """A flag's value as the user meant it: IPython splits magic arguments without removing
+    quotes, so -a "--see all" arrives as '"--see all"'."""
+    text = text.strip()
+    if text[:1] not in ("'", '"'):
+        return text
+    try:
+        parts = shlex.split(text)
+    except ValueError:  # a quote left open: the value is what was typed
+        return text
+    return parts[0] if len(parts) == 1 else text
+
+
+def positive_seconds(fn, flag: str, seconds):
+    if seconds is not None and not seconds > 0:
+        raise usage_error(fn, f"{flag} {seconds:g}: give a positive number of seconds")
+    return seconds
+
+
+def rank_list(fn, flag: str, given: str, rank_ids, form: str = "ranks like 0,2") -> list[int]:
+    """'0,2' -> [0, 2], each one of rank_ids, in the order given, once each."""
+    text = unquote(given)
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise usage_error(fn, f"{flag} {given}: give {form}") from None
+    if not ranks or any(r not in rank_ids for r in ranks):
+        raise usage_error(fn, f"{flag} {given}: the group's ranks are {', '.join(map(str, rank_ids))}")
+    return sorted(set(ranks), key=ranks.index)

@@ -1,0 +1,229 @@
+"""How the magics show things in the notebook, in one place: rank labels on live output, a rank's
+last value as Out[rank:n], the ranks' tracebacks (merged when identical) and errors as IPython
+shows its own, heal notes, the %dipstatus table and %dipstack's stacks, and %%diprun's output."""
+
+from __future__ import annotations
+
+import html
+import re
+import sys
+
+from IPython.display import publish_display_data
+
+from ..displays import RankDisplays
+from ..errors import merge_failures
+from ..group import LabelledOutput
+
+
+def rank_label(rank) -> str:
+    return f"[rank {rank}]"
+
+
+def header(text: str) -> str:
+    """A bold red line, as IPython starts a traceback."""
+    return f"\x1b[1;31m{text}\x1b[0m"
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+class CellError(Exception):
+    """A magic's cell failed. IPython's custom-exception hook (show_cell_errors) shows `entries`
+    (the ranks' own tracebacks, merged) instead of a local traceback of the magic's internals,
+    and the cell still counts as failed, so "Run All" stops there."""
+
+    def __init__(self, message: str, entries=()):
+        super().__init__(message)
+        self.entries = list(entries)  # (ename, evalue, structured traceback lines)
+
+    @classmethod
+    def of(cls, ename: str, text: str, *more_lines) -> "CellError":
+        """One error shown as `ename` in red, then `text` and any further lines."""
+        return cls(text, [(ename, text, [header(ename), text, *more_lines])])
+
+    def show(self, shell):
+        for ename, evalue, stb in self.entries:
+            shell._showtraceback(type(ename, (Exception,), {}), evalue, stb)
+
+
+def show_cell_errors(shell):
+    """Has the shell show CellErrors by their entries; returns what to restore on unload."""
+    previous = (shell.custom_exceptions, shell.CustomTB)
+    prev_types, prev_handler = previous
+
+    def handler(shell, etype, value, tb, tb_offset=None):
+        if isinstance(value, CellError):
+            value.show(shell)
+            return []
+        return prev_handler(etype, value, tb, tb_offset)
+
+    shell.set_custom_exc(tuple(t for t in prev_types if t is not CellError) + (CellError,), handler)
+    return previous
+
+
+def restore_cell_errors(shell, previous):
+    shell.custom_exceptions, shell.CustomTB = previous
+
+
+def failure_entries(failures) -> list:
+    """One entry per distinct traceback, naming every rank that raised it (root cause first)."""
+    entries = []
+    for f, ranks in merge_failures(failures):
+        if f.died:
+            body = [f"{f.ename}: {f.evalue}"]
+            if f.stderr_tail:
+                body.append("last lines of its stderr:\n" + f.stderr_tail.rstrip("\n"))
+        else:
+            body = list(f.traceback) or [f"{f.ename}: {f.evalue}"]
+        label = rank_label(ranks[0]) if len(ranks) == 1 else \
+            f"[ranks {', '.join(map(str, ranks))} (the same traceback on each)]"
+        entries.append((f.ename, f.evalue, [header(label)] + body))
+    return entries
+
+
+def brief_entries(failures) -> list:
+    """For push/pull: the message alone; the worker's own frames would only confuse."""
+    return [(f.ename, f.evalue, [header(rank_label(f.rank)), f"{f.ename}: {f.evalue}"]) for f in failures]
+
+
+def stuck_lines(results) -> list[str]:
+    """Where each rank that did not stop when interrupted was."""
+    lines = []
+    for r in results or []:
+        if r.stacks:
+            lines += [header(f"{rank_label(r.rank)} did not stop; where it was:"), r.stacks.rstrip("\n")]
+    return lines
+
+
+# -- heal notes -----------------------------------------------------------------------------------
+
+def heal_note(report):
+    """What a heal did to the group, before the ranks' tracebacks."""
+    print(report.describe(), file=sys.stderr, flush=True)
+
+
+def healed(report) -> str:
+    return (f"healed in {report.seconds:.2f} s: torch.distributed's default group rebuilt on all "
+            f"{report.world_size} ranks (MASTER_PORT {report.port}); their variables are kept"
+            + (f"; rank(s) {', '.join(map(str, report.released))} were released from what they ran"
+               if report.released else ""))
+
+
+# -- a %%dip cell's output --------------------------------------------------------------------------
+
+class RankOutput:
+    """Writes the shown ranks' output into the notebook live, labelling it when the rank changes."""
+
+    def __init__(self, shown: list[int]):
+        self.shown = set(shown)
+        self.labelled = len(shown) > 1
+        self.last_rank = None
+        self.at_line_start = {"stdout": True, "stderr": True}
+        self.displays = RankDisplays()
+
+    def _label(self, rank, stream_name):
+        if self.labelled and rank != self.last_rank:
+            stream = getattr(sys, stream_name)
+            if not self.at_line_start[stream_name]:
+                stream.write("\n")
+            stream.write(rank_label(rank) + "\n")
+            self.at_line_start[stream_name] = True
+        self.last_rank = rank
+
+    def on_output(self, rank, stream_name, text):
+        if rank not in self.shown or not text:
+            return
+        self._label(rank, stream_name)
+        stream = getattr(sys, stream_name)
+        stream.write(text)
+        stream.flush()  # live: send it now, not at ipykernel's next flush interval
+        self.at_line_start[stream_name] = text.endswith("\n")
+
+    def on_display(self, rank, msg):
+        if rank not in self.shown:
+            return
+        if msg.get("clear"):
+            # The cell's output goes (now, or with wait=True when the next output comes), labels
+            # with it: the next output is labelled again.
+            self.last_rank = None
+            self.at_line_start = {"stdout": True, "stderr": True}
+        elif not msg.get("update"):  # an update redraws a display in place: nothing new to label
+            self._label(rank, "stdout")
+        # Keep display output after the text printed before it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.displays.show(rank, msg)
+
+
+def show_value(rank: int, count, fmt):
+    """The last expression's value as Out[RANK:N]; rich bundles keep every MIME type."""
+    data, metadata = fmt
+    label = f"Out[{rank}:{count}]:"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if set(data) <= {"text/plain"}:
+        text = data.get("text/plain", "")
+        sep = "\n" if "\n" in text else " "  # as IPython does for multi-line reprs
+        publish_display_data({"text/plain": f"{label}{sep}{text}"}, metadata)
+    else:
+        publish_display_data({"text/plain": label})
+        publish_display_data(data, metadata)
+
+
+# -- %dipstatus and %dipstack -----------------------------------------------------------------------
+
+def status_table(rows, gpus: bool):
+    """%dipstatus: one row per rank, as text and as an HTML table."""
+    header_row = ["rank", "pid", "device", "state", "busy for", "memory", "heartbeat"] + (["GPU"] if gpus else [])
+    table = []
+    for r in rows:
+        row = [str(r["rank"]), str(r["pid"]), r["device"], r["state"],
+               "-" if r["busy_s"] is None else f"{r['busy_s']:.1f} s",
+               "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f} MiB",
+               "-" if r["heartbeat_ms"] is None or r["heartbeat_ms"] < 0 else f"{r['heartbeat_ms'] / 1000:.1f} s ago"]
+        if gpus:
+            g = r.get("gpu")
+            row.append("- (CUDA not started)" if not g else f"GPU {g['index']} {g['name']}, {g['used_mib']} MiB used")
+        table.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header_row)]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header_row] + table)
+    cells = lambda tag, row: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
+    markup = ("<table><thead><tr>" + cells("th", header_row) + "</tr></thead><tbody>"
+              + "".join("<tr>" + cells("td", row) + "</tr>" for row in table) + "</tbody></table>")
+    publish_display_data({"text/plain": text, "text/html": markup})
+
+
+def print_stacks(stacks: dict):
+    for rank, text in stacks.items():
+        print(rank_label(rank))
+        print(text.rstrip("\n"))
+
+
+# -- %%diprun ---------------------------------------------------------------------------------------
+
+class RunOutput:
+    """`ddip run`'s labelled output ("[rank] " after every '\\n' and every '\\r' that text follows;
+    every piece it writes ends in one of them), written to the notebook by a LabelledOutput: ranks'
+    redrawn bars take turns in place instead of overwriting each other's text."""
+
+    _TAG = re.compile(r"\[(\d+)\] ")
+
+    def __init__(self):
+        self.out = LabelledOutput("[{}] ")
+        self.partial = {"stdout": "", "stderr": ""}  # a read can end inside a piece
+        self.last = {"stdout": None, "stderr": None}  # whose text came last, per stream
+
+    def write(self, stream: str, text: str, final: bool = False):
+        text = self.partial[stream] + text
+        cut = len(text) if final else max(text.rfind("\n"), text.rfind("\r")) + 1
+        self.partial[stream] = text[cut:]
+        for piece in re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+", text[:cut]):
+            tag = self._TAG.match(piece)
+            if tag:
+                rank, piece = int(tag.group(1)), piece[tag.end():]
+            elif piece.strip("\r\n"):
+                rank = None  # ddip run's own message
+            else:
+                rank = self.last[stream]  # "\r" or the "\n" of "\r\n": the last writer's
+            self.last[stream] = rank
+            label = "" if rank is None else f"[{rank}] "
+            self.out.write((rank, stream), label, stream, piece)
