@@ -498,13 +498,34 @@ def test_diprun_failure_fails_the_cell(kernel):
 
 
 def test_diprun_bad_flags(kernel):
-    for line, message in (("%%diprun -n 2 --gpus 0", "not both"), ("%%diprun --bogus", "unrecognized"),
-                          ("%%diprun -n x", "invalid int")):
+    for line, message in (("%%diprun -n 2 --gpus 0", "--nproc-per-node excludes --gpus"),
+                          ("%%diprun --bogus", "unrecognized"), ("%%diprun -n x", "invalid int")):
         cell = kernel.run(line + "\nprint('never')")
         assert not cell.ok
         assert cell.reply["ename"] == "UsageError"
         assert message in cell.reply["evalue"] and "usage: %diprun" in cell.reply["evalue"]
         assert "never" not in cell.stream()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("-n 2 --tee 5", "--tee: there is no rank 5: ranks are 0-1"),
+    ("--gpus 0,0", "--gpus: GPUs 0,0 list GPU 0 more than once; each rank needs its own GPU"),
+    ("-n 0", "--nproc-per-node: Value 0 not in range 1 to 1024"),
+    ("--timeout -1", "--timeout: give a positive number of seconds, got -1"),
+])
+def test_diprun_values_ddip_run_rejects_are_usage_errors_in_its_words(kernel, flags, message):
+    # Two GPUs as far as the GPU rules can tell (no GPU is touched: nothing starts).
+    assert kernel.run("import os\nos.environ['CUDA_VISIBLE_DEVICES'] = '0,1'").ok
+    try:
+        cell = kernel.run(f"%%diprun {flags}\nprint('never')")
+    finally:
+        assert kernel.run("del os.environ['CUDA_VISIBLE_DEVICES']").ok
+    assert not cell.ok and cell.reply["ename"] == "UsageError"
+    assert cell.reply["evalue"] == f"{message}\nusage: %diprun [-g GPUS] [-n N] [--tee RANKS] [--log-dir DIR] " \
+                                   f"[--timeout SECONDS]"
+    # As IPython shows a UsageError: its message alone, no traceback, and no ddip run --help hint.
+    assert cell.stream("stderr") == f"UsageError: {cell.reply['evalue']}\n"
+    assert not cell.of_type("error") and "never" not in cell.stream()
 
 
 def test_diprun_interrupt_reaches_the_ranks(kernel):

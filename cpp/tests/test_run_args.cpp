@@ -188,3 +188,33 @@ TEST(Hosts, GpusForEveryHostOrPerHost) {
        })
     EXPECT_NE(error_of(args).find(words), std::string::npos) << error_of(args);
 }
+
+// --check: a program (%%diprun) asks whether the command line is good; a usage error is the
+// message alone, with exit code 2, so it can show it as its own usage error.
+TEST(CommandLine, CheckPrintsAUsageErrorAloneAndExitsWithTwo) {
+  EXPECT_FALSE(parse({"run", "true"}).check);
+  EXPECT_TRUE(parse({"run", "--check", "-n", "2", "true"}).check);
+  for (bool check : {true, false}) {
+    CommandLine cl;
+    Args args = {"run", "-n", "0", "true"};
+    if (check) args.insert(args.begin() + 1, "--check");
+    try {
+      cl.parse(args);
+      FAIL() << "-n 0 parsed";
+    } catch (const CLI::Error& e) {
+      testing::internal::CaptureStderr();
+      EXPECT_EQ(cl.exit(e), 2);
+      std::string printed = testing::internal::GetCapturedStderr();
+      EXPECT_EQ(printed.rfind("--nproc-per-node: Value 0 not in range 1 to 1024\n", 0), 0u)
+          << printed;
+      EXPECT_EQ(printed.find("--help") == std::string::npos, check) << printed;
+    }
+  }
+}
+
+TEST(CommandLine, TimeoutMustBePositiveSeconds) {
+  EXPECT_DOUBLE_EQ(parse({"run", "--timeout", "0.5", "true"}).timeout_s, 0.5);
+  for (const char* bad : {"0", "-1", "soon"})
+    EXPECT_EQ(error_of({"run", "--timeout", bad, "true"}),
+              std::string("--timeout: give a positive number of seconds, got ") + bad);
+}

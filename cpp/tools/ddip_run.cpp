@@ -1008,6 +1008,7 @@ int main(int argc, char** argv) {
     std::cerr << prog << ": " << e.what() << "\n";
     return 1;
   }
+  if (opts.check) return 0;  // the command line and the plan are good; nothing was started
   try {
     if (opts.die_with_parent) {
       // SIGKILL: the ranks then die of their own PR_SET_PDEATHSIG.

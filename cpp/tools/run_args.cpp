@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <set>
 #include <stdexcept>
 
@@ -54,7 +55,14 @@ CommandLine::CommandLine()
   run_->add_option("--timeout", opts_.timeout_s,
                    "Stop every rank after this many seconds and exit with 124")
       ->type_name("SECONDS")
-      ->check(CLI::Validator(CLI::PositiveNumber).description(""));
+      ->check(
+          [](const std::string& v) -> std::string {
+            // CLI11's PositiveNumber would say "not in range 0.000000 to 1797693...".
+            double s = 0;
+            if (CLI::detail::lexical_cast(v, s) && s > 0) return {};
+            return "give a positive number of seconds, got " + v;
+          },
+          "");
   run_->add_option("-e,--env", env_,
                    "Set NAME for every rank, on every host: NAME=VALUE, or NAME alone for its "
                    "value here. Repeat for more. Ranks on other hosts otherwise start with "
@@ -101,6 +109,10 @@ CommandLine::CommandLine()
   run_->add_flag("--die-with-parent", opts_.die_with_parent,
                  "Exit, and so stop every rank, when the process that started ddip run dies "
                  "(for programs that drive it, such as %%diprun)");
+  run_->add_flag("--check", opts_.check,
+                 "Check the command line and plan the launch, then exit without starting "
+                 "anything: 0, or 2 and the error alone (for programs that drive ddip run, such "
+                 "as %%diprun, to tell its usage errors from a rank's exit code)");
   // Never given to CLI11 (parse() splits the command off first); declared so that --help shows
   // the usage line and what COMMAND is.
   run_->add_option("COMMAND", command_doc_,
@@ -112,6 +124,15 @@ CommandLine::CommandLine()
       "are forwarded to every rank's process group, on every host; a second one kills the "
       "ranks. With --hosts, ranks on other hosts get that host's own environment (as under "
       "torchrun) plus the variables above, and run in this directory when it exists there.");
+}
+
+int CommandLine::exit(const CLI::Error& e) {
+  // A failed parse has still counted the flags before the bad one; %%diprun puts --check first.
+  if (e.get_exit_code() != 0 && run_->count("--check") > 0) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  }
+  return app_.exit(e) == 0 ? 0 : 2;
 }
 
 RunOptions CommandLine::parse(const std::vector<std::string>& args) {

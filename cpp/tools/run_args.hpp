@@ -36,6 +36,7 @@ struct RunOptions {
   std::string log_dir;
   double timeout_s = 0;  // 0: no timeout
   bool die_with_parent = false;
+  bool check = false;  // --check: check the command line and plan the launch; start nothing
   std::vector<std::string> env;  // --env, as NAME=VALUE: for every rank on every host
   std::vector<HostSpec> hosts;  // --hosts; empty: this machine only
   std::string launcher = "ssh";
@@ -69,7 +70,8 @@ class CommandLine {
   RunOptions parse(const std::vector<std::string>& args);
   // Prints what `e` calls for (help, or the error and a hint); returns the exit code: 0 for
   // help, 2 for a usage error (as argparse and most Unix tools do; CLI11's own codes are 1xx).
-  int exit(const CLI::Error& e) { return app_.exit(e) == 0 ? 0 : 2; }
+  // Under --check a program asked, not a person: the error alone, without the hint.
+  int exit(const CLI::Error& e);
 
  private:
   CLI::App app_;

@@ -28,7 +28,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..cli import binary
 from . import render
-from .flags import parse, positive_seconds, size_flags, unquote, usage_error
+from .flags import parse, size_flags, unquote, usage_error
 
 
 class DipRunError(RuntimeError):
@@ -45,7 +45,7 @@ class DipRunMagics(Magics):
               help="ranks whose output is shown: all (default), none, or a list such as 0")
     @argument("--log-dir", default=None, metavar="DIR",
               help="also keep each rank's full stdout/stderr in DIR/rank<i>.stdout|stderr")
-    @argument("--timeout", type=float, default=None, metavar="SECONDS",
+    @argument("--timeout", default=None, metavar="SECONDS",  # a string: ddip run judges it
               help="stop every rank after this many seconds")
     @cell_magic
     def diprun(self, line, cell):
@@ -53,11 +53,6 @@ class DipRunMagics(Magics):
         __tracebackhide__ = True
         fn = self.diprun
         args = parse(fn, line)
-        if args.nprocs is not None and args.gpus is not None:
-            raise usage_error(fn, "give -n or --gpus, not both")
-        if args.nprocs is not None and args.nprocs < 1:
-            raise usage_error(fn, f"-n must be at least 1 (got {args.nprocs})")
-        positive_seconds(fn, "--timeout", args.timeout)
         flags = []
         for flag, value in (("-n", args.nprocs), ("--gpus", args.gpus), ("--tee", args.tee),
                             ("--log-dir", args.log_dir), ("--timeout", args.timeout)):
@@ -68,13 +63,28 @@ class DipRunMagics(Magics):
             script = os.path.join(workdir, "cell.py")
             with open(script, "w") as f:
                 f.write(cell)  # a plain script, as the ranks run plain Python
-            code = _stream([binary(), "run", "--die-with-parent", *flags, "--", sys.executable, script])
+            command = [*flags, "--", sys.executable, script]
+            _check(fn, command)
+            code = _stream([binary(), "run", "--die-with-parent", *command])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         if code == "interrupted":
             raise KeyboardInterrupt
         if code != 0:
             raise DipRunError(f"ddip run exited with code {code}") from None
+
+
+def _check(fn, command: list[str]):
+    """`ddip run` judges the values of its own flags (-n 0, --tee 5, --gpus 0,0): asked first with
+    --check, which starts nothing, its usage errors become this magic's (exit code 2 there can't
+    be a rank's, as it would be from the real run)."""
+    check = subprocess.run([binary(), "run", "--check", *command], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, errors="replace", env=_rank_env())
+    if check.returncode == 2:
+        raise usage_error(fn, check.stderr.strip())
+    if check.returncode != 0:  # it could not plan (no free port, say): as a failed run says it
+        sys.stderr.write(check.stderr)
+        raise DipRunError(f"ddip run exited with code {check.returncode}")
 
 
 def _rank_env() -> dict:
