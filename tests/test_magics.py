@@ -493,6 +493,31 @@ def test_a_busy_rank_is_reported_by_its_error_type(k):
     assert k.run("%%dip\nprint('ran')").stream() == "ran\n"
 
 
+def test_a_stopped_rank_is_reported_by_its_error_type_until_it_answers(k):
+    import signal
+    take = "g = get_ipython().magics_manager.registry['DipMagics'].group\n"
+    assert k.run(take + "g.heartbeat_timeout = 1.0\n%makedip -r").ok  # restarted in place: 1 s heartbeats
+    pid = k.pids()[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while "unresponsive" not in k.run("%dipstatus").plain[0]:
+            assert time.monotonic() < deadline, "rank 1 never showed up as unresponsive"
+        cell = k.run("%%dip\nprint('ran')")
+        [err] = cell.of_type("error")
+        assert err["ename"] == "RankUnresponsiveError", err
+        assert err["evalue"].startswith("rank(s) 1 stopped answering: no heartbeat for ")
+        assert err["evalue"].endswith("wait for them to answer again, or run %makedip -r to replace them")
+        assert "ran" not in cell.stream()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while "unresponsive" in k.run("%dipstatus").plain[0]:
+        assert time.monotonic() < deadline, "rank 1 never answered again"
+    assert k.run("%%dip --see all\nprint('ran')").stream().splitlines().count("ran") == 3
+    assert k.run(take + "g.heartbeat_timeout = 10.0\n%makedip -r").ok
+
+
 def test_a_dead_rank_is_reported_and_restart_recovers(k):
     import signal
     pids = k.pids()
