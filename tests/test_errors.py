@@ -18,6 +18,11 @@ def _state(g, rank):
     return next(r["state"] for r in g.status() if r["rank"] == rank)
 
 
+# In a rank: says it has started (an interrupt that comes before is dropped), then waits.
+GATE = ("import pathlib, threading\ngate = threading.Event()\n"
+        "def wait_for_gate(started):\n    pathlib.Path(started).touch()\n    return gate.wait(60)\n")
+
+
 def test_a_dead_rank_is_a_rank_dead_error_naming_the_rank_and_its_exit():
     with ddip.Group(n=3, backend=None) as g:
         os.kill(g.pids[1], signal.SIGKILL)
@@ -44,10 +49,11 @@ def test_a_dead_rank_is_a_rank_dead_error_naming_the_rank_and_its_exit():
         assert [r.value for r in g.run("3")] == [3, 3, 3]
 
 
-def test_a_rank_still_running_an_earlier_request_is_a_rank_busy_error():
+def test_a_rank_still_running_an_earlier_request_is_a_rank_busy_error(tmp_path):
     with ddip.Group(n=2, backend=None) as g:
-        g.run("import threading; gate = threading.Event()")
-        pending = g.apply_async(lambda: __import__("__main__").gate.wait(60), ranks=[1])
+        g.run(GATE)
+        started = tmp_path / "started"
+        pending = g.apply_async(lambda p: __import__("__main__").wait_for_gate(p), str(started), ranks=[1])
         with pytest.raises(ddip.RankBusyError) as e:
             g.run("1")
         assert isinstance(e.value, ddip.RankError) and isinstance(e.value, RuntimeError)
@@ -55,6 +61,7 @@ def test_a_rank_still_running_an_earlier_request_is_a_rank_busy_error():
         assert e.value.cause.startswith("still busy with an earlier request")
         assert str(e.value).startswith("rank(s) 1 still busy with an earlier request")
         assert [r.value for r in g.run("4", ranks=[0])] == [4]  # the idle rank still takes requests
+        assert wait_until(started.exists, 30)
         pending.cancel()
         with pytest.raises(ddip.RemoteError) as e:
             pending.result()
@@ -83,10 +90,12 @@ def test_a_stopped_rank_is_a_rank_unresponsive_error_until_it_answers_again():
         assert [r.value for r in g.run("3")] == [3, 3]
 
 
-def test_a_rank_that_stops_while_running_fails_its_request_then_refuses_the_next():
+def test_a_rank_that_stops_while_running_fails_its_request_then_refuses_the_next(tmp_path):
     with ddip.Group(n=2, backend=None, heartbeat_timeout=1.0) as g:
-        g.run("import threading; gate = threading.Event()")
-        pending = g.apply_async(lambda: __import__("__main__").gate.wait(60), ranks=[1])
+        g.run(GATE)
+        started = tmp_path / "started"
+        pending = g.apply_async(lambda p: __import__("__main__").wait_for_gate(p), str(started), ranks=[1])
+        assert wait_until(started.exists, 30)
         pid = g.pids[1]
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -94,6 +103,8 @@ def test_a_rank_that_stops_while_running_fails_its_request_then_refuses_the_next
                 pending.result()
             [f] = e.value.failures
             assert f.rank == 1 and f.ename == "Unresponsive" and f.evalue.startswith("no heartbeat for")
+            assert e.value.headline == str(e.value).splitlines()[0]
+            assert e.value.headline.endswith("failed on rank 1; root cause on rank 1: Unresponsive: " + f.evalue)
             with pytest.raises(ddip.RankUnresponsiveError) as e:
                 g.run("1", ranks=[1])
             assert e.value.ranks == [1]

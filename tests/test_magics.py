@@ -17,6 +17,7 @@ import pytest
 from jupyter_client import KernelManager
 
 from conftest import alive as _alive
+from conftest import wait_until
 from ddip.errors import strip_ansi
 
 KERNEL_NAME = "ddip-test"
@@ -482,13 +483,16 @@ def test_restart_gives_new_pids_and_keeps_options(k):
     assert "-n 2 --backend none" in k.run("%makedip -i").stream()
 
 
-def test_a_busy_rank_is_reported_by_its_error_type(k):
-    assert k.run("import time\ng = get_ipython().magics_manager.registry['DipMagics'].group\n"
-                 "p = g.apply_async(time.sleep, 60, ranks=[1])").ok
+def test_a_busy_rank_is_reported_by_its_error_type(k, tmp_path):
+    started = tmp_path / "started"
+    assert k.run("import pathlib, time\ng = get_ipython().magics_manager.registry['DipMagics'].group\n"
+                 f"p = g.apply_async(lambda: (pathlib.Path({str(started)!r}).touch(), time.sleep(60)), "
+                 f"ranks=[1])").ok
     cell = k.run("%%dip\nprint('ran')")
     [err] = cell.of_type("error")
     assert err["ename"] == "RankBusyError" and err["evalue"].startswith("rank(s) 1 still busy")
     assert "ran" not in cell.stream()
+    assert wait_until(started.exists, 30)  # an interrupt before its code starts is dropped
     assert k.run("p.cancel(); assert p.results()[0].error.ename == 'KeyboardInterrupt'").ok
     assert k.run("%%dip\nprint('ran')").stream() == "ran\n"
 

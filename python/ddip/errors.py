@@ -105,6 +105,7 @@ class RemoteError(Exception):
             lines.append(f"--- {who}: " + f.describe().split(": ", 1)[1].rstrip("\n"))
         if heal is not None:
             lines += ["", heal.describe()]
+        self.headline = lines[0]  # which ranks failed and the root cause, on one line
         super().__init__("\n".join(lines))
 
     @property

@@ -127,7 +127,7 @@ class CellMagics(Magics):
         if error is not None:
             if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
                 render.heal_note(error.heal)
-            raise render.CellError(str(error).splitlines()[0], render.failure_entries(error.failures)) from None
+            raise render.CellError(error.headline, render.failure_entries(error.failures)) from None
 
     # -- %autodip -----------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ def push(session: Session, names: list[str]):
     try:
         group.push({n: ns[n] for n in names})
     except RemoteError as exc:
-        raise render.CellError(str(exc).splitlines()[0], render.brief_entries(exc.failures)) from None
+        raise render.CellError(exc.headline, render.brief_entries(exc.failures)) from None
 
 
 @magics_class
@@ -62,5 +62,5 @@ class DataMagics(Magics):
         try:
             values = group.pull(_names(args.names), rank=rank)
         except RemoteError as exc:
-            raise render.CellError(str(exc).splitlines()[0], render.brief_entries(exc.failures)) from None
+            raise render.CellError(exc.headline, render.brief_entries(exc.failures)) from None
         self.shell.user_ns.update(zip(args.names, values))
