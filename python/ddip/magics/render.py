@@ -12,7 +12,7 @@ from IPython.display import publish_display_data
 
 from ..displays import RankDisplays
 from ..errors import merge_failures
-from ..group import LabelledOutput
+from ..labels import LabelledOutput
 
 
 def rank_label(rank) -> str:
