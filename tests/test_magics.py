@@ -574,6 +574,8 @@ def test_kill_ends_every_rank(k):
     pids = k.pids()
     assert k.run("%unload_ext ddip").ok
     assert not any(_alive(p) for p in pids)
-    assert not k.run("%makedip -i").ok
+    for magic in ("%makedip -i", "%dipush x", "%%dip\n1", "%%diprun\nprint('ran')"):  # every area's
+        assert "not found" in usage_error(k.run(magic)), magic
     assert k.run("%load_ext ddip").ok
     assert "no group is running" in k.run("%makedip -i").stream()
+    assert k.run("%%diprun\nprint('ran')").stream() == "[0] ran\n"
