@@ -64,7 +64,9 @@ class Kernel:
         """Executes code; on_message(kind, content) is called for each of the cell's iopub
         messages but status ones, as they arrive. Returns the execute reply's content; a cell
         still running after `timeout` fails the test, showing `so_far`."""
-        msg_id = self.kc.execute(code)
+        # stop_on_error=False: after a failed cell ipykernel aborts the requests that reach it before
+        # it stops aborting, and the next cell a test sends right after the reply could be one.
+        msg_id = self.kc.execute(code, stop_on_error=False)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
