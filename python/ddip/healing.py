@@ -9,7 +9,7 @@ import time
 
 from . import heal as _heal
 from . import request as _request
-from .errors import HealError, HealReport, RankDeadError
+from .errors import GroupClosedError, HealError, HealReport, RankDeadError, RankError
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
 # collective by themselves (gloo: at once) before they are interrupted too.
@@ -106,7 +106,7 @@ def release_idle(group, h: Healing, slots, running=()):
         h.released.add(s)
         try:
             h.teardowns.append(_internal_send(group, [group.rank_ids[s]], _heal.release))
-        except RuntimeError:  # died meanwhile: the heal's end reports it
+        except (RankError, GroupClosedError):  # died or stopped meanwhile: the heal's end reports it
             pass
 
 
