@@ -6,6 +6,15 @@ import sys
 import threading
 
 
+# How a rank's output is labelled in the notebook, everywhere (groups, ranch, the magics).
+# `ddip run`, a terminal tool, writes torchrun's shorter "[3] "; %%diprun shows its output as is.
+RANK_LABEL = "[rank {}] "
+
+
+def rank_label(rank) -> str:
+    return RANK_LABEL.format(rank)
+
+
 class LabelledOutput:
     """An on_output callback: ranks' output written live, each line labelled with its rank.
 
@@ -16,7 +25,7 @@ class LabelledOutput:
     manager (ranch), this process's own sys.stdout/sys.stderr (the notebook's rank) go through it
     too, unlabelled."""
 
-    def __init__(self, label: str = "[rank {}] "):
+    def __init__(self, label: str = RANK_LABEL):
         self._label = label
         self._lock = threading.RLock()
         self._lines: dict[str, dict] = {}  # stream -> its open line (_new_line)

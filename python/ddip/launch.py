@@ -29,7 +29,7 @@ from . import _core, gpus as _gpus, torchdist
 from .displays import RankDisplays, notebook_env
 from .errors import RankFailure, RemoteError
 from .group import Group, free_port
-from .labels import LabelledOutput
+from .labels import LabelledOutput, rank_label
 from .messages import dumps
 from .notebook_rank import NotebookRank
 
@@ -551,7 +551,7 @@ class _Launch:
         elif not msg.get("clear") and not msg.get("update"):
             text = (msg.get("data") or {}).get("text/plain", "")
             if text:
-                print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), flush=True)
+                print("\n".join(rank_label(rank) + line for line in text.splitlines()), flush=True)
 
     def _kill(self, ranks, sig=signal.SIGKILL):
         """Signals child ranks (their whole process groups) through the runtime, which knows

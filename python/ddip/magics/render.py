@@ -12,11 +12,12 @@ from IPython.display import publish_display_data
 
 from ..displays import RankDisplays
 from ..errors import merge_failures
-from ..labels import LabelledOutput
+from ..labels import LabelledOutput, rank_label as _rank_label
 
 
 def rank_label(rank) -> str:
-    return f"[rank {rank}]"
+    """The label as a header line of its own ("[rank 3]")."""
+    return _rank_label(rank).rstrip()
 
 
 def header(text: str) -> str:
