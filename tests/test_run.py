@@ -398,6 +398,85 @@ def test_second_sigint_kills(launcher, tmp_path):
     assert "failed first: killed by SIGKILL" in err
 
 
+# Ranks that ignore SIGINT and SIGTERM, each with a child (`sleep`, which inherits the ignored
+# signals) in its process group: every pid is printed, so the test can check none is left.
+IGNORES_SIGNALS = """
+    import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "600"])
+    print("pids", os.getpid(), child.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def ignoring_pids(lines: list[str]) -> list[int]:
+    return [int(x) for l in lines for x in re.fullmatch(r"\[\d+\] pids (\d+) (\d+)\n", l).groups()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_forwarded_signal_escalates_to_sigkill_after_the_grace(launcher, tmp_path, sig):
+    p = launcher(["run", "-n", "2", PY, script(tmp_path, IGNORES_SIGNALS)])
+    pids = ignoring_pids(wait_for_lines(p, 2))
+    assert len(pids) == 4
+    t0 = time.monotonic()
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=30)
+    took = time.monotonic() - t0
+    name = signal.Signals(sig).name
+    assert p.returncode == 128 + sig, err  # interrupted; the ranks did not fail of their own
+    assert 4.5 <= took < 20  # the 5 s grace, then SIGKILL
+    assert (f"ddip run: forwarded {name} to every rank, then SIGKILL to those still running "
+            "after 5 s; ranks:\n") in err
+    assert "  rank 0: killed by SIGKILL (stopped by ddip run)\n" in err
+    assert "  rank 1: killed by SIGKILL (stopped by ddip run)\n" in err
+    assert f"ddip run: exit code {128 + sig}\n" in err
+    assert wait_until(lambda: not any(alive(x) for x in pids), 10), "a rank or its child outlived ddip run"
+
+
+def test_forwarded_signal_escalates_on_another_hosts_ddip_run(launcher, tmp_path):
+    # One rank here, one behind a launcher (a template running that host's ddip run right here):
+    # both ignore the forwarded SIGTERM and are killed after the grace.
+    p = launcher(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
+                  "--master-addr", "127.0.0.1", PY, script(tmp_path, IGNORES_SIGNALS)])
+    pids = ignoring_pids(wait_for_lines(p, 2))
+    assert len(pids) == 4
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "  rank 0: killed by SIGKILL (stopped by ddip run)\n" in err
+    assert "  rank 1 (on here): killed by SIGKILL (stopped by ddip run)\n" in err
+    assert wait_until(lambda: not any(alive(x) for x in pids), 10), "a rank or its child outlived ddip run"
+
+
+def test_a_hosts_ddip_run_escalates_a_forwarded_signal_by_itself(tmp_path):
+    # A host's ddip run (--node) told to forward SIGTERM over its control channel, and then
+    # nothing more (no "kill" follows, the channel stays open): it kills its ranks after the grace.
+    p = subprocess.Popen([DDIP, "run", "--node", "0,1,0,1", "--node-name", "here", "--master-addr",
+                          "127.0.0.1", "-n", "1", PY, script(tmp_path, IGNORES_SIGNALS)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = ignoring_pids(wait_for_lines(p, 1))
+        assert len(pids) == 2
+        t0 = time.monotonic()
+        p.stdin.write(CONTROL_SIGTERM)
+        p.stdin.flush()
+        assert wait_until(lambda: p.poll() is not None, 20), "the host's ddip run never killed its rank"
+        assert 4.5 <= time.monotonic() - t0
+        assert p.returncode == 128 + signal.SIGTERM
+        err = p.stderr.read()
+        assert "killed by SIGKILL (stopped by ddip run)" in err, err
+        assert wait_until(lambda: not any(alive(x) for x in pids), 10), "a rank or its child outlived ddip run"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+# What the ddip run that starts a host's ddip run writes on its control channel to forward SIGTERM.
+CONTROL_SIGTERM = f"signal {int(signal.SIGTERM)}\n"
+
+
 def test_die_with_parent(tmp_path):
     # A program drives ddip run and dies without a word: the launcher and its ranks go with it.
     ranks = script(tmp_path, PIDS_THEN.format(body="time.sleep(600)"))

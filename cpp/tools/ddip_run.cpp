@@ -216,8 +216,16 @@ class Launcher {
 
   std::optional<RootCause> root_;
   bool stopping_ = false, killed_ = false, timed_out_ = false;
+  bool grace_ran_out_ = false;  // ranks still running at kill_at_ after a forwarded signal
   int interrupts_ = 0, first_signal_ = 0;
-  Clock::time_point started_, kill_at_, drain_until_, host_kill_at_, next_ping_, heard_at_;
+  // When every rank still running gets SIGKILL: the grace after a stop or a forwarded signal.
+  std::optional<Clock::time_point> kill_at_;
+  Clock::time_point started_, drain_until_, host_kill_at_, next_ping_, heard_at_;
+  // The earliest deadline wins: a failure or stop after a forwarded signal does not extend the
+  // grace that signal started.
+  void kill_by(Clock::time_point t) {
+    if (!kill_at_ || t < *kill_at_) kill_at_ = t;
+  }
   std::optional<Clock::time_point> timeout_at_;
   bool host_kill_armed_ = false;
   std::string lost_;  // node mode: why the channel to the starting ddip run counts as gone
@@ -472,7 +480,7 @@ void Launcher::fail(RootCause cause) {
     // The others got the same signal and are acting on it (a KeyboardInterrupt handler saving a
     // checkpoint, say): they get the grace period before SIGKILL, not a SIGTERM on top.
     stopping_ = true;
-    kill_at_ = Clock::now() + kGrace;
+    kill_by(Clock::now() + kGrace);
     return;
   }
   stop();
@@ -526,7 +534,7 @@ void Launcher::tell_hosts(const std::string& line) {
 
 void Launcher::stop() {
   stopping_ = true;
-  kill_at_ = Clock::now() + kGrace;
+  kill_by(Clock::now() + kGrace);
   for (size_t u = 0; u < units_.size(); ++u) {
     // One that has exited, even if its pidfd has not been read yet, ended on its own.
     if (units_[u].status || !sup_.running(u) || units_[u].host) continue;
@@ -554,6 +562,9 @@ void Launcher::kill_all() {
 }
 
 void Launcher::forward(int sig) {
+  // The ranks get the grace period to act on it, then SIGKILL, as after a stop: one that ignores
+  // the signal must not run on. Each host's ddip run keeps its own deadline the same way.
+  kill_by(Clock::now() + kGrace);
   for (size_t u = 0; u < units_.size(); ++u)
     if (!units_[u].host && !units_[u].status) sup_.signal(u, sig);
   tell_hosts("signal " + std::to_string(sig));
@@ -680,8 +691,11 @@ int Launcher::finish() {
     report = "ddip run: timed out after " + secs.str() + " s; ranks:\n" + states();
   } else if (first_signal_) {
     code = 128 + first_signal_;
-    report = "ddip run: forwarded " + signal_name(first_signal_) + " to every rank; ranks:\n" +
-             states();
+    report = "ddip run: forwarded " + signal_name(first_signal_) + " to every rank" +
+             (grace_ran_out_ ? ", then SIGKILL to those still running after " +
+                                   std::to_string(kGrace.count() / 1000) + " s"
+                             : std::string()) +
+             "; ranks:\n" + states();
   }
   if (!report.empty()) {
     report += "ddip run: exit code " + std::to_string(code) + "\n";
@@ -739,7 +753,7 @@ int Launcher::run() {
       if (!next || t < *next) next = t;
     };
     if (timeout_at_ && !stopping_) consider(*timeout_at_);
-    if (stopping_ && !killed_) consider(kill_at_);
+    if (kill_at_ && !killed_ && !all_exited()) consider(*kill_at_);
     if (killed_ && host_kill_at_ != Clock::time_point{}) consider(host_kill_at_);
     if (has_hosts() && !all_exited()) consider(next_ping_);
     if (node_ && control_ && lost_.empty()) consider(heard_at_ + link_timeout_);
@@ -782,7 +796,13 @@ int Launcher::run() {
       timed_out_ = true;
       stop();
     }
-    if (stopping_ && !killed_ && now >= kill_at_) kill_all();
+    if (kill_at_ && !killed_ && !all_exited() && now >= *kill_at_) {
+      // Past the grace after a forwarded signal: ranks killed now are stopped by ddip run, not
+      // failures of their own.
+      if (!stopping_) grace_ran_out_ = true;
+      stopping_ = true;
+      kill_all();
+    }
     if (has_hosts() && now >= next_ping_) {  // "still here", to each host's ddip run
       tell_hosts("ping");
       next_ping_ = now + ping_every(link_timeout_);
