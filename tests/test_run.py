@@ -465,7 +465,8 @@ def test_a_hosts_ddip_run_escalates_a_forwarded_signal_by_itself(tmp_path):
         assert 4.5 <= time.monotonic() - t0
         assert p.returncode == 128 + signal.SIGTERM
         err = p.stderr.read()
-        assert "killed by SIGKILL (stopped by ddip run)" in err, err
+        # Its one record for the ddip run that started it: rank 0's end (spaces escaped).
+        assert err == "\x1eddip done 1 0 killed\\sby\\sSIGKILL\\s(stopped\\sby\\sddip\\srun)\n", err
         assert wait_until(lambda: not any(alive(x) for x in pids), 10), "a rank or its child outlived ddip run"
     finally:
         if p.poll() is None:
@@ -474,7 +475,41 @@ def test_a_hosts_ddip_run_escalates_a_forwarded_signal_by_itself(tmp_path):
 
 
 # What the ddip run that starts a host's ddip run writes on its control channel to forward SIGTERM.
-CONTROL_SIGTERM = f"signal {int(signal.SIGTERM)}\n"
+CONTROL_SIGTERM = f"\x1eddip signal {int(signal.SIGTERM)}\n"
+
+
+def test_a_hosts_ddip_run_stops_on_a_control_message_it_cannot_read(tmp_path):
+    # Garbage on the control channel (another ddip version, a launcher writing to it): the link
+    # can't be trusted, so the host's ddip run stops its ranks and says what it got.
+    p = subprocess.Popen([DDIP, "run", "--node", "0,1,0,1", "--node-name", "here", "--master-addr",
+                          "127.0.0.1", "-n", "1", PY, script(tmp_path, PIDS_THEN.format(body="time.sleep(600)"))],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = int(wait_for_lines(p, 1)[0].split()[2])
+        p.stdin.write("\x1eddip halt\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 1
+        assert ('ddip run on here: the ddip run that started it sent a malformed ddip record "\\x1eddip halt": '
+                'unknown kind "halt" (expected ping, signal, stop or kill); is the ddip program on both hosts '
+                "the same version? (--ddip); stopped its ranks\n") in err, err
+        assert err.endswith("\x1eddip done 1 0 killed\\sby\\sSIGTERM\\s(stopped\\sby\\sddip\\srun)\n"), err
+        assert wait_until(lambda: not alive(pid), 10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def test_a_report_a_host_sends_that_cannot_be_read_is_named(launcher, tmp_path):
+    # The launcher itself writes a broken record before the host's ddip run starts.
+    bad = "printf '\\036ddip failed 1 x\\n' >&2; exec {command} # {host}"
+    code, out, err = run(launcher, ["run", "--hosts", "here:1", "--launcher", bad, "--master-addr",
+                                    "127.0.0.1", PY, "-c", "print('hi')"])
+    assert code == 0, err
+    assert out == "[0] hi\n"
+    assert err == ('ddip run: host here sent a malformed ddip record "\\x1eddip failed 1 x": '
+                   'its exit code "x" is not a number\n')
 
 
 def test_die_with_parent(tmp_path):

@@ -34,6 +34,7 @@
 #include "ddip/output.hpp"
 #include "ddip/supervisor.hpp"
 #include "run_args.hpp"
+#include "run_protocol.hpp"
 
 extern char** environ;
 
@@ -114,11 +115,6 @@ struct CannotStart : std::system_error {
   int exit_code() const { return code().value() == ENOENT ? 127 : 126; }
 };
 
-// Lines a `ddip run --node` (started on another host) writes to its stderr for the ddip run that
-// started it, which reads them instead of showing them. They begin with an ASCII record
-// separator, which no rank's text line can begin with (a rank's lines all start with its label).
-constexpr std::string_view kReport = "\x1e" "ddip ";
-
 // What the launcher supervises: a rank of its own, or the launcher of another host's ddip run.
 struct UnitPlan {
   bool host = false;
@@ -135,6 +131,7 @@ struct RootCause {
   std::string who;   // "rank 3", "rank 3 (on node2)", "host node2"
   std::string what;  // "exit code 1", "killed by SIGSEGV"
   int code = 1;      // ddip run's exit code
+  int exit_code = 0, signal = 0;  // a rank's: how it ended, for the report to another host
   std::vector<std::string> tail;  // last lines of its stderr
   int64_t when_ns = 0;  // CLOCK_REALTIME where it was seen: comparable across hosts
   bool reported = false;  // by another host's ddip run
@@ -203,7 +200,6 @@ class Launcher {
     // the last lines of the launcher's own stderr (ssh's errors, say).
     std::vector<std::pair<int, std::string>> states;
     std::deque<std::string> tail;
-    std::vector<std::string> report_tail;  // a failing rank's stderr, reported by its host
   };
 
   RunOptions opts_;
@@ -211,7 +207,7 @@ class Launcher {
   Supervisor sup_;
   std::vector<Unit> units_;
   Fd epoll_, signals_, control_;
-  std::string control_buf_;
+  protocol::ControlReader control_in_;
   bool terminal_ok_[3] = {true, true, true};
 
   std::optional<RootCause> root_;
@@ -267,13 +263,15 @@ class Launcher {
   void read_pipe(size_t u, RankOutput::Stream s);
   void host_text(size_t u, RankOutput::Stream s, const std::string& text);
   void host_report(size_t u, std::string_view line);
+  void on_report(size_t u, protocol::RankFailed m);
+  void on_report(size_t u, protocol::NodeDone m);
   void drain(size_t u);
   void emit(size_t u, RankOutput::Stream s, std::string_view text);
   void on_exit(size_t u);
   void fail(RootCause cause);
   void on_signal();
   void on_control();
-  void tell_hosts(const std::string& line);
+  void tell_hosts(const protocol::Control& message);
   void forward(int sig);
   void kill_all();
   void stop();
@@ -342,7 +340,7 @@ void Launcher::emit(size_t u, RankOutput::Stream s, std::string_view text) {
 }
 
 // A host's output arrives in whole lines (RankOutput assembles them); its stderr also carries
-// that host's reports (kReport lines), which are read, not shown.
+// that host's reports (protocol records), which are read, not shown.
 void Launcher::host_text(size_t u, RankOutput::Stream s, const std::string& text) {
   if (s == RankOutput::kStdout) {
     emit(u, s, text);
@@ -356,10 +354,8 @@ void Launcher::host_text(size_t u, RankOutput::Stream s, const std::string& text
     end = end == std::string::npos ? text.size() : end + 1;
     if (end < text.size() && text[end - 1] == '\r' && text[end] == '\n') ++end;
     std::string_view line(text.data() + start, end - start);
-    if (line.substr(0, kReport.size()) == kReport) {
-      std::string_view body = line.substr(kReport.size());
-      while (!body.empty() && (body.back() == '\n' || body.back() == '\r')) body.remove_suffix(1);
-      host_report(u, body);
+    if (protocol::is_record(line)) {
+      host_report(u, line);
     } else {
       shown.append(line);
       std::string l(line);
@@ -376,38 +372,35 @@ void Launcher::host_text(size_t u, RankOutput::Stream s, const std::string& text
   emit(u, s, shown);
 }
 
-// "tail TEXT" (a failing rank's stderr, before its "failed"), "failed RANK CODE WHAT", and, at
-// the end, "state RANK WHAT" for each of the host's ranks.
-void Launcher::host_report(size_t u, std::string_view body) {
-  Unit& un = units_[u];
-  auto word = [&body]() {
-    size_t sp = body.find(' ');
-    std::string w(body.substr(0, sp));
-    body = sp == std::string_view::npos ? std::string_view() : body.substr(sp + 1);
-    return w;
-  };
-  std::string kind = word();
-  if (kind == "tail") {
-    un.report_tail.emplace_back(body);
-  } else if (kind == "failed") {
-    std::string rank = word();
-    std::string code = word();
-    std::string when = word();
-    RootCause cause;
-    cause.unit = u;
-    cause.rank = std::atoi(rank.c_str());
-    cause.who = "rank " + rank + " (on " + un.name + ")";
-    cause.what = std::string(body);
-    cause.code = std::atoi(code.c_str());
-    cause.tail = std::move(un.report_tail);
-    cause.when_ns = std::atoll(when.c_str());
-    cause.reported = true;
-    un.report_tail.clear();
-    fail(std::move(cause));
-  } else if (kind == "state") {
-    std::string rank = word();
-    un.states.emplace_back(std::atoi(rank.c_str()), std::string(body));
+void Launcher::host_report(size_t u, std::string_view line) {
+  try {
+    std::visit([&](auto m) { on_report(u, std::move(m)); }, protocol::decode_report(line));
+  } catch (const protocol::ProtocolError& e) {
+    // Shown now, and kept with the host's last words in case it is what failed.
+    std::string why = "host " + units_[u].name + " sent a " + e.what();
+    std::cerr << me() << ": " << why << "\n";
+    units_[u].tail.push_back(why);
+    if (units_[u].tail.size() > RankOutput::kTailLines) units_[u].tail.pop_front();
   }
+}
+
+void Launcher::on_report(size_t u, protocol::RankFailed m) {
+  RootCause cause;
+  cause.unit = u;
+  cause.rank = m.rank;
+  cause.who = "rank " + std::to_string(m.rank) + " (on " + units_[u].name + ")";
+  cause.what = std::move(m.what);
+  cause.exit_code = m.exit_code;
+  cause.signal = m.signal;
+  cause.code = ExitStatus{m.exit_code, m.signal, false}.shell_code();
+  cause.tail = std::move(m.tail);
+  cause.when_ns = m.when_ns;
+  cause.reported = true;
+  fail(std::move(cause));
+}
+
+void Launcher::on_report(size_t u, protocol::NodeDone m) {
+  for (auto& r : m.ranks) units_[u].states.emplace_back(r.rank, std::move(r.what));
 }
 
 void Launcher::read_pipe(size_t u, RankOutput::Stream s) {
@@ -468,11 +461,8 @@ void Launcher::fail(RootCause cause) {
   if (node_) {
     // Tell the ddip run that started this one now, not at the end: the first failure anywhere
     // is the root cause, and the other hosts' ranks fail soon after (their peer is gone).
-    std::string report;
-    for (const auto& l : cause.tail) report += std::string(kReport) + "tail " + l + "\n";
-    report += std::string(kReport) + "failed " + cause.who.substr(5) + " " +
-              std::to_string(cause.code) + " " + std::to_string(cause.when_ns) + " " +
-              cause.what + "\n";
+    std::string report = protocol::encode(protocol::Report{protocol::RankFailed{
+        cause.rank, cause.exit_code, cause.signal, cause.when_ns, cause.what, cause.tail}});
     if (terminal_ok_[2] && !write_all(2, report, link_timeout_)) terminal_ok_[2] = false;
   }
   root_ = std::move(cause);
@@ -518,17 +508,20 @@ void Launcher::on_exit(size_t u) {
     cause.who = "rank " + std::to_string(un.first_rank);
     cause.what = st->describe();
     cause.code = st->shell_code();
+    cause.exit_code = st->code;
+    cause.signal = st->signal;
     cause.tail = lines_of(un.output.stderr_tail());
     fail(std::move(cause));
   }
   if (all_exited()) drain_until_ = Clock::now() + kDrain;
 }
 
-void Launcher::tell_hosts(const std::string& line) {
+void Launcher::tell_hosts(const protocol::Control& message) {
+  const std::string line = protocol::encode(message);
   for (size_t u = 0; u < units_.size(); ++u) {
     Fd& in = sup_.child(u).stdin_pipe();
     if (!units_[u].host || !in || units_[u].status) continue;
-    if (!write_all(in.get(), line + "\n")) in.reset();
+    if (!write_all(in.get(), line)) in.reset();
   }
 }
 
@@ -542,7 +535,7 @@ void Launcher::stop() {
     sup_.signal(u, SIGTERM);
   }
   // Each host's ddip run stops its own ranks the same way (SIGTERM, grace, SIGKILL).
-  tell_hosts("stop");
+  tell_hosts(protocol::Stop{});
 }
 
 void Launcher::kill_all() {
@@ -552,7 +545,7 @@ void Launcher::kill_all() {
     units_[u].stopped = true;
     sup_.signal(u, SIGKILL);
   }
-  tell_hosts("kill");
+  tell_hosts(protocol::Kill{});
   // A host that can't hear it (its network gone) must not keep ddip run waiting: its launcher
   // is killed a little later, and its ddip run then stops its ranks on losing this channel.
   if (!host_kill_armed_) {
@@ -567,7 +560,7 @@ void Launcher::forward(int sig) {
   kill_by(Clock::now() + kGrace);
   for (size_t u = 0; u < units_.size(); ++u)
     if (!units_[u].host && !units_[u].status) sup_.signal(u, sig);
-  tell_hosts("signal " + std::to_string(sig));
+  tell_hosts(protocol::Signal{sig});
 }
 
 void Launcher::on_signal() {
@@ -585,15 +578,18 @@ void Launcher::on_signal() {
   }
 }
 
-// Lines from the ddip run that started this one: "signal N", "stop", "kill"; end of file (it
-// exited, or its host or the network went away) means stop.
+// Messages from the ddip run that started this one (protocol::Control); end of file (it exited,
+// or its host or the network went away) means stop.
 void Launcher::on_control() {
   char buf[256];
   ssize_t n = ::read(control_.get(), buf, sizeof buf);
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-  if (n <= 0) {
+  auto close_channel = [&] {
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, control_.get(), nullptr);
     control_.reset();
+  };
+  if (n <= 0) {
+    close_channel();
     if (lost_.empty() && !stopping_)
       lost_ = "its launcher's stdin closed: the ddip run that started it is gone, or the launcher "
               "gives it no stdin (docker and kubectl exec need -i)";
@@ -601,23 +597,25 @@ void Launcher::on_control() {
     return;
   }
   heard_at_ = Clock::now();
-  control_buf_.append(buf, static_cast<size_t>(n));
-  size_t nl;
-  while ((nl = control_buf_.find('\n')) != std::string::npos) {
-    std::string line = control_buf_.substr(0, nl);
-    control_buf_.erase(0, nl + 1);
-    if (line.rfind("signal ", 0) == 0) {
-      int sig = std::atoi(line.c_str() + 7);
-      if (sig > 0 && sig < NSIG) {
-        if (!first_signal_) first_signal_ = sig;
-        forward(sig);
-      }
-    } else if (line == "stop") {
-      if (!stopping_) stop();
-    } else if (line == "kill") {
-      if (!stopping_) stop();
-      kill_all();
+  control_in_.feed(std::string_view(buf, static_cast<size_t>(n)));
+  try {
+    while (auto m = control_in_.next()) {
+      if (auto* s = std::get_if<protocol::Signal>(&*m)) {
+        if (!first_signal_) first_signal_ = s->number;
+        forward(s->number);
+      } else if (std::holds_alternative<protocol::Stop>(*m)) {
+        if (!stopping_) stop();
+      } else if (std::holds_alternative<protocol::Kill>(*m)) {
+        if (!stopping_) stop();
+        kill_all();
+      }  // Ping: hearing it was the point
     }
+  } catch (const protocol::ProtocolError& e) {
+    // Nothing more from this channel can be trusted: stop as if it had closed (the grace
+    // period's SIGKILL needs no "kill" from it).
+    close_channel();
+    if (lost_.empty()) lost_ = "the ddip run that started it sent a " + std::string(e.what());
+    if (!stopping_) stop();
   }
 }
 
@@ -659,14 +657,14 @@ int Launcher::finish() {
     if (!lost_.empty())
       std::cerr << me() << ": " << lost_ << "; stopped its ranks\n";
     // The ddip run that started this one writes the summary; it gets each rank's state.
-    std::string report;
+    protocol::NodeDone done;
     for (const auto& un : units_) {
       std::string what = !un.status ? "still running"
                                     : un.status->describe() +
                                           (un.stopped ? " (stopped by ddip run)" : "");
-      report += std::string(kReport) + "state " + std::to_string(un.first_rank) + " " + what + "\n";
+      done.ranks.push_back({un.first_rank, std::move(what)});
     }
-    if (terminal_ok_[2]) write_all(2, report, link_timeout_);
+    if (terminal_ok_[2]) write_all(2, protocol::encode(protocol::Report{std::move(done)}), link_timeout_);
     if (root_) return root_->code;
     if (first_signal_) return 128 + first_signal_;
     return lost_.empty() ? 0 : 1;
@@ -804,7 +802,7 @@ int Launcher::run() {
       kill_all();
     }
     if (has_hosts() && now >= next_ping_) {  // "still here", to each host's ddip run
-      tell_hosts("ping");
+      tell_hosts(protocol::Ping{});
       next_ping_ = now + ping_every(link_timeout_);
     }
     if (node_ && control_ && lost_.empty() && now >= heard_at_ + link_timeout_) {

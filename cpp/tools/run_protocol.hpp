@@ -1,0 +1,105 @@
+// What two `ddip run`s say to each other: the one started on another host (`ddip run --node`)
+// and the one that started it through a launcher (ssh, srun, a template). Every message is one
+// line, "\x1e" "ddip KIND FIELD...\n", encoded and decoded only here.
+//
+// - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill.
+// - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone.
+//
+// A record begins with an ASCII record separator, which no line of a rank can begin with (its
+// host labels every one "[rank] "). Fields are separated by one space; text fields escape
+// '\\' "\\\\", ' ' "\\s", '\n' "\\n", '\r' "\\r", and the empty text is "\\e", so a record is
+// always one line with a field count that can be checked, whatever a rank printed.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace ddip::run::protocol {
+
+inline constexpr std::string_view kPrefix = "\x1e" "ddip ";
+
+// A line the decoder can't read: a truncated or garbled record, or one from another version of
+// ddip. what() says which field is wrong and quotes the line.
+struct ProtocolError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// -- to a host's ddip run ---------------------------------------------------------------------
+
+// "Still here": sent every few seconds, so a host that hears nothing knows its link is gone.
+struct Ping {
+  bool operator==(const Ping&) const = default;
+};
+// Forward `number` (SIGINT, SIGTERM, ...) to every rank there.
+struct Signal {
+  int number = 0;
+  bool operator==(const Signal&) const = default;
+};
+// Stop every rank there: SIGTERM, the grace period, SIGKILL.
+struct Stop {
+  bool operator==(const Stop&) const = default;
+};
+// SIGKILL every rank there now.
+struct Kill {
+  bool operator==(const Kill&) const = default;
+};
+using Control = std::variant<Ping, Signal, Stop, Kill>;
+
+// -- from a host's ddip run -------------------------------------------------------------------
+
+// The first of its ranks to fail, sent as soon as it is seen.
+struct RankFailed {
+  int rank = 0;        // global RANK
+  int exit_code = 0;   // when it exited
+  int signal = 0;      // the signal that killed it, or 0
+  int64_t when_ns = 0; // CLOCK_REALTIME on its host when the failure was seen
+  std::string what;    // "exit code 3", "killed by SIGSEGV"
+  std::vector<std::string> tail;  // the last lines of its stderr, without line ends
+  bool operator==(const RankFailed&) const = default;
+};
+// How one rank ended ("exit code 0", "killed by SIGTERM (stopped by ddip run)").
+struct RankEnd {
+  int rank = 0;
+  std::string what;
+  bool operator==(const RankEnd&) const = default;
+};
+// The host's ddip run is ending: every one of its ranks' ends, in rank order.
+struct NodeDone {
+  std::vector<RankEnd> ranks;
+  bool operator==(const NodeDone&) const = default;
+};
+using Report = std::variant<RankFailed, NodeDone>;
+
+// One record: kPrefix, the fields, '\n'.
+std::string encode(const Control& message);
+std::string encode(const Report& message);
+
+// Whether `line` is a record (starts with kPrefix) rather than text to show.
+inline bool is_record(std::string_view line) { return line.substr(0, kPrefix.size()) == kPrefix; }
+
+// One record, with or without its line end ("\n", "\r\n"). Throws ProtocolError for anything
+// that is not exactly a record of the expected direction.
+Control decode_control(std::string_view line);
+Report decode_report(std::string_view line);
+
+// The longest control record a host's ddip run reads (a line without '\n' by then is garbage).
+inline constexpr size_t kMaxControlLine = 256;
+
+// The control channel's bytes, as they arrive, into messages.
+class ControlReader {
+ public:
+  void feed(std::string_view data) { pending_.append(data); }
+  // The next whole message, or nullopt until more arrives. Throws ProtocolError for a malformed
+  // record, or for a line still without its end after kMaxControlLine bytes.
+  std::optional<Control> next();
+
+ private:
+  std::string pending_;
+};
+
+}  // namespace ddip::run::protocol
