@@ -1,0 +1,231 @@
+#include "run_output.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <system_error>
+
+#include "run_protocol.hpp"
+
+namespace ddip::run {
+
+namespace {
+constexpr size_t kReadChunk = 64 * 1024;
+}
+
+bool write_all(int fd, std::string_view data, milliseconds limit) {
+  const auto until = Clock::now() + limit;
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n >= 0) {
+      data.remove_prefix(static_cast<size_t>(n));
+    } else if (errno == EAGAIN) {
+      int wait_ms = -1;
+      if (limit > milliseconds::zero()) {
+        auto left = std::chrono::ceil<milliseconds>(until - Clock::now()).count();
+        if (left <= 0) return false;
+        wait_ms = static_cast<int>(left);
+      }
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, wait_ms);
+    } else if (errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string label(std::string_view text, const std::string& tag, bool& after_cr) {
+  std::string out;
+  out.reserve(text.size() + tag.size() * 4);
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find_first_of("\r\n", start);
+    if (end == std::string_view::npos) end = text.size();
+    if (end > start || (end < text.size() && text[end] == '\n' && !after_cr)) out += tag;
+    out.append(text.substr(start, end - start));
+    if (end < text.size()) out += text[end];
+    after_cr = end < text.size() && text[end] == '\r';
+    start = end + 1;
+  }
+  if (!out.empty() && out.back() != '\n' && out.back() != '\r') {
+    out += '\n';
+    after_cr = false;
+  }
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+bool Terminal::write(int stream, std::string_view text) {
+  if (!ok_[stream]) return false;
+  if (!write_all(stream, text, limit_)) ok_[stream] = false;
+  return ok_[stream];
+}
+
+size_t RankStreams::add_rank(int rank, bool shown) {
+  Unit& un = units_.emplace_back();
+  un.first_rank = rank;
+  un.shown = shown;
+  // append(): GCC 12's -Wrestrict misfires on "[" + std::to_string(rank) at -O3.
+  un.tag.append("[").append(std::to_string(rank)).append("] ");
+  return units_.size() - 1;
+}
+
+size_t RankStreams::add_host() {
+  Unit& un = units_.emplace_back();
+  un.host = true;
+  return units_.size() - 1;
+}
+
+void RankStreams::open_logs(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw std::system_error(ec, "creating --log-dir " + dir);
+  for (auto& un : units_) {
+    if (un.host) continue;  // a host's ddip run keeps its ranks' logs there
+    for (int s : {1, 2}) {
+      std::string path = dir + "/rank" + std::to_string(un.first_rank) +
+                         (s == 1 ? ".stdout" : ".stderr");
+      un.log[s] = Fd(check(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                           "open", "creating " + path));
+    }
+  }
+}
+
+void RankStreams::attach(size_t u, Fd out, Fd err) {
+  Unit& un = units_.at(u);
+  un.pipe[1] = std::move(out);
+  un.pipe[2] = std::move(err);
+  for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
+    un.watch[s] = loop_.watch(un.pipe[s].get(), [this, u, s] { read(u, s); });
+}
+
+bool RankStreams::any_open() const {
+  for (const auto& un : units_)
+    if (un.pipe[1] || un.pipe[2]) return true;
+  return false;
+}
+
+void RankStreams::read(size_t u, RankOutput::Stream s) {
+  Unit& un = units_[u];
+  Fd& fd = un.pipe[s];
+  if (!fd) return;
+  char buf[kReadChunk];
+  ssize_t n = ::read(fd.get(), buf, sizeof buf);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EINTR) return;
+    n = 0;  // EIO and the like: nothing more will come from it
+  }
+  if (n == 0) {
+    loop_.unwatch(un.watch[s]);
+    fd.reset();
+    deliver(u, s, un.output.flush(s));
+    return;
+  }
+  std::string_view data(buf, static_cast<size_t>(n));
+  if (un.log[s] && !write_all(un.log[s].get(), data)) {
+    std::cerr << me_ << ": writing rank " << un.first_rank << "'s log failed ("
+              << std::strerror(errno) << "); its output goes on to the terminal only\n";
+    un.log[s].reset();
+  }
+  for (auto& piece : un.output.feed(s, data)) deliver(u, s, piece.text);
+}
+
+// Everything the exited unit wrote is in its pipes already; take it before reporting.
+void RankStreams::drain(size_t u) {
+  Unit& un = units_[u];
+  for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) {
+    for (int i = 0; i < 4096 && un.pipe[s]; ++i) {
+      pollfd p{un.pipe[s].get(), POLLIN, 0};
+      if (::poll(&p, 1, 0) <= 0) break;
+      read(u, s);
+    }
+  }
+}
+
+void RankStreams::flush(size_t u) {
+  for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) deliver(u, s, units_[u].output.flush(s));
+}
+
+void RankStreams::flush_open() {
+  for (size_t u = 0; u < units_.size(); ++u)
+    for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
+      if (units_[u].pipe[s]) deliver(u, s, units_[u].output.flush(s));
+}
+
+void RankStreams::deliver(size_t u, RankOutput::Stream s, const std::string& text) {
+  if (units_[u].host && s == RankOutput::kStderr)
+    host_text(u, text);
+  else
+    emit(u, s, text);
+}
+
+// A host's stderr arrives in whole lines (RankOutput assembles them), its ddip run's records
+// among its ranks' lines.
+void RankStreams::host_text(size_t u, const std::string& text) {
+  std::string shown;
+  size_t start = 0;
+  while (start < text.size()) {
+    // A line ends at '\n', or at '\r' (a redrawn progress bar): a record can follow either.
+    size_t end = text.find_first_of("\r\n", start);
+    end = end == std::string::npos ? text.size() : end + 1;
+    if (end < text.size() && text[end - 1] == '\r' && text[end] == '\n') ++end;
+    std::string_view line(text.data() + start, end - start);
+    if (protocol::is_record(line)) {
+      hooks_.on_record(u, line);
+    } else {
+      shown.append(line);
+      std::string l(line);
+      while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
+      // ssh's and the host's own messages (not the ranks', which are labelled) explain a failed
+      // launcher.
+      if (!l.empty() && l[0] != '[') note(u, std::move(l));
+    }
+    start = end;
+  }
+  emit(u, RankOutput::kStderr, shown);
+}
+
+void RankStreams::emit(size_t u, RankOutput::Stream s, std::string_view text) {
+  Unit& un = units_[u];
+  if (text.empty() || !terminal_.ok(s)) return;
+  std::string labelled;
+  if (!un.host) {  // a host's lines are labelled and filtered by --tee there already
+    if (!un.shown) return;
+    labelled = label(text, un.tag, un.after_cr[s]);
+    text = labelled;
+  }
+  if (!terminal_.write(s, text) && hooks_.on_write_failed) hooks_.on_write_failed();
+}
+
+std::vector<std::string> RankStreams::stderr_tail(size_t u) const {
+  return lines_of(units_[u].output.stderr_tail());
+}
+
+std::vector<std::string> RankStreams::launcher_tail(size_t u) const {
+  return {units_[u].tail.begin(), units_[u].tail.end()};
+}
+
+void RankStreams::note(size_t u, std::string line) {
+  auto& tail = units_[u].tail;
+  tail.push_back(std::move(line));
+  if (tail.size() > RankOutput::kTailLines) tail.pop_front();
+}
+
+}  // namespace ddip::run

@@ -1,0 +1,87 @@
+#include "run_report.hpp"
+
+#include <time.h>
+
+#include <sstream>
+
+namespace ddip::run {
+
+int64_t realtime_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
+std::string rank_end(const std::optional<ExitStatus>& status, bool stopped) {
+  if (!status) return "still running";
+  return status->describe() + (stopped ? " (stopped by ddip run)" : "");
+}
+
+std::string other_ranks(const std::vector<UnitEnd>& units, const std::optional<RootCause>& root) {
+  auto range = [](const UnitEnd& un) {
+    return un.nranks == 1 ? "rank " + std::to_string(un.first_rank)
+                          : "ranks " + std::to_string(un.first_rank) + "-" +
+                                std::to_string(un.first_rank + un.nranks - 1);
+  };
+  std::string out;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const UnitEnd& un = units[u];
+    if (un.host) {
+      if (root && root->unit == u && root->rank < 0) continue;
+      for (const auto& r : un.ranks)
+        if (!root || root->unit != u || root->rank != r.rank)
+          out += "  rank " + std::to_string(r.rank) + " (on " + un.name + "): " + r.what + "\n";
+      if (un.ranks.empty())
+        out += "  " + range(un) + " (on " + un.name + "): " +
+               (un.status ? "unknown; its launcher ended with " + un.status->describe()
+                          : std::string("still running")) +
+               "\n";
+      continue;
+    }
+    if (root && root->unit == u) continue;
+    out += "  rank " + std::to_string(un.first_rank) + ": " + rank_end(un.status, un.stopped) + "\n";
+  }
+  return out;
+}
+
+int Outcome::exit_code() const {
+  if (root) return root->code;
+  if (timed_out) return 124;
+  if (first_signal) return 128 + first_signal;
+  return lost.empty() ? 0 : 1;
+}
+
+std::string summary(const Outcome& o, const std::vector<UnitEnd>& units) {
+  std::string report;
+  if (o.root) {
+    report = "ddip run: " + o.root->who + " failed first: " + o.root->what;
+    if (o.first_signal) report += " (after ddip run forwarded " + signal_name(o.first_signal) + ")";
+    report += "\n";
+    if (!o.root->tail.empty()) {
+      report += "last lines of its stderr:\n";
+      for (const auto& l : o.root->tail) report += "  | " + l + "\n";
+    }
+    std::string others = other_ranks(units, o.root);
+    if (!others.empty()) report += "other ranks:\n" + others;
+  } else if (o.timed_out) {
+    std::ostringstream secs;
+    secs << o.timeout_s;
+    report = "ddip run: timed out after " + secs.str() + " s; ranks:\n" + other_ranks(units, o.root);
+  } else if (o.first_signal) {
+    report = "ddip run: forwarded " + signal_name(o.first_signal) + " to every rank" +
+             (o.grace_ran_out ? ", then SIGKILL to those still running after " +
+                                    std::to_string(o.grace.count() / 1000) + " s"
+                              : std::string()) +
+             "; ranks:\n" + other_ranks(units, o.root);
+  }
+  if (!report.empty()) report += "ddip run: exit code " + std::to_string(o.exit_code()) + "\n";
+  return report;
+}
+
+protocol::NodeDone node_done(const std::vector<UnitEnd>& units) {
+  protocol::NodeDone done;
+  for (const auto& un : units) done.ranks.push_back({un.first_rank, rank_end(un.status, un.stopped)});
+  return done;
+}
+
+}  // namespace ddip::run
