@@ -74,8 +74,8 @@ void Upstream::on_readable() {
 void Upstream::send(const protocol::Report& report) { terminal_.write(2, protocol::encode(report)); }
 
 Downstream::Downstream(EventLoop& loop, milliseconds link_timeout,
-                       std::function<void(size_t unit)> kill_launcher)
-    : link_timeout_(link_timeout), kill_launcher_(std::move(kill_launcher)) {
+                       std::function<void(size_t unit)> kill_launcher, milliseconds kill_after)
+    : link_timeout_(link_timeout), kill_after_(kill_after), kill_launcher_(std::move(kill_launcher)) {
   next_ping_ = Clock::now() + ping_every(link_timeout_);
   loop.deadline(
       [this]() -> std::optional<Clock::time_point> {
@@ -120,7 +120,7 @@ void Downstream::kill() {
   tell(protocol::Kill{});
   if (!kill_armed_) {
     kill_armed_ = true;
-    kill_launchers_at_ = Clock::now() + milliseconds(3000);
+    kill_launchers_at_ = Clock::now() + kill_after_;
   }
 }
 

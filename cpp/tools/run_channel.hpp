@@ -61,7 +61,9 @@ class Upstream {
 class Downstream {
  public:
   // `kill_launcher(unit)`: SIGKILL to a host's launcher that could not be told to kill.
-  Downstream(EventLoop& loop, milliseconds link_timeout, std::function<void(size_t unit)> kill_launcher);
+  // `kill_after`: from Kill to the launchers' SIGKILL.
+  Downstream(EventLoop& loop, milliseconds link_timeout, std::function<void(size_t unit)> kill_launcher,
+             milliseconds kill_after = milliseconds(3000));
 
   void add(size_t unit, Fd stdin_pipe);
   // The host's launcher has exited: its channel closes.
@@ -81,7 +83,7 @@ class Downstream {
   };
   bool any_running() const;
 
-  milliseconds link_timeout_;
+  milliseconds link_timeout_, kill_after_;
   std::function<void(size_t)> kill_launcher_;
   std::vector<Host> hosts_;
   Clock::time_point next_ping_;

@@ -74,7 +74,7 @@ std::vector<std::string> lines_of(const std::string& text) {
 
 bool Terminal::write(int stream, std::string_view text) {
   if (!ok_[stream]) return false;
-  if (!write_all(stream, text, limit_)) ok_[stream] = false;
+  if (!write_all(fd_[stream], text, limit_)) ok_[stream] = false;
   return ok_[stream];
 }
 

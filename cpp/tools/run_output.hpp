@@ -38,13 +38,16 @@ class Terminal {
  public:
   // `limit`: how long one write may wait for a full pipe (0: as long as it takes). On another
   // host, output goes back through the launcher and must not wait for good on a dead link.
-  explicit Terminal(milliseconds limit = milliseconds::zero()) : limit_(limit) {}
+  // `out`, `err`: the files behind streams 1 and 2 (tests give pipes).
+  explicit Terminal(milliseconds limit = milliseconds::zero(), int out = 1, int err = 2)
+      : limit_(limit), fd_{-1, out, err} {}
   // False if `stream` could not take `text`, now or before.
   bool write(int stream, std::string_view text);
   bool ok(int stream) const { return ok_[stream]; }
 
  private:
   milliseconds limit_;
+  int fd_[3];
   bool ok_[3] = {true, true, true};
 };
 
