@@ -1,6 +1,7 @@
 """Group start-up and request round trip: ddip against ipyparallel, measured in the same run.
 
     .venv/bin/python bench/bench_group.py      (or `make bench` for every bench module)
+    .venv/bin/python bench/bench_group.py --cpu      only the CPU cost of a trivial request
 
 What each side does:
 - start to ready: ddip `Group(n=N, backend=None)` returns once all N ranks said hello;
@@ -8,6 +9,9 @@ What each side does:
   registered, then `client[:]` makes the DirectView. Both are timed from construction.
 - round trip: ddip `g.run("pass")` against ipyparallel `dview.execute("pass", block=True)`,
   N=2, after a warm-up.
+- CPU per request: `g.run("pass")` 300 times on N=2 and N=8; each rank's CPU (utime+stime from
+  /proc/<pid>/stat, all its threads) and the notebook process's (all its threads, the runtime's
+  IO thread included) before and after, divided by the requests (per rank: averaged over ranks).
 - push: a 256 MiB float32 numpy array to every rank of N=4, ddip `g.push(a=arr)` against
   ipyparallel `dview.push({"a": arr}, block=True)`; a plain `arr.copy()` is shown for scale.
 
@@ -33,6 +37,8 @@ RT_WARMUP = 50
 RT_REPS = 500
 START_TARGET_S = 0.5
 RT_TARGET_S = 1e-3
+CPU_REQS = 300  # requests per CPU-cost measurement
+CPU_SIZES = (2, 8)
 PUSH_MIB = 256
 PUSH_N = 4
 PUSH_REPS = 5
@@ -107,6 +113,36 @@ def _ddip_round_trip(left: _Leftovers) -> list[float]:
             g.run("pass")
             times.append(time.perf_counter() - t0)
         return times
+    finally:
+        g.close()
+        left.ddip += _reap(procs)
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _ddip_cpu(n: int, left: _Leftovers) -> tuple[float, float, float]:
+    """(round trip, CPU per rank per request, notebook CPU per request) of `g.run("pass")`."""
+    import ddip
+
+    g = ddip.Group(n=n, backend=None)
+    procs = [psutil.Process(pid) for pid in g.pids]
+    try:
+        for _ in range(RT_WARMUP):
+            g.run("pass")
+        ranks0 = [_proc_cpu(pid) for pid in g.pids]
+        kernel0 = _proc_cpu(os.getpid())
+        t0 = time.perf_counter()
+        for _ in range(CPU_REQS):
+            g.run("pass")
+        wall = time.perf_counter() - t0
+        kernel = _proc_cpu(os.getpid()) - kernel0
+        ranks = [_proc_cpu(pid) - c for pid, c in zip(g.pids, ranks0)]
+        return wall / CPU_REQS, sum(ranks) / n / CPU_REQS, kernel / CPU_REQS
     finally:
         g.close()
         left.ddip += _reap(procs)
@@ -290,6 +326,10 @@ def main() -> str:
         _log(f"round trip, N=2, {RT_REPS} repetitions after {RT_WARMUP} warm-up")
         rt_ddip = _ddip_round_trip(left)
         rt_ipp = _ipp_round_trip(profile_dir, left)
+        cpu = {}
+        for n in CPU_SIZES:
+            _log(f"CPU per request, N={n}, {CPU_REQS} requests")
+            cpu[n] = _ddip_cpu(n, left)
         import numpy as np
 
         arr = np.arange(PUSH_MIB << 18, dtype=np.float32)
@@ -339,9 +379,23 @@ def main() -> str:
         f"Processes left after the tool's own stop, killed by pid: ddip {len(left.ddip)}, "
         f"ipyparallel {len(left.ipyparallel)}.",
     ]
+    lines += ["", f"CPU per trivial request (`g.run(\"pass\")`, {CPU_REQS} requests after {RT_WARMUP} warm-up):", "",
+              "| ranks | round trip | CPU per rank per request | notebook CPU per request |", "|---|---|---|---|"]
+    for n, (rt, rank_cpu, kernel_cpu) in cpu.items():
+        lines.append(f"| N={n} | {_ms(rt)} | {_ms(rank_cpu)} | {_ms(kernel_cpu)} |")
     return ("\n".join(lines) + "\n\nTargets: " + "; ".join(targets) + ".\n\n"
             + "\n".join(f"- {n}" for n in notes) + "\n")
 
 
+def cpu_only() -> str:
+    """Only the CPU-per-request table (`bench_group.py --cpu`): quick, for runtime work."""
+    left = _Leftovers()
+    lines = ["| ranks | round trip | CPU per rank per request | notebook CPU per request |", "|---|---|---|---|"]
+    for n in CPU_SIZES:
+        rt, rank_cpu, kernel_cpu = _ddip_cpu(n, left)
+        lines.append(f"| N={n} | {_ms(rt)} | {_ms(rank_cpu)} | {_ms(kernel_cpu)} |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    print(main())
+    print(cpu_only() if sys.argv[1:] == ["--cpu"] else main())
