@@ -1,7 +1,6 @@
 #include "ddip/coordinator.hpp"
 
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -23,36 +22,12 @@ namespace detail {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-enum Tag : uint64_t {
-  kListenerTag = 1,
-  kWakeTag,
-  kPidTag,
-  kStdoutTag,
-  kStderrTag,
-  kConnTag,
-  // Remote hosts: the TCP listener, connections still authenticating, authenticated links, and
-  // each host's launcher process and its output.
-  kTcpTag,
-  kHandshakeTag,
-  kLinkTag,
-  kLauncherPidTag,
-  kLauncherOutTag,
-  kLauncherErrTag,
-};
-
-uint64_t tag(Tag t, size_t slot) { return (static_cast<uint64_t>(t) << 32) | slot; }
-
-int ms_until(Clock::time_point t) {
-  auto d = std::chrono::duration_cast<milliseconds>(t - Clock::now()).count();
-  return static_cast<int>(std::clamp<long long>(d, 0, 60'000));
-}
-
 }  // namespace detail
 
 using detail::Clock;
 
 struct Coordinator::Slot {
-  std::optional<Channel> conn;
+  std::unique_ptr<Connection> conn;
   std::vector<Frame> waiting;  // frames sent before the worker connected
   RankOutput output;
   Fd out, err;
@@ -79,7 +54,7 @@ struct Coordinator::Link {
   Fd out, err;
   RankOutput output;  // the launcher's own output: its stderr tail explains a failed start
   bool launcher_exited = false;
-  std::optional<Channel> conn;
+  std::unique_ptr<Connection> conn;
   bool ever_connected = false;
 };
 
@@ -119,8 +94,6 @@ Coordinator::Coordinator(CoordinatorOptions options)
   connected_.assign(n, false);
   unread_output_.assign(n, 0);
   dropped_output_.assign(n, 0);
-  wake_ = Fd(check(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), "eventfd", "creating the wake-up fd"));
-  epoll_ = Fd(check(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1", "creating the event loop"));
   listener_ = std::make_unique<Listener>(socket_path_);
   if (!options_.hosts.empty()) {
     tcp_ = std::make_unique<TcpListener>(options_.bind_address, options_.bind_port);
@@ -157,8 +130,7 @@ Coordinator::~Coordinator() {
 }
 
 void Coordinator::start_workers() {
-  watch(listener_->fd(), detail::tag(detail::kListenerTag, 0), EPOLLIN);
-  watch(wake_.get(), detail::tag(detail::kWakeTag, 0), EPOLLIN);
+  loop_.watch(listener_->fd(), EPOLLIN, [this](uint32_t) { on_accept(); });
   child_of_.assign(options_.workers.size(), -1);
   for (size_t i = 0; i < options_.workers.size(); ++i) {
     if (slots_[i].link >= 0) {
@@ -176,31 +148,15 @@ void Coordinator::start_workers() {
     Slot& s = slots_[i];
     s.out = std::move(c.stdout_pipe());
     s.err = std::move(c.stderr_pipe());
-    watch(c.pidfd(), detail::tag(detail::kPidTag, i), EPOLLIN);
-    if (s.out) watch(s.out.get(), detail::tag(detail::kStdoutTag, i), EPOLLIN);
-    if (s.err) watch(s.err.get(), detail::tag(detail::kStderrTag, i), EPOLLIN);
+    loop_.watch(c.pidfd(), EPOLLIN, [this, i](uint32_t) { on_exit(i); });
+    if (s.out)
+      loop_.watch(s.out.get(), EPOLLIN,
+                  [this, i](uint32_t) { on_pipe(i, RankOutput::kStdout, false); });
+    if (s.err)
+      loop_.watch(s.err.get(), EPOLLIN,
+                  [this, i](uint32_t) { on_pipe(i, RankOutput::kStderr, false); });
   }
   start_links();
-}
-
-void Coordinator::watch(int fd, uint64_t tag, uint32_t events) {
-  epoll_event ev{};
-  ev.events = events;
-  ev.data.u64 = tag;
-  check(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev), "epoll_ctl(ADD)", "watching an fd");
-}
-
-void Coordinator::unwatch(int fd) { ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr); }
-
-void Coordinator::post(std::function<void()> fn) {
-  {
-    std::lock_guard lock(mu_);
-    if (thread_done_) throw std::runtime_error("the group's runtime has stopped");
-    commands_.push_back(std::move(fn));
-  }
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
-  (void)ignored;
 }
 
 void Coordinator::emit(Event e) {
@@ -228,6 +184,7 @@ void Coordinator::emit(Event e) {
     events_.push_back(std::move(e));
   }
   cv_.notify_all();
+  if (options_.on_event) options_.on_event();
 }
 
 Event Coordinator::output_note(size_t slot, const std::string& what) {
@@ -252,7 +209,7 @@ void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segme
       frame.fd_bytes.push_back(pool_.length(id));  // a TCP link sends only the bytes put there
     }
   }
-  post([this, slot, f = std::move(frame), segments]() mutable {
+  loop_.post([this, slot, f = std::move(frame), segments]() mutable {
     Slot& s = slots_[slot];
     if (s.link >= 0) {
       send_remote(slot, std::move(f), std::move(segments));
@@ -283,7 +240,7 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
   if (slot >= static_cast<int>(slots_.size()))
     throw std::out_of_range("no worker slot " + std::to_string(slot));
   if (sig <= 0 || sig >= NSIG) throw std::invalid_argument("no signal " + std::to_string(sig));
-  post([this, slot, sig, whole_group] {
+  loop_.post([this, slot, sig, whole_group] {
     if (slot >= 0) return signal_slot(slot, sig, whole_group);
     for (size_t i = 0; i < slots_.size(); ++i) try {
         signal_slot(i, sig, whole_group);
@@ -332,7 +289,7 @@ bool Coordinator::running() const {
 
 void Coordinator::begin_close(std::chrono::milliseconds grace) {
   try {
-    post([this, grace] { begin_stop(grace); });
+    loop_.post([this, grace] { begin_stop(grace); });
   } catch (const std::runtime_error&) {
     // The IO thread already stopped (and stopped the workers).
   }
@@ -411,82 +368,25 @@ bool Coordinator::advance_stop(Clock::time_point now) {
   }
 }
 
+void Coordinator::schedule_tick() {
+  loop_.after(options_.heartbeat_interval, [this] {
+    tick();
+    schedule_tick();
+  });
+}
+
 void Coordinator::loop() {
-  auto next_tick = Clock::now() + options_.heartbeat_interval;
-  epoll_event evs[64];
   try {
+    schedule_tick();
     while (true) {
-      auto wake_at = next_tick;
+      std::optional<Clock::time_point> wake_at;
+      auto earlier = [&](Clock::time_point t) { wake_at = wake_at ? std::min(*wake_at, t) : t; };
       for (auto& s : slots_)
-        if (s.output.has_pending())
-          wake_at = std::min(wake_at, s.last_output + options_.partial_line_delay);
-      if (stop_ != Stop::kRunning) wake_at = std::min(wake_at, stop_deadline_);
-      if (listener_paused_) wake_at = std::min(wake_at, listener_retry_);
-      int n = ::epoll_wait(epoll_.get(), evs, 64, detail::ms_until(wake_at));
-      if (n < 0 && errno != EINTR) throw_errno("epoll_wait", "waiting for worker activity");
-      for (int k = 0; k < n; ++k) {
-        auto type = static_cast<detail::Tag>(evs[k].data.u64 >> 32);
-        size_t slot = evs[k].data.u64 & 0xffffffffu;
-        switch (type) {
-          case detail::kListenerTag:
-            on_accept();
-            break;
-          case detail::kWakeTag: {
-            uint64_t count;
-            ssize_t ignored = ::read(wake_.get(), &count, sizeof count);
-            (void)ignored;
-            break;
-          }
-          case detail::kPidTag:
-            on_exit(slot);
-            break;
-          case detail::kStdoutTag:
-            on_pipe(slot, RankOutput::kStdout, false);
-            break;
-          case detail::kStderrTag:
-            on_pipe(slot, RankOutput::kStderr, false);
-            break;
-          case detail::kConnTag:
-            on_connection(slot, evs[k].events);
-            break;
-          case detail::kTcpTag:
-            on_tcp_accept();
-            break;
-          case detail::kHandshakeTag:
-            on_handshake(slot);
-            break;
-          case detail::kLinkTag:
-            on_link(slot, evs[k].events);
-            break;
-          case detail::kLauncherPidTag:
-            on_launcher_exit(slot);
-            break;
-          case detail::kLauncherOutTag:
-            on_launcher(slot, RankOutput::kStdout);
-            break;
-          case detail::kLauncherErrTag:
-            on_launcher(slot, RankOutput::kStderr);
-            break;
-        }
-      }
-      std::deque<std::function<void()>> commands;
-      {
-        std::lock_guard lock(mu_);
-        commands.swap(commands_);
-      }
-      for (auto& c : commands) {
-        try {
-          c();
-        } catch (const std::exception&) {
-          // A command that fails (a worker that is gone, say) must not take the group down.
-        }
-      }
+        if (s.output.has_pending()) earlier(s.last_output + options_.partial_line_delay);
+      if (stop_ != Stop::kRunning) earlier(stop_deadline_);
+      loop_.run_once(wake_at);
 
       auto now = Clock::now();
-      if (now >= next_tick) {
-        tick();
-        next_tick = now + options_.heartbeat_interval;
-      }
       check_responsive(now);
       for (size_t i = 0; i < slots_.size(); ++i) {
         Slot& s = slots_[i];
@@ -494,14 +394,6 @@ void Coordinator::loop() {
         flush_partial(i, false);
         // Kept back (half a UTF-8 character): one more delay for the rest, then it goes anyway.
         if (s.output.has_pending()) s.last_output = now;
-      }
-      if (listener_paused_ && now >= listener_retry_) {
-        listener_paused_ = false;
-        epoll_event ev{};
-        ev.events = EPOLLIN;
-        ev.data.u64 = detail::tag(detail::kListenerTag, 0);
-        check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, listener_->fd(), &ev), "epoll_ctl(MOD)",
-              "watching the listening socket again");
       }
       if (stop_ != Stop::kRunning && advance_stop(now)) break;
     }
@@ -540,11 +432,12 @@ void Coordinator::finish() noexcept {
   }
   for (auto& l : links_) l.conn.reset();
   handshakes_.clear();
+  loop_.close();
+  loop_.discard();
   {
     std::lock_guard lock(mu_);
     thread_done_ = true;
     unreaped_ = std::move(unreaped);
-    commands_.clear();
   }
   cv_.notify_all();
 }
@@ -586,12 +479,8 @@ void Coordinator::check_responsive(Clock::time_point now) {
 // Out of fds (EMFILE / ENFILE): a worker's connection waits in the backlog and the listener is
 // tried again in 100 ms, so the IO thread neither spins on a level-triggered fd nor dies.
 void Coordinator::pause_listener() {
-  epoll_event ev{};
-  ev.data.u64 = detail::tag(detail::kListenerTag, 0);
-  check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, listener_->fd(), &ev), "epoll_ctl(MOD)",
-        "pausing the listening socket");
-  listener_paused_ = true;
-  listener_retry_ = Clock::now() + detail::milliseconds(100);
+  loop_.modify(listener_->fd(), 0);
+  loop_.after(detail::milliseconds(100), [this] { loop_.modify(listener_->fd(), EPOLLIN); });
 }
 
 void Coordinator::on_accept() {
@@ -615,8 +504,9 @@ void Coordinator::on_accept() {
     Slot& s = slots_[slot];
     // An exited worker's pid may be someone else's by now: never let it attach.
     if (s.conn || s.exited) continue;
-    watch(ch->fd(), detail::tag(detail::kConnTag, slot), EPOLLIN);
-    s.conn.emplace(std::move(*ch));
+    s.conn = std::make_unique<Connection>(
+        loop_, std::move(*ch), [this, slot](Frame f) { deliver(slot, std::move(f)); },
+        [this, slot](Connection::End how, const std::string&) { on_connection_end(slot, how); });
     {
       std::lock_guard lock(mu_);
       connected_[slot] = true;
@@ -635,65 +525,19 @@ void Coordinator::send_now(size_t slot, Frame f) {
     if (!s.exited) s.waiting.push_back(std::move(f));
     return;
   }
-  bool was_writing = s.conn->wants_write();
-  s.conn->queue(std::move(f));
-  if (was_writing) return;
-  try {
-    if (!s.conn->flush()) {
-      epoll_event ev{};
-      ev.events = EPOLLIN | EPOLLOUT;
-      ev.data.u64 = detail::tag(detail::kConnTag, slot);
-      check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, s.conn->fd(), &ev), "epoll_ctl(MOD)",
-            "waiting to write to a worker");
-    }
-  } catch (const std::system_error&) {
-    drop_connection(slot);  // the worker is gone; its exit is reported through its pidfd
-  }
+  s.conn->send(std::move(f));  // a failure drops the connection; its exit comes by its pidfd
 }
 
-void Coordinator::on_connection(size_t slot, uint32_t events) {
-  Slot& s = slots_[slot];
-  if (!s.conn) return;
-  if (events & EPOLLOUT) {
+void Coordinator::on_connection_end(size_t slot, Connection::End how) {
+  if (how == Connection::End::kCorrupt) {
+    // A corrupt frame: this worker can't be trusted any more, but the others are fine.
     try {
-      if (s.conn->flush()) {
-        epoll_event ev{};
-        ev.events = EPOLLIN;
-        ev.data.u64 = detail::tag(detail::kConnTag, slot);
-        ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, s.conn->fd(), &ev);
-      }
-    } catch (const std::system_error&) {
-      drop_connection(slot);
-      return;
-    }
-  }
-  if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
-  while (s.conn) {
-    Channel::ReadResult r;
-    try {
-      r = s.conn->read_some();
-    } catch (const std::system_error&) {
-      r = Channel::ReadResult::kEof;
+      supervisor_.signal(child_of_[slot], SIGKILL);
     } catch (const std::exception&) {
-      // A corrupt frame: this worker can't be trusted any more, but the others are fine.
-      try {
-        supervisor_.signal(child_of_[slot], SIGKILL);
-      } catch (const std::exception&) {
-        // Then it is gone already; dropping the connection is all that is left.
-      }
-      r = Channel::ReadResult::kEof;
+      // Then it is gone already; dropping the connection is all that is left.
     }
-    while (s.conn) {
-      auto f = s.conn->next();
-      if (!f) break;
-      deliver(slot, std::move(*f));
-    }
-    if (r == Channel::ReadResult::kEof) {
-      drop_connection(slot);
-      return;
-    }
-    if (r == Channel::ReadResult::kWouldBlock) return;
   }
+  drop_connection(slot);
 }
 
 // A frame from worker `slot` (over its Unix socket, or its host's link), in arrival order.
@@ -750,7 +594,6 @@ void Coordinator::deliver(size_t slot, Frame f) {
 void Coordinator::drop_connection(size_t slot) {
   Slot& s = slots_[slot];
   if (!s.conn) return;
-  unwatch(s.conn->fd());
   s.conn.reset();
   {
     std::lock_guard lock(mu_);
@@ -772,7 +615,7 @@ void Coordinator::on_pipe(size_t slot, int stream, bool final) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     if (n <= 0) {  // EOF or error: the worker (and anything it started) closed it
-      unwatch(fd.get());
+      loop_.unwatch(fd.get());
       fd.reset();
       break;
     }
@@ -837,7 +680,7 @@ void Coordinator::on_exit(size_t slot) {
   Slot& s = slots_[slot];
   if (s.exited) return;
   // Report in the order things happened: its last frames and output, then its death.
-  if (s.conn) on_connection(slot, EPOLLIN);
+  if (s.conn) s.conn->read_now();
   drain_output(slot, true);
   flush_partial(slot, true);
   release_held(slot, true);
@@ -847,12 +690,12 @@ void Coordinator::on_exit(size_t slot) {
       // Its pidfd says it exited, yet it can't be reaped: a tracer holds the zombie. Level-
       // triggered, that fd would wake us forever; the tick looks again instead.
       s.exit_pending = true;
-      unwatch(supervisor_.child(child_of_[slot]).pidfd());
+      loop_.unwatch(supervisor_.child(child_of_[slot]).pidfd());
     }
     return;
   }
   s.exited = true;
-  if (!s.exit_pending) unwatch(supervisor_.child(child_of_[slot]).pidfd());
+  if (!s.exit_pending) loop_.unwatch(supervisor_.child(child_of_[slot]).pidfd());
   s.waiting.clear();
   for (uint64_t id : s.segments) pool_.release(id);  // a dead worker's mappings are gone
   s.segments.clear();
@@ -891,7 +734,7 @@ std::string Coordinator::last_rejection() const {
 
 void Coordinator::start_links() {
   if (!tcp_) return;
-  watch(tcp_->fd(), detail::tag(detail::kTcpTag, 0), EPOLLIN);
+  loop_.watch(tcp_->fd(), EPOLLIN, [this](uint32_t) { on_tcp_accept(); });
   links_.resize(options_.hosts.size());
   for (size_t h = 0; h < options_.hosts.size(); ++h) {
     Link& l = links_[h];
@@ -910,9 +753,11 @@ void Coordinator::start_links() {
     Child& c = supervisor_.child(l.child);
     l.out = std::move(c.stdout_pipe());
     l.err = std::move(c.stderr_pipe());
-    watch(c.pidfd(), detail::tag(detail::kLauncherPidTag, h), EPOLLIN);
-    if (l.out) watch(l.out.get(), detail::tag(detail::kLauncherOutTag, h), EPOLLIN);
-    if (l.err) watch(l.err.get(), detail::tag(detail::kLauncherErrTag, h), EPOLLIN);
+    loop_.watch(c.pidfd(), EPOLLIN, [this, h](uint32_t) { on_launcher_exit(h); });
+    if (l.out)
+      loop_.watch(l.out.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStdout); });
+    if (l.err)
+      loop_.watch(l.err.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
   }
 }
 
@@ -939,7 +784,7 @@ void Coordinator::on_tcp_accept() {
       reject(id, "could not send the challenge");
       continue;
     }
-    watch(fdnum, detail::tag(detail::kHandshakeTag, id), EPOLLIN);
+    loop_.watch(fdnum, EPOLLIN, [this, id](uint32_t) { on_handshake(id); });
   }
 }
 
@@ -952,7 +797,7 @@ void Coordinator::reject(uint64_t id, const std::string& why) {
     ++rejected_;
     last_rejection_ = text;
   }
-  unwatch(it->second.fd.get());
+  loop_.unwatch(it->second.fd.get());
   handshakes_.erase(it);  // closes it: nothing it sent was ever parsed beyond the handshake
   // The kernel's log (the terminal that runs Jupyter): someone may be probing the port.
   std::fprintf(stderr, "ddip: %s\n", text.c_str());
@@ -991,13 +836,19 @@ void Coordinator::on_handshake(uint64_t id) {
   if (::send(h.fd.get(), accepted.proof.data(), accepted.proof.size(),
              MSG_NOSIGNAL | MSG_DONTWAIT) != static_cast<ssize_t>(accepted.proof.size()))
     return reject(id, "could not send the proof");
-  unwatch(h.fd.get());
+  loop_.unwatch(h.fd.get());
   Channel ch(std::move(h.fd));
   handshakes_.erase(it);
   ch.seal(std::move(accepted.keys));
   size_t link = accepted.host;
-  watch(ch.fd(), detail::tag(detail::kLinkTag, link), EPOLLIN);
-  l.conn.emplace(std::move(ch));
+  l.conn = std::make_unique<Connection>(
+      loop_, std::move(ch), [this, link](Frame f) { on_link_frame(link, std::move(f)); },
+      [this, link](Connection::End how, const std::string& why) {
+        if (how == Connection::End::kCorrupt)
+          std::fprintf(stderr, "ddip: dropped the link to host %s: %s\n",
+                       links_[link].host.name.c_str(), why.c_str());
+        lose_link(link, why);
+      });
   l.ever_connected = true;
   std::vector<std::pair<int, SpawnSpec>> specs;
   for (int slot : l.host.slots)
@@ -1025,20 +876,7 @@ void Coordinator::send_remote(size_t slot, Frame f, std::vector<uint64_t> segmen
 void Coordinator::send_link(size_t link, Frame f) {
   Link& l = links_[link];
   if (!l.conn) return;
-  bool was_writing = l.conn->wants_write();
-  try {
-    l.conn->queue(std::move(f));
-    if (was_writing) return;
-    if (!l.conn->flush()) {
-      epoll_event ev{};
-      ev.events = EPOLLIN | EPOLLOUT;
-      ev.data.u64 = detail::tag(detail::kLinkTag, link);
-      check(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, l.conn->fd(), &ev), "epoll_ctl(MOD)",
-            "waiting to write to a remote host");
-    }
-  } catch (const std::exception& e) {
-    lose_link(link, std::string("could not write to it: ") + e.what());
-  }
+  l.conn->send(std::move(f));  // a failure loses the link
 }
 
 void Coordinator::signal_slot(size_t slot, int sig, bool whole_group) {
@@ -1052,43 +890,6 @@ void Coordinator::signal_slot(size_t slot, int sig, bool whole_group) {
   send_remote(slot,
               Frame::make(kSignal, static_cast<int32_t>(slot), 0, encode_signal(sig, whole_group)),
               {});
-}
-
-void Coordinator::on_link(size_t link, uint32_t events) {
-  Link& l = links_[link];
-  if (!l.conn) return;
-  if (events & EPOLLOUT) {
-    try {
-      if (l.conn->flush()) {
-        epoll_event ev{};
-        ev.events = EPOLLIN;
-        ev.data.u64 = detail::tag(detail::kLinkTag, link);
-        ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, l.conn->fd(), &ev);
-      }
-    } catch (const std::exception& e) {
-      return lose_link(link, std::string("could not write to it: ") + e.what());
-    }
-  }
-  if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR))) return;
-  while (l.conn) {
-    Channel::ReadResult r;
-    try {
-      r = l.conn->read_some();
-    } catch (const AuthError& e) {
-      std::fprintf(stderr, "ddip: dropped the link to host %s: %s\n", l.host.name.c_str(),
-                   e.what());
-      return lose_link(link, e.what());
-    } catch (const std::exception& e) {
-      return lose_link(link, e.what());
-    }
-    while (l.conn) {
-      auto f = l.conn->next();
-      if (!f) break;
-      on_link_frame(link, std::move(*f));
-    }
-    if (r == Channel::ReadResult::kEof) return lose_link(link, "the connection closed");
-    if (r == Channel::ReadResult::kWouldBlock) return;
-  }
 }
 
 void Coordinator::on_link_frame(size_t link, Frame f) {
@@ -1154,10 +955,7 @@ void Coordinator::lose_slot(size_t slot, const std::string& why) {
 
 void Coordinator::lose_link(size_t link, const std::string& why) {
   Link& l = links_[link];
-  if (l.conn) {
-    unwatch(l.conn->fd());
-    l.conn.reset();  // closed: the agent stops its workers when it sees that
-  }
+  l.conn.reset();  // closed: the agent stops its workers when it sees that
   for (int slot : l.host.slots)
     lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
 }
@@ -1172,7 +970,7 @@ void Coordinator::on_launcher(size_t link, int stream) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n <= 0) {
-      unwatch(fd.get());
+      loop_.unwatch(fd.get());
       fd.reset();
       return;
     }
@@ -1189,7 +987,7 @@ void Coordinator::on_launcher_exit(size_t link) {
   auto status = supervisor_.poll(l.child);
   if (!status) return;  // woken early; the pidfd stays watched
   l.launcher_exited = true;
-  unwatch(supervisor_.child(l.child).pidfd());
+  loop_.unwatch(supervisor_.child(l.child).pidfd());
   if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
   std::string tail = l.output.flush(RankOutput::kStderr, true);
   std::string lines = l.output.stderr_tail();

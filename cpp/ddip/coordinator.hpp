@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "ddip/channel.hpp"
+#include "ddip/connection.hpp"
+#include "ddip/event_loop.hpp"
 #include "ddip/output.hpp"
 #include "ddip/rank_template.hpp"
 #include "ddip/shm.hpp"
@@ -78,6 +80,9 @@ struct CoordinatorOptions {
   // reported in the stream): a rank printing while the notebook reads nothing must not grow the
   // kernel's memory without bound.
   size_t max_unread_output = size_t(16) << 20;
+  // Called on the IO thread each time an event is queued (a host agent wakes its own loop with
+  // it); must not block, nor call back into this Coordinator.
+  std::function<void()> on_event;
 
   // Workers on other hosts. Their slots' specs in `workers` hold only what the kernel adds to
   // the host's environment; argv[0] is looked up there.
@@ -149,12 +154,10 @@ class Coordinator {
   std::deque<Event> events_;
   std::vector<size_t> unread_output_;   // bytes of each worker's output in events_
   std::vector<size_t> dropped_output_;  // bytes dropped since the queue was last below the cap
-  std::deque<std::function<void()>> commands_;
   std::vector<std::chrono::steady_clock::time_point> last_ack_;
   std::vector<bool> connected_;
   bool thread_done_ = false;
   std::vector<pid_t> unreaped_;
-  Fd wake_;  // eventfd: commands queued
   size_t rejected_ = 0;
   std::string last_rejection_;
   std::mutex join_mu_;
@@ -164,10 +167,8 @@ class Coordinator {
   // Owned by the IO thread.
   Supervisor supervisor_;
   std::vector<Slot> slots_;
-  Fd epoll_;
+  EventLoop loop_{"the group's runtime has stopped"};  // post() is thread-safe
   std::unique_ptr<Listener> listener_;
-  bool listener_paused_ = false;
-  std::chrono::steady_clock::time_point listener_retry_;
   // Stopping: shutdown frames sent, then SIGTERM, then SIGKILL; each step has a deadline.
   enum class Stop { kRunning, kAsked, kTerminated, kKilled };
   Stop stop_ = Stop::kRunning;
@@ -188,7 +189,6 @@ class Coordinator {
   void on_tcp_accept();
   void on_handshake(uint64_t id);
   void reject(uint64_t id, const std::string& why);
-  void on_link(size_t link, uint32_t events);
   void on_link_frame(size_t link, Frame f);
   void lose_link(size_t link, const std::string& why);
   void lose_slot(size_t slot, const std::string& why);
@@ -205,14 +205,13 @@ class Coordinator {
   bool advance_stop(std::chrono::steady_clock::time_point now);
   void finish() noexcept;
   void tick();
+  void schedule_tick();
   void check_responsive(std::chrono::steady_clock::time_point now);
   void pause_listener();
   void emit(Event e);
   static Event output_note(size_t slot, const std::string& what);
-  // Queues fn for the IO thread; throws once that thread has stopped.
-  void post(std::function<void()> fn);
   void on_accept();
-  void on_connection(size_t slot, uint32_t events);
+  void on_connection_end(size_t slot, Connection::End how);
   void on_pipe(size_t slot, int stream, bool final);
   void on_exit(size_t slot);
   void drain_output(size_t slot, bool final);
@@ -224,8 +223,6 @@ class Coordinator {
   void release_segments(size_t slot, const std::string& ids);
   void send_now(size_t slot, Frame f);
   void drop_connection(size_t slot);
-  void watch(int fd, uint64_t tag, uint32_t events);
-  void unwatch(int fd);
 };
 
 }  // namespace ddip

@@ -5,7 +5,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
-#include <sys/eventfd.h>
+#include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -147,7 +147,6 @@ struct RankTemplate::Pending {  // one fork() call; fields guarded by RankTempla
 };
 
 RankTemplate::RankTemplate() {
-  wake_ = Fd(check(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), "eventfd", "creating the wake-up fd"));
   owner_pid_ = ::getpid();
   thread_ = std::thread([this] { loop(); });
 }
@@ -157,25 +156,8 @@ RankTemplate::~RankTemplate() {
     thread_.detach();
     return;
   }
-  {
-    std::lock_guard lock(mu_);
-    quit_ = true;
-  }
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
-  (void)ignored;
+  loop_.close();  // commands already posted still run; the owner thread then ends
   thread_.join();
-}
-
-void RankTemplate::post(std::function<void()> fn) {
-  {
-    std::lock_guard lock(mu_);
-    if (quit_) throw std::runtime_error("the rank template's handle is closing");
-    commands_.push_back(std::move(fn));
-  }
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
-  (void)ignored;
 }
 
 void RankTemplate::set_status(State s, std::string detail) {
@@ -217,7 +199,7 @@ uint64_t RankTemplate::refusals() const {
 void RankTemplate::start(SpawnSpec spec) {
   auto done = std::make_shared<std::promise<void>>();
   auto started = done->get_future();
-  post([this, spec = std::move(spec), done]() mutable {
+  loop_.post([this, spec = std::move(spec), done]() mutable {
     try {
       do_start(std::move(spec));
       done->set_value();
@@ -231,7 +213,7 @@ void RankTemplate::start(SpawnSpec spec) {
 void RankTemplate::stop(const std::string& why) {
   auto done = std::make_shared<std::promise<void>>();
   auto stopped = done->get_future();
-  post([this, why, done] {
+  loop_.post([this, why, done] {
     do_stop(why);
     done->set_value();
   });
@@ -242,6 +224,7 @@ void RankTemplate::do_start(SpawnSpec spec) {
   do_stop("replaced by a new template");
   dir_ = std::make_unique<RuntimeDir>();
   listener_ = std::make_unique<Listener>(dir_->socket_path());
+  loop_.watch(listener_->fd(), EPOLLIN, [this](uint32_t) { on_accept(); });
   spec.env.push_back("DDIP_TEMPLATE_SOCKET=" + dir_->socket_path());
   spec.capture_output = true;
   tail_.clear();
@@ -250,6 +233,9 @@ void RankTemplate::do_start(SpawnSpec spec) {
   Child& c = supervisor_.child(idx);
   out_ = std::move(c.stdout_pipe());
   err_ = std::move(c.stderr_pipe());
+  loop_.watch(c.pidfd(), EPOLLIN, [this](uint32_t) { on_exit(); });
+  if (out_) loop_.watch(out_.get(), EPOLLIN, [this](uint32_t) { drain(out_); });
+  if (err_) loop_.watch(err_.get(), EPOLLIN, [this](uint32_t) { drain(err_); });
   {
     std::lock_guard lock(mu_);
     status_.pid = c.pid();
@@ -263,12 +249,7 @@ void RankTemplate::do_stop(const std::string& why) {
     supervisor_.wait(*child_, detail::milliseconds(-1));
     set_status(State::kDead, why);
   }
-  child_.reset();
-  conn_.reset();
-  listener_.reset();
-  dir_.reset();
-  out_.reset();
-  err_.reset();
+  forget_child();
   fail_pending(why);
 }
 
@@ -310,7 +291,7 @@ std::optional<ForkedRank> RankTemplate::fork(const SpawnSpec& spec,
   f.fds->push_back(std::move(out.write));
   f.fds->push_back(std::move(err.write));
   try {
-    post([this, p, f = std::move(f)]() mutable {
+    loop_.post([this, p, f = std::move(f)]() mutable {
       if (!conn_) {
         std::lock_guard lock(mu_);
         p->done = true;
@@ -319,11 +300,7 @@ std::optional<ForkedRank> RankTemplate::fork(const SpawnSpec& spec,
         return;
       }
       pending_.push_back(p);
-      try {
-        conn_->send(std::move(f));
-      } catch (const std::system_error& e) {
-        do_stop(std::string("the rank template's socket failed: ") + e.what());
-      }
+      conn_->send(std::move(f));  // a failure stops the template (on_connection_end)
     });
   } catch (const std::runtime_error& e) {
     return refuse(e.what());
@@ -335,7 +312,7 @@ std::optional<ForkedRank> RankTemplate::fork(const SpawnSpec& spec,
     std::string why = "the rank template did not answer a fork request within " +
                       std::to_string(timeout.count()) + " ms";
     try {
-      post([this, why] { do_stop(why); });
+      loop_.post([this, why] { do_stop(why); });
     } catch (const std::runtime_error&) {
     }
     return refuse(why);
@@ -412,6 +389,7 @@ void RankTemplate::drain(Fd& fd) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n <= 0) {
+      loop_.unwatch(fd.get());
       fd.reset();
       return;
     }
@@ -421,16 +399,12 @@ void RankTemplate::drain(Fd& fd) {
 }
 
 void RankTemplate::on_exit() {
+  if (!child_) return;
   drain(out_);
   drain(err_);
   auto st = supervisor_.poll(*child_);
   if (!st) return;
-  child_.reset();
-  conn_.reset();
-  listener_.reset();
-  dir_.reset();
-  out_.reset();
-  err_.reset();
+  forget_child();
   std::string why = "the rank template exited (" + st->describe() + ")";
   // The last few lines of what it printed: usually the reason.
   size_t start = tail_.size(), lines = 0;
@@ -444,91 +418,54 @@ void RankTemplate::on_exit() {
   if (status().state != State::kFailed) set_status(State::kDead, why);
 }
 
-void RankTemplate::loop() {
-  while (true) {
-    std::vector<pollfd> fds;
-    enum Source { kWake, kListen, kConn, kOut, kErr, kPid };
-    std::vector<Source> what;
-    auto add = [&](int fd, short events, Source s) {
-      fds.push_back({fd, events, 0});
-      what.push_back(s);
-    };
-    add(wake_.get(), POLLIN, kWake);
-    if (listener_) add(listener_->fd(), POLLIN, kListen);
-    if (conn_)
-      add(conn_->fd(), static_cast<short>(POLLIN | (conn_->wants_write() ? POLLOUT : 0)), kConn);
-    if (out_) add(out_.get(), POLLIN, kOut);
-    if (err_) add(err_.get(), POLLIN, kErr);
-    if (child_) add(supervisor_.child(*child_).pidfd(), POLLIN, kPid);
-    int n = ::poll(fds.data(), fds.size(), -1);
-    if (n < 0 && errno != EINTR) break;  // can't happen with valid fds; don't spin
-    bool exited = false;
-    for (size_t k = 0; n > 0 && k < fds.size(); ++k) {
-      if (!fds[k].revents) continue;
-      try {
-        switch (what[k]) {
-          case kWake: {
-            uint64_t count;
-            ssize_t ignored = ::read(wake_.get(), &count, sizeof count);
-            (void)ignored;
-            break;
-          }
-          case kListen:
-            if (!listener_) break;
-            while (Fd fd = listener_->accept()) {
-              Channel ch(std::move(fd));
-              if (!child_ || ch.peer_pid() != supervisor_.child(*child_).pid()) continue;
-              conn_.emplace(std::move(ch));
-              listener_.reset();  // one connection, from our template only
-              dir_.reset();
-              break;
-            }
-            break;
-          case kConn: {
-            if (!conn_) break;
-            if (fds[k].revents & POLLOUT) conn_->flush();
-            auto r = conn_->read_some();
-            while (conn_) {
-              auto f = conn_->next();
-              if (!f) break;
-              on_frame(std::move(*f));
-            }
-            if (r == Channel::ReadResult::kEof) conn_.reset();  // its exit comes by the pidfd
-            break;
-          }
-          case kOut:
-            drain(out_);
-            break;
-          case kErr:
-            drain(err_);
-            break;
-          case kPid:
-            exited = true;
-            break;
-        }
-      } catch (const std::exception& e) {
-        // A broken socket or a corrupt frame: this template can't be trusted any more.
-        do_stop(std::string("the rank template's connection failed: ") + e.what());
-        break;
-      }
-    }
-    if (exited && child_) on_exit();
-    std::deque<std::function<void()>> commands;
-    bool quit;
-    {
-      std::lock_guard lock(mu_);
-      commands.swap(commands_);
-      quit = quit_;
-    }
-    for (auto& c : commands) {
-      try {
-        c();
-      } catch (const std::exception&) {
-        // Commands report through their own promise or Pending; none may end this thread.
-      }
-    }
-    if (quit) break;
+void RankTemplate::forget_child() {
+  if (child_) loop_.unwatch(supervisor_.child(*child_).pidfd());
+  child_.reset();
+  conn_.reset();
+  if (listener_) loop_.unwatch(listener_->fd());
+  listener_.reset();
+  dir_.reset();
+  for (Fd* fd : {&out_, &err_}) {
+    if (*fd) loop_.unwatch(fd->get());
+    fd->reset();
   }
+}
+
+void RankTemplate::on_accept() {
+  while (Fd fd = listener_->accept()) {
+    Channel ch(std::move(fd));
+    if (!child_ || ch.peer_pid() != supervisor_.child(*child_).pid()) continue;
+    conn_ = std::make_unique<Connection>(
+        loop_, std::move(ch), [this](Frame f) { on_frame(std::move(f)); },
+        [this](Connection::End how, const std::string& why) { on_connection_end(how, why); });
+    loop_.unwatch(listener_->fd());  // one connection, from our template only
+    listener_.reset();
+    dir_.reset();
+    return;
+  }
+}
+
+void RankTemplate::on_connection_end(Connection::End how, const std::string& why) {
+  // A broken socket or a corrupt frame: this template can't be trusted any more. A plain close:
+  // its exit comes by the pidfd.
+  if (how != Connection::End::kClosed)
+    return do_stop("the rank template's connection failed: " + why);
+  conn_.reset();
+}
+
+void RankTemplate::loop() {
+  while (!loop_.closed()) {
+    try {
+      loop_.run_once();
+    } catch (const std::exception& e) {
+      // A failing socket or fd: this template can't be trusted any more.
+      try {
+        do_stop(std::string("the rank template failed: ") + e.what());
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  loop_.run_once(std::chrono::steady_clock::now());  // commands posted before close() still run
   try {
     do_stop("the kernel's handle on the rank template was closed");
   } catch (const std::exception&) {

@@ -29,6 +29,8 @@
 #include <vector>
 
 #include "ddip/channel.hpp"
+#include "ddip/connection.hpp"
+#include "ddip/event_loop.hpp"
 #include "ddip/supervisor.hpp"
 
 namespace ddip {
@@ -90,15 +92,13 @@ class RankTemplate {
   Status status_;
   std::string last_error_;
   uint64_t forks_ = 0, refusals_ = 0;
-  std::deque<std::function<void()>> commands_;
-  bool quit_ = false;
-  Fd wake_;
   pid_t owner_pid_ = -1;
+  EventLoop loop_{"the rank template's handle is closing"};  // post() is thread-safe
 
   // Owned by the owner thread.
   Supervisor supervisor_;
   std::optional<size_t> child_;
-  std::optional<Channel> conn_;
+  std::unique_ptr<Connection> conn_;
   std::unique_ptr<RuntimeDir> dir_;
   std::unique_ptr<Listener> listener_;
   Fd out_, err_;
@@ -107,7 +107,9 @@ class RankTemplate {
   std::thread thread_;
 
   void loop();
-  void post(std::function<void()> fn);
+  void on_accept();
+  void on_connection_end(Connection::End how, const std::string& why);
+  void forget_child();  // stops watching the template's fds and lets go of them
   void set_status(State s, std::string detail);
   void do_start(SpawnSpec spec);
   void do_stop(const std::string& why);

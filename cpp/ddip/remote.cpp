@@ -1,8 +1,6 @@
 #include "ddip/remote.hpp"
 
-#include <poll.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -16,7 +14,9 @@
 
 #include "ddip/auth.hpp"
 #include "ddip/channel.hpp"
+#include "ddip/connection.hpp"
 #include "ddip/coordinator.hpp"
+#include "ddip/event_loop.hpp"
 #include "ddip/plan.hpp"
 #include "ddip/tcp.hpp"
 
@@ -205,163 +205,148 @@ int HostAgent::run() {
             deadline);
   // Throws AuthError when whoever answered does not know the key: not our kernel.
   LinkKeys keys = hs.verify(read_exact(sock.get(), KernelHandshake::kProofBytes, deadline));
-  // A kernel that stops reading (its host gone) must not block us forever in a write.
-  timeval tv{};
-  tv.tv_sec = options_.kernel_timeout.count() / 1000;
-  tv.tv_usec = (options_.kernel_timeout.count() % 1000) * 1000;
-  check(::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv),
-        "setsockopt(SO_SNDTIMEO)", "bounding writes to the kernel");
-  int fd = sock.get();
-  std::mutex why_mu;
-  auto say_why = [&](std::string text) {
-    std::lock_guard lock(why_mu);
-    if (why_.empty()) why_ = std::move(text);
-  };
-  Channel link(std::move(sock));
-  link.seal(std::move(keys));
-  std::mutex send_mu;
-  // False when the link is broken (or stuck for kernel_timeout).
-  auto send = [&](Frame f) {
-    std::lock_guard lock(send_mu);
-    try {
-      link.queue(std::move(f));
-      return link.flush();
-    } catch (const std::exception&) {
-      return false;
-    }
-  };
-  // Reads the next frame, waiting at most kernel_timeout; nullopt with why_ set when the link
-  // is gone.
-  auto next = [&]() -> std::optional<Frame> {
-    while (true) {
-      if (auto f = link.next()) return f;
-      pollfd p{fd, POLLIN, 0};
-      int rc = ::poll(&p, 1, static_cast<int>(options_.kernel_timeout.count()));
-      if (rc < 0 && errno == EINTR) continue;
-      if (rc == 0) {
-        say_why("no frame from the kernel for " + std::to_string(options_.kernel_timeout.count()) +
-                " ms");
-        return std::nullopt;
-      }
-      try {
-        if (rc < 0 || link.read_some() == Channel::ReadResult::kEof) {
-          say_why("the kernel closed the connection");
-          return std::nullopt;
-        }
-      } catch (const std::exception& e) {
-        say_why(std::string("the link failed: ") + e.what());
-        return std::nullopt;
-      }
-    }
-  };
+  Channel channel(std::move(sock));
+  channel.seal(std::move(keys));
 
-  auto first = next();
-  if (!first) return 1;
-  if (first->kind != kSpawn) {
-    say_why("the kernel's first frame was not the list of workers");
-    return 1;
-  }
-  auto spawn = decode_spawn(first->data());
-  CoordinatorOptions co;
-  std::vector<int> global;
-  std::map<int, int> local;
-  for (auto& [slot, spec] : spawn) {
-    spec.env = detail::merged_environment(spec.env);
-    plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
-    // The notebook's directory, where this host shares it; else the agent's own (the home).
-    if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
-    local[slot] = static_cast<int>(co.workers.size());
-    global.push_back(slot);
-    co.workers.push_back(std::move(spec));
-  }
-  co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
+  // One thread, one event loop: the link to the kernel, a timer for a silent kernel, and the
+  // workers' events, which the Coordinator's IO thread announces with a posted command.
+  EventLoop loop("the host agent has stopped");
+  std::unique_ptr<Connection> link;
   std::optional<Coordinator> coord;
-  try {
-    coord.emplace(std::move(co));
-  } catch (const std::exception& e) {
-    // Nothing was left running; every worker of this host is reported with why.
-    for (int slot : global)
-      send(Frame::make(kExit, slot, 0,
-                       encode_exit(ExitStatus{127, 0, false},
-                                   std::string("could not start the worker: ") + e.what())));
-    say_why(e.what());
-    return 1;
-  }
-
-  std::atomic<bool> link_lost{false};
-  std::thread reader([&] {
-    while (true) {
-      auto f = next();
-      if (!f) break;
-      auto it = local.find(f->rank);
-      if (it == local.end()) continue;  // not one of ours: nothing to do with it
-      int l = it->second;
-      try {
-        if (f->kind == kHeartbeat) {
-          // Vouch for a worker only while it answers its own heartbeats here.
-          long long age = coord->heartbeat_age_ms(l);
-          if (age >= 0 && age <= options_.worker_stale.count() &&
-              !send(Frame::make(kHeartbeatAck, f->rank, f->seq))) {
-            say_why("could not write to the kernel");
-            break;
-          }
-        } else if (f->kind == kSignal) {
-          auto [sig, whole] = decode_signal(f->data());
-          coord->signal(l, sig, whole);
-        } else if (f->kind != kSpawn) {
-          coord->send(l, std::move(*f));
-        }
-      } catch (const std::exception&) {
-        // The worker is gone (its exit is on its way to the kernel) or the group is stopping.
-      }
-    }
+  std::vector<int> global;  // local worker index -> the kernel's slot
+  std::map<int, int> local;
+  std::vector<bool> exited;
+  size_t alive = 0;
+  bool link_lost = false, failed = false;
+  auto last_frame = Clock::now();
+  auto lose = [&](std::string why) {
+    if (why_.empty()) why_ = std::move(why);
     link_lost = true;
-    ::shutdown(fd, SHUT_RDWR);  // wakes a writer stuck on a dead link
-  });
+  };
+  auto send = [&](Frame f) {
+    if (link) link->send(std::move(f));  // a failure ends the link (lose)
+  };
+  auto start_workers = [&](const Frame& f) {
+    auto spawn = decode_spawn(f.data());
+    CoordinatorOptions co;
+    for (auto& [slot, spec] : spawn) {
+      spec.env = detail::merged_environment(spec.env);
+      plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
+      // The notebook's directory, where this host shares it; else the agent's own (the home).
+      if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
+      local[slot] = static_cast<int>(co.workers.size());
+      global.push_back(slot);
+      co.workers.push_back(std::move(spec));
+    }
+    co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
+    co.on_event = [&loop, &coord, &send, &exited, &alive, &global, &failed] {
+      try {
+        loop.post([&] {
+          while (coord && alive > 0) {
+            auto e = coord->next_event(std::chrono::milliseconds(0));
+            if (!e) break;
+            int slot = e->slot >= 0 ? global[e->slot] : -1;
+            switch (e->kind) {
+              case Event::kOutput:
+                send(Frame::make(kOutput, slot, static_cast<uint64_t>(e->stream), std::move(e->text)));
+                break;
+              case Event::kFrame:
+              case Event::kTruncated:
+                e->frame.rank = slot;
+                send(std::move(e->frame));
+                break;
+              case Event::kExited:
+                exited[e->slot] = true;
+                --alive;
+                send(Frame::make(kExit, slot, 0, encode_exit(e->status, e->text)));
+                break;
+              case Event::kFailed:
+                for (size_t i = 0; i < global.size(); ++i)
+                  if (!exited[i])
+                    send(Frame::make(kExit, global[i], 0,
+                                     encode_exit(ExitStatus{0, 0, true}, e->text)));
+                alive = 0;
+                break;
+              default:
+                break;  // connections and heartbeats of our own workers are ours to judge
+            }
+          }
+        });
+      } catch (const std::runtime_error&) {
+        // The agent is ending; its workers are being stopped.
+      }
+    };
+    exited.assign(global.size(), false);
+    alive = global.size();
+    try {
+      coord.emplace(std::move(co));
+    } catch (const std::exception& e) {
+      // Nothing was left running; every worker of this host is reported with why.
+      for (int slot : global)
+        send(Frame::make(kExit, slot, 0,
+                         encode_exit(ExitStatus{127, 0, false},
+                                     std::string("could not start the worker: ") + e.what())));
+      alive = 0;
+      failed = true;
+      if (why_.empty()) why_ = e.what();
+    }
+  };
+  auto on_frame = [&](Frame f) {
+    last_frame = Clock::now();
+    if (!coord) {
+      if (failed) return;
+      if (f.kind != kSpawn) return lose("the kernel's first frame was not the list of workers");
+      return start_workers(f);
+    }
+    auto it = local.find(f.rank);
+    if (it == local.end()) return;  // not one of ours: nothing to do with it
+    int l = it->second;
+    try {
+      if (f.kind == kHeartbeat) {
+        // Vouch for a worker only while it answers its own heartbeats here.
+        long long age = coord->heartbeat_age_ms(l);
+        if (age >= 0 && age <= options_.worker_stale.count())
+          send(Frame::make(kHeartbeatAck, f.rank, f.seq));
+      } else if (f.kind == kSignal) {
+        auto [sig, whole] = decode_signal(f.data());
+        coord->signal(l, sig, whole);
+      } else if (f.kind != kSpawn) {
+        coord->send(l, std::move(f));
+      }
+    } catch (const std::exception&) {
+      // The worker is gone (its exit is on its way to the kernel) or the group is stopping.
+    }
+  };
+  link = std::make_unique<Connection>(
+      loop, std::move(channel), on_frame, [&](Connection::End how, const std::string& why) {
+        if (how == Connection::End::kClosed) lose("the kernel closed the connection");
+        else if (how == Connection::End::kFailed && why.starts_with("could not write"))
+          lose("could not write to the kernel");
+        else lose("the link failed: " + why);
+      });
+  std::function<void()> watch_kernel = [&] {
+    auto silent_until = last_frame + options_.kernel_timeout;
+    if (Clock::now() < silent_until) {
+      loop.at(silent_until, watch_kernel);
+      return;
+    }
+    lose("no frame from the kernel for " + std::to_string(options_.kernel_timeout.count()) + " ms");
+  };
+  loop.at(last_frame + options_.kernel_timeout, watch_kernel);
 
-  std::vector<bool> exited(global.size(), false);
-  size_t alive = global.size();
-  while (alive > 0 && !link_lost) {
-    auto e = coord->next_event(std::chrono::milliseconds(100));
-    if (!e) {
-      if (!coord->running()) break;
-      continue;
-    }
-    bool ok = true;
-    int slot = e->slot >= 0 ? global[e->slot] : -1;
-    switch (e->kind) {
-      case Event::kOutput:
-        ok = send(Frame::make(kOutput, slot, static_cast<uint64_t>(e->stream), std::move(e->text)));
-        break;
-      case Event::kFrame:
-      case Event::kTruncated:
-        e->frame.rank = slot;
-        ok = send(std::move(e->frame));
-        break;
-      case Event::kExited:
-        exited[e->slot] = true;
-        --alive;
-        ok = send(Frame::make(kExit, slot, 0, encode_exit(e->status, e->text)));
-        break;
-      case Event::kFailed:
-        for (size_t i = 0; i < global.size(); ++i)
-          if (!exited[i])
-            send(Frame::make(kExit, global[i], 0, encode_exit(ExitStatus{0, 0, true}, e->text)));
-        alive = 0;
-        break;
-      default:
-        break;  // connections and heartbeats of our own workers are ours to judge
-    }
-    if (!ok) {
-      link_lost = true;
-      say_why("could not write to the kernel");
-    }
-  }
+  while (!link_lost && !failed && (!coord || alive > 0)) loop.run_once();
+  // What is still queued for the kernel (the last exits) is written before the link closes.
+  auto flush_until = Clock::now() + options_.kernel_timeout;
+  while (!link_lost && link->channel().wants_write() && Clock::now() < flush_until)
+    loop.run_once(flush_until);
+  if (!coord) return 1;
   // Gone with the link: every worker's process group, at once.
   coord->close(link_lost ? std::chrono::milliseconds(0) : std::chrono::milliseconds(2000));
-  ::shutdown(fd, SHUT_RDWR);
-  reader.join();
-  return link_lost && alive > 0 ? 1 : 0;
+  coord.reset();
+  loop.close();
+  loop.discard();
+  link.reset();
+  return (link_lost && alive > 0) || failed ? 1 : 0;  // failed: the workers never started
 }
 
 }  // namespace ddip
