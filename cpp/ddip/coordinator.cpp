@@ -1,87 +1,66 @@
 #include "ddip/coordinator.hpp"
 
 #include <sys/epoll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <csignal>
-#include <cstdio>
 #include <cstring>
 #include <future>
 #include <stdexcept>
 #include <unordered_set>
 
-#include "ddip/auth.hpp"
-#include "ddip/remote.hpp"
-
 namespace ddip {
-namespace detail {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-}  // namespace detail
-
-using detail::Clock;
-
 struct Coordinator::Slot {
+  bool remote = false;  // on another host: HostLinks speaks for it
   std::unique_ptr<Connection> conn;
   std::vector<Frame> waiting;  // frames sent before the worker connected
-  RankOutput output;
-  Fd out, err;
-  Clock::time_point last_output;
+  bool said_hello = false;     // a remote worker's, through its link
   bool exited = false;
   // Exited but not reapable yet (a zombie held by a tracer): its pidfd stays readable, so it is
   // unwatched and looked at again on each tick.
   bool exit_pending = false;
   bool unresponsive = false;
-  // stdout read after a display marker whose frame has not arrived yet, one batch per marker.
-  std::deque<std::vector<Event>> held;
   // Shared-memory segments this worker was sent and has not released.
   std::unordered_multiset<uint64_t> segments;
-  // A worker on another host: its link, whether it said hello, and frames for it (with the
-  // segments they hold until the link has copied them) waiting for the link to come up.
-  int link = -1;
-  bool said_hello = false;
-  std::vector<std::pair<Frame, std::vector<uint64_t>>> link_waiting;
-};
-
-struct Coordinator::Link {
-  RemoteHost host;
-  size_t child = 0;  // the launcher's Supervisor index
-  Fd out, err;
-  RankOutput output;  // the launcher's own output: its stderr tail explains a failed start
-  bool launcher_exited = false;
-  std::unique_ptr<Connection> conn;
-  bool ever_connected = false;
-};
-
-struct Coordinator::Handshake {
-  Fd fd;
-  std::string peer;
-  KernelHandshake hs;
-  std::string response;
-  Clock::time_point deadline;
 };
 
 Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(std::move(options)), supervisor_(options_.kill_wait) {
+    : options_(std::move(options)),
+      events_(options_.workers.size(), options_.max_unread_output, options_.on_event),
+      supervisor_(options_.kill_wait) {
   if (options_.workers.empty()) throw std::invalid_argument("a group needs at least one worker");
   dir_ = std::make_unique<RuntimeDir>();
   socket_path_ = dir_->socket_path();
   size_t n = options_.workers.size();
   slots_.resize(n);
-  for (size_t h = 0; h < options_.hosts.size(); ++h)
-    for (int slot : options_.hosts[h].slots) {
-      if (slot < 0 || static_cast<size_t>(slot) >= n || slots_[slot].link >= 0)
-        throw std::invalid_argument("a remote host's slots must be distinct workers");
-      slots_[slot].link = static_cast<int>(h);
-    }
+  last_ack_.resize(n);
+  connected_.assign(n, false);
+  streams_ = std::make_unique<RankStreams>(loop_, n, options_.partial_line_delay,
+                                           [this](Event e) { events_.push(std::move(e)); });
+  if (!options_.hosts.empty()) {
+    LinkOptions lo;
+    lo.hosts = options_.hosts;
+    lo.bind_address = options_.bind_address;
+    lo.bind_port = options_.bind_port;
+    lo.handshake_timeout = options_.handshake_timeout;
+    // The agent gives up on a silent kernel as soon as the kernel gives up on a silent host; a
+    // kernel that never does (0) still gets the agent's 10 s.
+    if (options_.heartbeat_timeout.count() > 0)
+      lo.kernel_silence = milliseconds(std::max<long long>(
+          options_.heartbeat_timeout.count(), 3 * options_.heartbeat_interval.count()));
+    links_ = std::make_unique<HostLinks>(loop_, supervisor_, pool_, std::move(lo),
+                                         options_.workers, link_callbacks());
+    for (auto& h : options_.hosts)
+      for (int slot : h.slots) slots_[static_cast<size_t>(slot)].remote = true;
+  }
   for (size_t i = 0; i < n; ++i) {
     auto& w = options_.workers[i];
-    if (slots_[i].link >= 0) continue;  // its host's agent gives it an address of its own
+    if (slots_[i].remote) continue;  // its host's agent gives it an address of its own
     // getenv() finds the first of duplicates: ours must be the only ones (a group started inside
     // a rank inherits that rank's).
     std::erase_if(w.env, [](const std::string& kv) {
@@ -90,15 +69,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
     w.env.push_back("DDIP_SOCKET=" + socket_path_);
     w.env.push_back("DDIP_KERNEL_PID=" + std::to_string(::getpid()));
   }
-  last_ack_.resize(n);
-  connected_.assign(n, false);
-  unread_output_.assign(n, 0);
-  dropped_output_.assign(n, 0);
   listener_ = std::make_unique<Listener>(socket_path_);
-  if (!options_.hosts.empty()) {
-    tcp_ = std::make_unique<TcpListener>(options_.bind_address, options_.bind_port);
-    key_ = random_bytes(kKeyBytes);
-  }
 
   std::promise<void> started;
   auto ready = started.get_future();
@@ -107,7 +78,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
       start_workers();
     } catch (...) {
       started.set_exception(std::current_exception());
-      supervisor_.stop_all(detail::milliseconds(0));
+      supervisor_.stop_all(milliseconds(0));
       return;
     }
     started.set_value();
@@ -123,7 +94,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
 
 Coordinator::~Coordinator() {
   try {
-    close(std::chrono::milliseconds(1000));
+    close(milliseconds(1000));
   } catch (const std::exception&) {
     // Nothing a destructor could do; the IO thread stops the workers on its own.
   }
@@ -133,7 +104,7 @@ void Coordinator::start_workers() {
   loop_.watch(listener_->fd(), EPOLLIN, [this](uint32_t) { on_accept(); });
   child_of_.assign(options_.workers.size(), -1);
   for (size_t i = 0; i < options_.workers.size(); ++i) {
-    if (slots_[i].link >= 0) {
+    if (slots_[i].remote) {
       pids_.push_back(-1);  // its pid is on another host (the hello says which)
       continue;
     }
@@ -145,56 +116,19 @@ void Coordinator::start_workers() {
     Child& c = supervisor_.child(idx);
     child_of_[i] = static_cast<int>(idx);
     pids_.push_back(c.pid());
-    Slot& s = slots_[i];
-    s.out = std::move(c.stdout_pipe());
-    s.err = std::move(c.stderr_pipe());
     loop_.watch(c.pidfd(), EPOLLIN, [this, i](uint32_t) { on_exit(i); });
-    if (s.out)
-      loop_.watch(s.out.get(), EPOLLIN,
-                  [this, i](uint32_t) { on_pipe(i, RankOutput::kStdout, false); });
-    if (s.err)
-      loop_.watch(s.err.get(), EPOLLIN,
-                  [this, i](uint32_t) { on_pipe(i, RankOutput::kStderr, false); });
+    streams_->attach(i, std::move(c.stdout_pipe()), std::move(c.stderr_pipe()));
   }
-  start_links();
+  if (links_) links_->start();
 }
 
-void Coordinator::emit(Event e) {
-  {
-    std::lock_guard lock(mu_);
-    if (e.kind == Event::kOutput) {
-      size_t slot = static_cast<size_t>(e.slot);
-      size_t& unread = unread_output_[slot];
-      size_t& dropped = dropped_output_[slot];
-      if (unread + e.text.size() > options_.max_unread_output) {
-        if (dropped == 0)
-          events_.push_back(output_note(slot, "rank output is being dropped: more than " +
-                                                  std::to_string(options_.max_unread_output >> 10) +
-                                                  " KiB of it waits unread in the notebook"));
-        dropped += e.text.size();
-        return;
-      }
-      if (dropped != 0) {
-        events_.push_back(
-            output_note(slot, std::to_string(dropped) + " bytes of rank output were dropped"));
-        dropped = 0;
-      }
-      unread += e.text.size();
-    }
-    events_.push_back(std::move(e));
-  }
-  cv_.notify_all();
-  if (options_.on_event) options_.on_event();
-}
+// ---- What callers on other threads ask ------------------------------------------------------
 
-Event Coordinator::output_note(size_t slot, const std::string& what) {
-  Event note;
-  note.kind = Event::kOutput;
-  note.slot = static_cast<int>(slot);
-  note.stream = RankOutput::kStderr;
-  note.text = "\n[ddip: " + what + "]\n";
-  return note;
-}
+std::string Coordinator::link_address() const { return links_ ? links_->address() : ""; }
+
+size_t Coordinator::rejected_connections() const { return links_ ? links_->rejected() : 0; }
+
+std::string Coordinator::last_rejection() const { return links_ ? links_->last_rejection() : ""; }
 
 void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segments) {
   if (slot < 0 || static_cast<size_t>(slot) >= slots_.size())
@@ -211,10 +145,7 @@ void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segme
   }
   loop_.post([this, slot, f = std::move(frame), segments]() mutable {
     Slot& s = slots_[slot];
-    if (s.link >= 0) {
-      send_remote(slot, std::move(f), std::move(segments));
-      return;
-    }
+    if (s.remote) return links_->send(slot, std::move(f), std::move(segments));
     if (s.exited) {
       for (uint64_t id : segments) pool_.release(id);
       return;
@@ -222,18 +153,6 @@ void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segme
     s.segments.insert(segments.begin(), segments.end());
     send_now(slot, std::move(f));
   });
-}
-
-void Coordinator::release_segments(size_t slot, const std::string& ids) {
-  Slot& s = slots_[slot];
-  for (size_t off = 0; off + sizeof(uint64_t) <= ids.size(); off += sizeof(uint64_t)) {
-    uint64_t id;
-    std::memcpy(&id, ids.data() + off, sizeof id);
-    auto it = s.segments.find(id);
-    if (it == s.segments.end()) continue;  // not one it holds: ignore
-    s.segments.erase(it);
-    pool_.release(id);
-  }
 }
 
 void Coordinator::signal(int slot, int sig, bool whole_group) {
@@ -250,44 +169,24 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
   });
 }
 
-std::optional<Event> Coordinator::next_event(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  // A zero timeout only looks: a timed wait, even one already expired, costs the timer slack.
-  if (timeout.count() > 0)
-    cv_.wait_for(lock, timeout, [this] { return !events_.empty() || thread_done_; });
-  if (events_.empty()) return std::nullopt;
-  Event e = std::move(events_.front());
-  events_.pop_front();
-  if (e.kind == Event::kOutput) {
-    size_t& unread = unread_output_[static_cast<size_t>(e.slot)];
-    unread -= std::min(unread, e.text.size());  // notes were never counted
-  }
-  return e;
-}
+std::optional<Event> Coordinator::next_event(milliseconds timeout) { return events_.pop(timeout); }
 
 long long Coordinator::heartbeat_age_ms(int slot) const {
   std::lock_guard lock(mu_);
   if (!connected_.at(slot)) return -1;
-  return std::chrono::duration_cast<detail::milliseconds>(Clock::now() - last_ack_.at(slot))
-      .count();
+  return std::chrono::duration_cast<milliseconds>(Clock::now() - last_ack_.at(slot)).count();
 }
 
-size_t Coordinator::dropped_output(int slot) const {
-  std::lock_guard lock(mu_);
-  return dropped_output_.at(slot);
-}
+size_t Coordinator::dropped_output(int slot) const { return events_.dropped_output(slot); }
 
 bool Coordinator::connected(int slot) const {
   std::lock_guard lock(mu_);
   return connected_.at(slot);
 }
 
-bool Coordinator::running() const {
-  std::lock_guard lock(mu_);
-  return !thread_done_;
-}
+bool Coordinator::running() const { return !events_.closed(); }
 
-void Coordinator::begin_close(std::chrono::milliseconds grace) {
+void Coordinator::begin_close(milliseconds grace) {
   try {
     loop_.post([this, grace] { begin_stop(grace); });
   } catch (const std::runtime_error&) {
@@ -295,17 +194,13 @@ void Coordinator::begin_close(std::chrono::milliseconds grace) {
   }
 }
 
-std::optional<std::vector<pid_t>> Coordinator::wait_closed(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  if (timeout.count() < 0)
-    cv_.wait(lock, [this] { return thread_done_; });
-  else if (timeout.count() > 0)
-    cv_.wait_for(lock, timeout, [this] { return thread_done_; });
-  if (!thread_done_) return std::nullopt;
+std::optional<std::vector<pid_t>> Coordinator::wait_closed(milliseconds timeout) {
+  if (!events_.wait_closed(timeout)) return std::nullopt;
+  std::lock_guard lock(mu_);
   return unreaped_;
 }
 
-std::vector<pid_t> Coordinator::close(std::chrono::milliseconds grace) {
+std::vector<pid_t> Coordinator::close(milliseconds grace) {
   {
     std::lock_guard lock(join_mu_);
     if (thread_.joinable()) {
@@ -317,56 +212,7 @@ std::vector<pid_t> Coordinator::close(std::chrono::milliseconds grace) {
   return unreaped_;
 }
 
-void Coordinator::begin_stop(std::chrono::milliseconds grace) {
-  auto now = Clock::now();
-  if (stop_ == Stop::kRunning) {
-    stop_ = Stop::kAsked;
-    close_grace_ = grace;
-    stop_deadline_ = now + grace;
-    // A worker not connected yet gets it when it connects, instead of waiting out the grace.
-    for (size_t i = 0; i < slots_.size(); ++i)
-      send_now(i, Frame::make(kShutdown, static_cast<int32_t>(i), 0));
-    return;
-  }
-  if (grace < close_grace_) {  // e.g. `%makedip -k` after an interrupted close
-    close_grace_ = grace;
-    if (stop_ != Stop::kKilled) stop_deadline_ = std::min(stop_deadline_, now + grace);
-  }
-}
-
-// True once stopping is over: every worker reaped, or the last deadline passed.
-bool Coordinator::advance_stop(Clock::time_point now) {
-  if (std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; }) &&
-      std::all_of(links_.begin(), links_.end(), [](auto& l) { return l.launcher_exited; }))
-    return true;
-  if (now < stop_deadline_) return false;
-  auto signal_running = [this](int sig) {
-    for (size_t i = 0; i < slots_.size(); ++i) try {
-        if (!slots_[i].exited) signal_slot(i, sig, true);
-      } catch (const std::exception&) {
-        // One worker we could not signal does not stop the others from being stopped.
-      }
-    // A launcher normally leaves with its agent; one still there after the grace is stopped.
-    for (auto& l : links_) try {
-        if (!l.launcher_exited) supervisor_.signal(l.child, sig);
-      } catch (const std::exception&) {
-      }
-  };
-  switch (stop_) {
-    case Stop::kAsked:
-      signal_running(SIGTERM);
-      stop_ = Stop::kTerminated;
-      stop_deadline_ = now + close_grace_;
-      return false;
-    case Stop::kTerminated:
-      signal_running(SIGKILL);
-      stop_ = Stop::kKilled;
-      stop_deadline_ = now + options_.kill_wait;
-      return false;
-    default:
-      return true;  // SIGKILLed and still there (uninterruptible sleep): left behind
-  }
-}
+// ---- The IO thread --------------------------------------------------------------------------
 
 void Coordinator::schedule_tick() {
   loop_.after(options_.heartbeat_interval, [this] {
@@ -379,22 +225,12 @@ void Coordinator::loop() {
   try {
     schedule_tick();
     while (true) {
-      std::optional<Clock::time_point> wake_at;
-      auto earlier = [&](Clock::time_point t) { wake_at = wake_at ? std::min(*wake_at, t) : t; };
-      for (auto& s : slots_)
-        if (s.output.has_pending()) earlier(s.last_output + options_.partial_line_delay);
-      if (stop_ != Stop::kRunning) earlier(stop_deadline_);
+      std::optional<Clock::time_point> wake_at = streams_->next_due();
+      if (stop_ != Stop::kRunning) wake_at = wake_at ? std::min(*wake_at, stop_deadline_) : stop_deadline_;
       loop_.run_once(wake_at);
-
       auto now = Clock::now();
       check_responsive(now);
-      for (size_t i = 0; i < slots_.size(); ++i) {
-        Slot& s = slots_[i];
-        if (!s.output.has_pending() || now - s.last_output < options_.partial_line_delay) continue;
-        flush_partial(i, false);
-        // Kept back (half a UTF-8 character): one more delay for the rest, then it goes anyway.
-        if (s.output.has_pending()) s.last_output = now;
-      }
+      streams_->flush_due(now);
       if (stop_ != Stop::kRunning && advance_stop(now)) break;
     }
   } catch (const std::exception& e) {
@@ -408,13 +244,13 @@ void Coordinator::loop() {
 // The IO thread can't go on: stop the workers and say why. Runs on an error path, so it may
 // not throw (that would be std::terminate, and the notebook's kernel with it).
 void Coordinator::fail(const std::string& why) noexcept {
-  supervisor_.stop_all(detail::milliseconds(0));
+  supervisor_.stop_all(milliseconds(0));
   try {
     Event ev;
     ev.kind = Event::kFailed;
     ev.slot = -1;
     ev.text = "ddip runtime error: " + why;
-    emit(std::move(ev));
+    events_.push(std::move(ev));
   } catch (...) {
     // Out of memory for the message: the stopped runtime (running() is false) still tells.
   }
@@ -423,35 +259,30 @@ void Coordinator::fail(const std::string& why) noexcept {
 void Coordinator::finish() noexcept {
   std::vector<pid_t> unreaped;
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].link >= 0) continue;  // its agent stops it when the link closes, just below
+    if (slots_[i].remote) continue;  // its agent stops it when the link closes, just below
     try {
       if (!slots_[i].exited) on_exit(i);  // it may have just gone
     } catch (...) {
     }
     if (!slots_[i].exited) unreaped.push_back(pids_[i]);
   }
-  for (auto& l : links_) l.conn.reset();
-  handshakes_.clear();
+  if (links_) links_->close();
   loop_.close();
   loop_.discard();
   {
     std::lock_guard lock(mu_);
-    thread_done_ = true;
     unreaped_ = std::move(unreaped);
   }
-  cv_.notify_all();
+  events_.close();  // after unreaped_ is set: wait_closed() reads it
 }
 
 void Coordinator::tick() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
-    // A host's link hears heartbeats from the start: its agent takes a silent link for a dead
-    // kernel, and its workers may take long to say hello (importing torch, say).
-    bool linked = s.link >= 0 && !s.exited && links_[s.link].conn;
-    if (s.conn || linked) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
+    if (s.conn) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
     if (s.exit_pending) on_exit(i);
   }
-  expire_handshakes(Clock::now());
+  if (links_) links_->tick();
   if (options_.pool_idle.count() > 0) pool_.trim(options_.pool_idle);
 }
 
@@ -471,16 +302,67 @@ void Coordinator::check_responsive(Clock::time_point now) {
     Event e;
     e.kind = Event::kUnresponsive;
     e.slot = static_cast<int>(i);
-    e.age_ms = std::chrono::duration_cast<detail::milliseconds>(now - last).count();
-    emit(std::move(e));
+    e.age_ms = std::chrono::duration_cast<milliseconds>(now - last).count();
+    events_.push(std::move(e));
   }
 }
+
+// ---- Stopping -------------------------------------------------------------------------------
+
+void Coordinator::begin_stop(milliseconds grace) {
+  auto now = Clock::now();
+  if (stop_ == Stop::kRunning) {
+    stop_ = Stop::kAsked;
+    close_grace_ = grace;
+    stop_deadline_ = now + grace;
+    // A worker not connected yet gets it when it connects, instead of waiting out the grace.
+    for (size_t i = 0; i < slots_.size(); ++i)
+      send_now(i, Frame::make(kShutdown, static_cast<int32_t>(i), 0));
+    return;
+  }
+  if (grace < close_grace_) {  // e.g. `%makedip -k` after an interrupted close
+    close_grace_ = grace;
+    if (stop_ != Stop::kKilled) stop_deadline_ = std::min(stop_deadline_, now + grace);
+  }
+}
+
+// True once stopping is over: every worker reaped, or the last deadline passed.
+bool Coordinator::advance_stop(Clock::time_point now) {
+  if (std::all_of(slots_.begin(), slots_.end(), [](auto& s) { return s.exited; }) &&
+      (!links_ || links_->launchers_exited()))
+    return true;
+  if (now < stop_deadline_) return false;
+  auto signal_running = [this](int sig) {
+    for (size_t i = 0; i < slots_.size(); ++i) try {
+        if (!slots_[i].exited) signal_slot(i, sig, true);
+      } catch (const std::exception&) {
+        // One worker we could not signal does not stop the others from being stopped.
+      }
+    if (links_) links_->signal_launchers(sig);
+  };
+  switch (stop_) {
+    case Stop::kAsked:
+      signal_running(SIGTERM);
+      stop_ = Stop::kTerminated;
+      stop_deadline_ = now + close_grace_;
+      return false;
+    case Stop::kTerminated:
+      signal_running(SIGKILL);
+      stop_ = Stop::kKilled;
+      stop_deadline_ = now + options_.kill_wait;
+      return false;
+    default:
+      return true;  // SIGKILLed and still there (uninterruptible sleep): left behind
+  }
+}
+
+// ---- Local workers: connection, frames, exit -------------------------------------------------
 
 // Out of fds (EMFILE / ENFILE): a worker's connection waits in the backlog and the listener is
 // tried again in 100 ms, so the IO thread neither spins on a level-triggered fd nor dies.
 void Coordinator::pause_listener() {
   loop_.modify(listener_->fd(), 0);
-  loop_.after(detail::milliseconds(100), [this] { loop_.modify(listener_->fd(), EPOLLIN); });
+  loop_.after(milliseconds(100), [this] { loop_.modify(listener_->fd(), EPOLLIN); });
 }
 
 void Coordinator::on_accept() {
@@ -520,7 +402,7 @@ void Coordinator::on_accept() {
 
 void Coordinator::send_now(size_t slot, Frame f) {
   Slot& s = slots_[slot];
-  if (s.link >= 0) return send_remote(slot, std::move(f), {});
+  if (s.remote) return links_->send(static_cast<int>(slot), std::move(f), {});
   if (!s.conn) {
     if (!s.exited) s.waiting.push_back(std::move(f));
     return;
@@ -540,57 +422,6 @@ void Coordinator::on_connection_end(size_t slot, Connection::End how) {
   drop_connection(slot);
 }
 
-// A frame from worker `slot` (over its Unix socket, or its host's link), in arrival order.
-void Coordinator::deliver(size_t slot, Frame f) {
-  Slot& s = slots_[slot];
-  if (f.truncated) {
-    if (f.kind == kDone) {  // still the end of the request: its output goes first
-      drain_output(slot, false);
-      flush_partial(slot, true);
-      release_held(slot, true);
-    }
-    Event e;
-    e.kind = Event::kTruncated;
-    e.slot = static_cast<int>(slot);
-    e.frame = std::move(f);
-    emit(std::move(e));
-    return;
-  }
-  if (f.kind == kHeartbeatAck) {
-    {
-      std::lock_guard lock(mu_);
-      last_ack_[slot] = Clock::now();
-    }
-    if (s.unresponsive) {
-      s.unresponsive = false;
-      Event e;
-      e.kind = Event::kResponsive;
-      e.slot = static_cast<int>(slot);
-      emit(std::move(e));
-    }
-    return;
-  }
-  if (f.kind == kDisplay) {
-    on_display(slot, std::move(f));
-    return;
-  }
-  if (f.kind == kRelease) {
-    release_segments(slot, f.data());
-    return;
-  }
-  if (f.kind == kDone) {
-    // Everything the cell printed was written to the pipes before "done" was sent.
-    drain_output(slot, false);
-    flush_partial(slot, true);
-    release_held(slot, true);
-  }
-  Event e;
-  e.kind = Event::kFrame;
-  e.slot = static_cast<int>(slot);
-  e.frame = std::move(f);
-  emit(std::move(e));
-}
-
 void Coordinator::drop_connection(size_t slot) {
   Slot& s = slots_[slot];
   if (!s.conn) return;
@@ -602,77 +433,46 @@ void Coordinator::drop_connection(size_t slot) {
   Event e;
   e.kind = Event::kDisconnected;
   e.slot = static_cast<int>(slot);
-  emit(std::move(e));
+  events_.push(std::move(e));
 }
 
-void Coordinator::on_pipe(size_t slot, int stream, bool final) {
+void Coordinator::heard_from(size_t slot) {
+  {
+    std::lock_guard lock(mu_);
+    last_ack_[slot] = Clock::now();
+  }
   Slot& s = slots_[slot];
-  Fd& fd = stream == RankOutput::kStdout ? s.out : s.err;
-  if (!fd) return;
-  char buf[65536];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-    if (n <= 0) {  // EOF or error: the worker (and anything it started) closed it
-      loop_.unwatch(fd.get());
-      fd.reset();
-      break;
-    }
-    auto pieces = s.output.feed(static_cast<RankOutput::Stream>(stream), std::string_view(buf, n));
-    s.last_output = Clock::now();
-    for (auto& piece : pieces) {
-      emit_output(slot, stream, std::move(piece.text));
-      if (piece.marker) s.held.emplace_back();
-    }
-    if (static_cast<size_t>(n) < sizeof buf && !final) break;
+  if (s.unresponsive) {
+    s.unresponsive = false;
+    Event e;
+    e.kind = Event::kResponsive;
+    e.slot = static_cast<int>(slot);
+    events_.push(std::move(e));
   }
 }
 
-void Coordinator::drain_output(size_t slot, bool final) {
-  on_pipe(slot, RankOutput::kStdout, final);
-  on_pipe(slot, RankOutput::kStderr, final);
+// A frame from worker `slot` (over its Unix socket, or its host's link), in arrival order.
+void Coordinator::deliver(size_t slot, Frame f) {
+  if (f.kind == kHeartbeatAck && !f.truncated) return heard_from(slot);
+  if (f.kind == kRelease && !f.truncated) return release_segments(slot, f.data());
+  bool display = f.kind == kDisplay && !f.truncated;
+  bool done = f.kind == kDone;  // truncated too: still the end of the request
+  Event e = Event::of_frame(static_cast<int>(slot), std::move(f));
+  if (display) return streams_->display(slot, std::move(e));
+  // Everything the cell printed was written to the pipes before "done" was sent.
+  if (done) return streams_->after_output(slot, std::move(e));
+  events_.push(std::move(e));
 }
 
-void Coordinator::flush_partial(size_t slot, bool force) {
+void Coordinator::release_segments(size_t slot, const std::string& ids) {
   Slot& s = slots_[slot];
-  for (auto stream : {RankOutput::kStdout, RankOutput::kStderr})
-    emit_output(slot, stream, s.output.flush(stream, force));
-}
-
-void Coordinator::emit_output(size_t slot, int stream, std::string text) {
-  if (text.empty()) return;
-  Event e;
-  e.kind = Event::kOutput;
-  e.slot = static_cast<int>(slot);
-  e.stream = stream;
-  e.text = std::move(text);
-  Slot& s = slots_[slot];
-  if (stream == RankOutput::kStdout && !s.held.empty())
-    s.held.back().push_back(std::move(e));
-  else
-    emit(std::move(e));
-}
-
-void Coordinator::on_display(size_t slot, Frame f) {
-  Slot& s = slots_[slot];
-  // The worker wrote the marker before sending the frame, so after a drain it has been read.
-  if (s.held.empty()) drain_output(slot, false);
-  Event e;
-  e.kind = Event::kFrame;
-  e.slot = static_cast<int>(slot);
-  e.frame = std::move(f);
-  emit(std::move(e));
-  release_held(slot, false);
-}
-
-void Coordinator::release_held(size_t slot, bool all) {
-  Slot& s = slots_[slot];
-  while (!s.held.empty()) {
-    std::vector<Event> batch = std::move(s.held.front());
-    s.held.pop_front();
-    for (auto& e : batch) emit(std::move(e));
-    if (!all) break;
+  for (size_t off = 0; off + sizeof(uint64_t) <= ids.size(); off += sizeof(uint64_t)) {
+    uint64_t id;
+    std::memcpy(&id, ids.data() + off, sizeof id);
+    auto it = s.segments.find(id);
+    if (it == s.segments.end()) continue;  // not one it holds: ignore
+    s.segments.erase(it);
+    pool_.release(id);
   }
 }
 
@@ -681,9 +481,7 @@ void Coordinator::on_exit(size_t slot) {
   if (s.exited) return;
   // Report in the order things happened: its last frames and output, then its death.
   if (s.conn) s.conn->read_now();
-  drain_output(slot, true);
-  flush_partial(slot, true);
-  release_held(slot, true);
+  streams_->catch_up(slot, true);
   auto status = supervisor_.poll(child_of_[slot]);
   if (!status) {
     if (!s.exit_pending) {
@@ -694,308 +492,68 @@ void Coordinator::on_exit(size_t slot) {
     }
     return;
   }
-  s.exited = true;
-  if (!s.exit_pending) loop_.unwatch(supervisor_.child(child_of_[slot]).pidfd());
-  s.waiting.clear();
-  for (uint64_t id : s.segments) pool_.release(id);  // a dead worker's mappings are gone
-  s.segments.clear();
+  loop_.unwatch(supervisor_.child(child_of_[slot]).pidfd());
+  gone(slot);
   Event e;
   e.kind = Event::kExited;
   e.slot = static_cast<int>(slot);
   e.status = *status;
-  e.text = s.output.stderr_tail();
-  emit(std::move(e));
+  streams_->exited(slot, std::move(e));  // with the last lines of its stderr
 }
 
-// ---- Workers on other hosts ----------------------------------------------------------------
-//
-// Each remote host has a launcher here and, once its agent has authenticated, a sealed TCP link
-// that carries the frames of all its workers (their slot in the frame's rank field), their output
-// (kOutput) and their exits (kExit). A link that fails, or a launcher that exits before its host
-// connected, is the death of that host's workers (kLost). Nothing from a connection reaches a
-// handler before it has authenticated.
-
-std::string Coordinator::link_address() const {
-  if (!tcp_) return {};
-  const std::string& a = tcp_->address();
-  std::string host = a.find(':') != std::string::npos ? "[" + a + "]" : a;
-  return host + ":" + std::to_string(tcp_->port());
-}
-
-size_t Coordinator::rejected_connections() const {
-  std::lock_guard lock(mu_);
-  return rejected_;
-}
-
-std::string Coordinator::last_rejection() const {
-  std::lock_guard lock(mu_);
-  return last_rejection_;
-}
-
-void Coordinator::start_links() {
-  if (!tcp_) return;
-  loop_.watch(tcp_->fd(), EPOLLIN, [this](uint32_t) { on_tcp_accept(); });
-  links_.resize(options_.hosts.size());
-  for (size_t h = 0; h < options_.hosts.size(); ++h) {
-    Link& l = links_[h];
-    l.host = options_.hosts[h];
-    LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
-    // The agent gives up on a silent kernel as soon as the kernel gives up on a silent host; a
-    // kernel that never does (0) still gets the agent's 10 s.
-    if (options_.heartbeat_timeout.count() > 0)
-      ticket.timeout_ms = static_cast<uint32_t>(std::max<long long>(
-          options_.heartbeat_timeout.count(), 3 * options_.heartbeat_interval.count()));
-    // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
-    // command line or environment shows it.
-    l.host.launcher.stdin_data = ticket.encode();
-    l.host.launcher.null_stdin = false;
-    l.child = supervisor_.spawn(l.host.launcher);
-    Child& c = supervisor_.child(l.child);
-    l.out = std::move(c.stdout_pipe());
-    l.err = std::move(c.stderr_pipe());
-    loop_.watch(c.pidfd(), EPOLLIN, [this, h](uint32_t) { on_launcher_exit(h); });
-    if (l.out)
-      loop_.watch(l.out.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStdout); });
-    if (l.err)
-      loop_.watch(l.err.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
-  }
-}
-
-void Coordinator::on_tcp_accept() {
-  while (true) {
-    std::string peer;
-    Fd fd = tcp_->accept(&peer);
-    if (!fd) return;  // out of fds: the connection waits in the backlog, the heartbeat retries
-    uint64_t id = next_handshake_++ & 0xffffffffu;
-    // Connections still authenticating are few (one per host): many means someone is probing.
-    if (handshakes_.size() >= 64) {
-      Handshake dropped{std::move(fd), peer, KernelHandshake(key_), {}, Clock::now()};
-      handshakes_.emplace(id, std::move(dropped));
-      reject(id, "too many connections authenticating at once");
-      continue;
-    }
-    Handshake h{
-        std::move(fd), peer, KernelHandshake(key_), {}, Clock::now() + options_.handshake_timeout};
-    ssize_t n = ::send(h.fd.get(), h.hs.challenge().data(), h.hs.challenge().size(),
-                       MSG_NOSIGNAL | MSG_DONTWAIT);
-    int fdnum = h.fd.get();
-    handshakes_.emplace(id, std::move(h));
-    if (n != static_cast<ssize_t>(KernelHandshake::kChallengeBytes)) {
-      reject(id, "could not send the challenge");
-      continue;
-    }
-    loop_.watch(fdnum, EPOLLIN, [this, id](uint32_t) { on_handshake(id); });
-  }
-}
-
-void Coordinator::reject(uint64_t id, const std::string& why) {
-  auto it = handshakes_.find(id);
-  if (it == handshakes_.end()) return;
-  std::string text = "refused a connection from " + it->second.peer + ": " + why;
-  {
-    std::lock_guard lock(mu_);
-    ++rejected_;
-    last_rejection_ = text;
-  }
-  loop_.unwatch(it->second.fd.get());
-  handshakes_.erase(it);  // closes it: nothing it sent was ever parsed beyond the handshake
-  // The kernel's log (the terminal that runs Jupyter): someone may be probing the port.
-  std::fprintf(stderr, "ddip: %s\n", text.c_str());
-}
-
-void Coordinator::expire_handshakes(Clock::time_point now) {
-  std::vector<uint64_t> late;
-  for (auto& [id, h] : handshakes_)
-    if (now >= h.deadline) late.push_back(id);
-  for (uint64_t id : late)
-    reject(id, "no valid handshake within " + std::to_string(options_.handshake_timeout.count()) +
-                   " ms");
-}
-
-void Coordinator::on_handshake(uint64_t id) {
-  auto it = handshakes_.find(id);
-  if (it == handshakes_.end()) return;
-  Handshake& h = it->second;
-  char buf[KernelHandshake::kResponseBytes];
-  size_t want = KernelHandshake::kResponseBytes - h.response.size();
-  ssize_t n = ::recv(h.fd.get(), buf, want, MSG_DONTWAIT);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-  if (n <= 0) return reject(id, "closed during the handshake");
-  h.response.append(buf, static_cast<size_t>(n));
-  if (h.response.size() < KernelHandshake::kResponseBytes) return;
-  KernelHandshake::Accepted accepted;
-  try {
-    accepted = h.hs.accept(h.response);
-  } catch (const AuthError& e) {
-    return reject(id, e.what());
-  }
-  if (accepted.host >= links_.size() || links_[accepted.host].conn)
-    return reject(id, "authenticated, but for host " + std::to_string(accepted.host) +
-                          ", which is not expected (or already connected)");
-  Link& l = links_[accepted.host];
-  if (::send(h.fd.get(), accepted.proof.data(), accepted.proof.size(),
-             MSG_NOSIGNAL | MSG_DONTWAIT) != static_cast<ssize_t>(accepted.proof.size()))
-    return reject(id, "could not send the proof");
-  loop_.unwatch(h.fd.get());
-  Channel ch(std::move(h.fd));
-  handshakes_.erase(it);
-  ch.seal(std::move(accepted.keys));
-  size_t link = accepted.host;
-  l.conn = std::make_unique<Connection>(
-      loop_, std::move(ch), [this, link](Frame f) { on_link_frame(link, std::move(f)); },
-      [this, link](Connection::End how, const std::string& why) {
-        if (how == Connection::End::kCorrupt)
-          std::fprintf(stderr, "ddip: dropped the link to host %s: %s\n",
-                       links_[link].host.name.c_str(), why.c_str());
-        lose_link(link, why);
-      });
-  l.ever_connected = true;
-  std::vector<std::pair<int, SpawnSpec>> specs;
-  for (int slot : l.host.slots)
-    if (!slots_[slot].exited) specs.emplace_back(slot, options_.workers[slot]);
-  send_link(link, Frame::make(kSpawn, l.host.slots.front(), 0, encode_spawn(specs)));
-  for (int slot : l.host.slots) {
-    auto waiting = std::move(slots_[slot].link_waiting);
-    slots_[slot].link_waiting.clear();
-    for (auto& [f, segments] : waiting) send_remote(slot, std::move(f), std::move(segments));
-  }
-}
-
-// Queued on the link when it is up (the sealed channel copies the segments' bytes at once, so
-// they are released here), else kept until it is.
-void Coordinator::send_remote(size_t slot, Frame f, std::vector<uint64_t> segments) {
+// The worker is gone for good: nothing more is sent to it, and what it held is released.
+void Coordinator::gone(size_t slot) {
   Slot& s = slots_[slot];
-  if (!s.exited && !links_[s.link].conn) {
-    s.link_waiting.emplace_back(std::move(f), std::move(segments));
-    return;
-  }
-  if (!s.exited) send_link(s.link, std::move(f));
-  for (uint64_t id : segments) pool_.release(id);
-}
-
-void Coordinator::send_link(size_t link, Frame f) {
-  Link& l = links_[link];
-  if (!l.conn) return;
-  l.conn->send(std::move(f));  // a failure loses the link
+  s.exited = true;
+  s.waiting.clear();
+  for (uint64_t id : s.segments) pool_.release(id);  // a dead worker's mappings are gone
+  s.segments.clear();
 }
 
 void Coordinator::signal_slot(size_t slot, int sig, bool whole_group) {
   Slot& s = slots_[slot];
-  if (s.link < 0) return supervisor_.signal(child_of_[slot], sig, whole_group);
-  if (s.exited) return;
-  if (!links_[s.link].conn && sig == SIGKILL) {
-    // Never connected and being killed: its launcher goes, and with it any hope of the host.
-    return lose_slot(slot, "stopped before its host " + links_[s.link].host.name + " connected");
-  }
-  send_remote(slot,
-              Frame::make(kSignal, static_cast<int32_t>(slot), 0, encode_signal(sig, whole_group)),
-              {});
+  if (s.remote) return links_->signal(static_cast<int>(slot), sig, whole_group);
+  supervisor_.signal(child_of_[slot], sig, whole_group);
 }
 
-void Coordinator::on_link_frame(size_t link, Frame f) {
-  Link& l = links_[link];
-  int slot = f.rank;
-  if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
-    return lose_link(link, "it sent a frame for rank slot " + std::to_string(slot) +
-                               ", which is not on that host");
-  Slot& s = slots_[slot];
-  if (s.exited) return;
-  if (f.kind == kOutput) {
-    emit_output(slot, f.seq == RankOutput::kStderr ? RankOutput::kStderr : RankOutput::kStdout,
-                std::string(f.data()));
-    return;
-  }
-  if (f.kind == kExit) {
-    std::pair<ExitStatus, std::string> exit;
-    try {
-      exit = decode_exit(f.data());
-    } catch (const std::exception& e) {
-      return lose_link(link, e.what());
-    }
-    s.exited = true;
-    s.link_waiting.clear();
+// ---- Workers on other hosts (HostLinks speaks for them) --------------------------------------
+
+HostLinks::Callbacks Coordinator::link_callbacks() {
+  HostLinks::Callbacks cb;
+  cb.frame = [this](int slot, Frame f) { deliver(static_cast<size_t>(slot), std::move(f)); };
+  cb.output = [this](int slot, int stream, std::string text) {
+    streams_->output(static_cast<size_t>(slot), stream, std::move(text));
+  };
+  cb.hello = [this](int slot) {
+    slots_[static_cast<size_t>(slot)].said_hello = true;
+    std::lock_guard lock(mu_);
+    connected_[static_cast<size_t>(slot)] = true;
+    last_ack_[static_cast<size_t>(slot)] = Clock::now();
+  };
+  auto ended = [this](int slot, Event e) {
+    gone(static_cast<size_t>(slot));
     {
       std::lock_guard lock(mu_);
-      connected_[slot] = false;
+      connected_[static_cast<size_t>(slot)] = false;
     }
+    events_.push(std::move(e));
+  };
+  cb.exited = [ended](int slot, ExitStatus status, std::string tail) {
     Event e;
     e.kind = Event::kExited;
     e.slot = slot;
-    e.status = exit.first;
-    e.text = std::move(exit.second);
-    emit(std::move(e));
-    return;
-  }
-  if (f.kind == kHello && !s.said_hello) {
-    s.said_hello = true;
-    std::lock_guard lock(mu_);
-    connected_[slot] = true;
-    last_ack_[slot] = Clock::now();
-  }
-  deliver(slot, std::move(f));
-}
-
-void Coordinator::lose_slot(size_t slot, const std::string& why) {
-  Slot& s = slots_[slot];
-  if (s.exited) return;
-  s.exited = true;
-  for (auto& [f, segments] : s.link_waiting)
-    for (uint64_t id : segments) pool_.release(id);
-  s.link_waiting.clear();
-  {
-    std::lock_guard lock(mu_);
-    connected_[slot] = false;
-  }
-  Event e;
-  e.kind = Event::kLost;
-  e.slot = static_cast<int>(slot);
-  e.text = why;
-  emit(std::move(e));
-}
-
-void Coordinator::lose_link(size_t link, const std::string& why) {
-  Link& l = links_[link];
-  l.conn.reset();  // closed: the agent stops its workers when it sees that
-  for (int slot : l.host.slots)
-    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
-}
-
-void Coordinator::on_launcher(size_t link, int stream) {
-  Link& l = links_[link];
-  Fd& fd = stream == RankOutput::kStdout ? l.out : l.err;
-  if (!fd) return;
-  char buf[8192];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    if (n <= 0) {
-      loop_.unwatch(fd.get());
-      fd.reset();
-      return;
-    }
-    // Kept for the tail only (ssh's and the agent's own complaints), both streams as one.
-    l.output.feed(RankOutput::kStderr, std::string_view(buf, static_cast<size_t>(n)));
-  }
-}
-
-void Coordinator::on_launcher_exit(size_t link) {
-  Link& l = links_[link];
-  if (l.launcher_exited) return;
-  on_launcher(link, RankOutput::kStdout);
-  on_launcher(link, RankOutput::kStderr);
-  auto status = supervisor_.poll(l.child);
-  if (!status) return;  // woken early; the pidfd stays watched
-  l.launcher_exited = true;
-  loop_.unwatch(supervisor_.child(l.child).pidfd());
-  if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
-  std::string tail = l.output.flush(RankOutput::kStderr, true);
-  std::string lines = l.output.stderr_tail();
-  if (!tail.empty()) lines += (lines.empty() ? "" : "\n") + tail;
-  std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
-                    status->describe() + " before host " + l.host.name + " connected";
-  if (!lines.empty()) why += "; its last lines:\n" + lines;
-  for (int slot : l.host.slots) lose_slot(slot, why);
+    e.status = status;
+    e.text = std::move(tail);
+    ended(slot, std::move(e));
+  };
+  cb.lost = [ended](int slot, const std::string& why) {
+    Event e;
+    e.kind = Event::kLost;
+    e.slot = slot;
+    e.text = why;
+    ended(slot, std::move(e));
+  };
+  return cb;
 }
 
 }  // namespace ddip

@@ -1,6 +1,9 @@
-// The kernel side of a group: one IO thread owns every fd (listening socket, worker connections,
-// output pipes, pidfds) through epoll. Other threads talk to it through a command queue and
-// receive what happened as Events; waiting for an event blocks only the caller.
+// The kernel side of a group: one IO thread runs an EventLoop that owns every fd (listening
+// socket, worker connections, output pipes, pidfds). The Coordinator owns the workers' life
+// cycle (start, connection, heartbeats, exit, the stop state machine) and their shared-memory
+// references; RankStreams (streams.hpp) owns their output and its order against frames, and
+// HostLinks (links.hpp) the workers on other hosts. Other threads post commands to the loop and
+// take what happened as Events (events.hpp); waiting for an event blocks only the caller.
 #pragma once
 
 #include <sys/types.h>
@@ -20,43 +23,14 @@
 #include "ddip/channel.hpp"
 #include "ddip/connection.hpp"
 #include "ddip/event_loop.hpp"
-#include "ddip/output.hpp"
+#include "ddip/events.hpp"
+#include "ddip/links.hpp"
 #include "ddip/rank_template.hpp"
 #include "ddip/shm.hpp"
+#include "ddip/streams.hpp"
 #include "ddip/supervisor.hpp"
-#include "ddip/tcp.hpp"
 
 namespace ddip {
-
-struct Event {
-  enum Kind : int {
-    kOutput = 0,        // `text` written to fd `stream` (1 or 2) by worker `slot`
-    kFrame = 1,         // `frame` arrived from worker `slot`
-    kExited = 2,        // worker `slot` exited: `status`, `text` = last lines of its stderr
-    kDisconnected = 3,  // worker `slot` closed its connection
-    kFailed = 4,        // the IO thread hit an error it cannot recover from (`text`)
-    kUnresponsive = 5,  // worker `slot` has answered no heartbeat for `age_ms` (said once)
-    kResponsive = 6,    // worker `slot`, unresponsive before, answers again
-    kTruncated = 7,     // `frame` from worker `slot` came without all its fds: out of fds here
-    kLost = 8,          // worker `slot` on another host is gone with its host's link (`text`: why)
-  };
-  Kind kind = kOutput;
-  int slot = 0;
-  int stream = 0;
-  long long age_ms = 0;
-  std::string text;
-  Frame frame;
-  ExitStatus status;
-};
-
-// A host other than this one. Its launcher (ssh, srun, a template) is started here with the
-// link's address and key on its stdin and runs a HostAgent there (remote.hpp), which connects
-// back over authenticated TCP and starts the host's workers.
-struct RemoteHost {
-  std::string name;  // in messages
-  SpawnSpec launcher;
-  std::vector<int> slots;  // the workers that run there; their specs are sent to the agent
-};
 
 struct CoordinatorOptions {
   // One spec per worker; each gets DDIP_SOCKET=<socket path> and DDIP_KERNEL_PID=<our pid>
@@ -141,33 +115,27 @@ class Coordinator {
 
  private:
   struct Slot;
-  struct Link;
-  struct Handshake;
   CoordinatorOptions options_;
   std::unique_ptr<RuntimeDir> dir_;
   std::string socket_path_;
   std::vector<pid_t> pids_;
+  EventQueue events_;   // thread-safe: filled by the IO thread, taken by the owner
+  SegmentPool pool_;    // thread-safe
 
   // Shared between the IO thread and callers.
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Event> events_;
-  std::vector<size_t> unread_output_;   // bytes of each worker's output in events_
-  std::vector<size_t> dropped_output_;  // bytes dropped since the queue was last below the cap
   std::vector<std::chrono::steady_clock::time_point> last_ack_;
   std::vector<bool> connected_;
-  bool thread_done_ = false;
   std::vector<pid_t> unreaped_;
-  size_t rejected_ = 0;
-  std::string last_rejection_;
   std::mutex join_mu_;
 
-  SegmentPool pool_;  // thread-safe
-
-  // Owned by the IO thread.
-  Supervisor supervisor_;
-  std::vector<Slot> slots_;
+  // Owned by the IO thread. The loop is declared first: what watches fds on it goes before it.
   EventLoop loop_{"the group's runtime has stopped"};  // post() is thread-safe
+  Supervisor supervisor_;
+  std::unique_ptr<RankStreams> streams_;
+  std::unique_ptr<HostLinks> links_;  // none without remote hosts
+  std::vector<Slot> slots_;
+  std::vector<int> child_of_;  // per slot: its Supervisor index, -1 on another host
   std::unique_ptr<Listener> listener_;
   // Stopping: shutdown frames sent, then SIGTERM, then SIGKILL; each step has a deadline.
   enum class Stop { kRunning, kAsked, kTerminated, kKilled };
@@ -176,53 +144,27 @@ class Coordinator {
   std::chrono::milliseconds close_grace_{1000};
   std::thread thread_;
 
-  // Remote hosts, owned by the IO thread.
-  std::vector<int> child_of_;  // per slot: its Supervisor index, -1 on another host
-  std::vector<Link> links_;
-  std::unique_ptr<TcpListener> tcp_;
-  std::string key_;
-  std::map<uint64_t, Handshake> handshakes_;
-  uint64_t next_handshake_ = 0;
-
   void start_workers();
-  void start_links();
-  void on_tcp_accept();
-  void on_handshake(uint64_t id);
-  void reject(uint64_t id, const std::string& why);
-  void on_link_frame(size_t link, Frame f);
-  void lose_link(size_t link, const std::string& why);
-  void lose_slot(size_t slot, const std::string& why);
-  void on_launcher(size_t link, int stream);
-  void on_launcher_exit(size_t link);
-  void send_remote(size_t slot, Frame f, std::vector<uint64_t> segments);
-  void send_link(size_t link, Frame f);
-  void signal_slot(size_t slot, int sig, bool whole_group);
-  void deliver(size_t slot, Frame f);
-  void expire_handshakes(std::chrono::steady_clock::time_point now);
   void loop();
   void fail(const std::string& why) noexcept;
+  void finish() noexcept;
+  void schedule_tick();
+  void tick();
+  void check_responsive(std::chrono::steady_clock::time_point now);
   void begin_stop(std::chrono::milliseconds grace);
   bool advance_stop(std::chrono::steady_clock::time_point now);
-  void finish() noexcept;
-  void tick();
-  void schedule_tick();
-  void check_responsive(std::chrono::steady_clock::time_point now);
-  void pause_listener();
-  void emit(Event e);
-  static Event output_note(size_t slot, const std::string& what);
   void on_accept();
+  void pause_listener();
   void on_connection_end(size_t slot, Connection::End how);
-  void on_pipe(size_t slot, int stream, bool final);
-  void on_exit(size_t slot);
-  void drain_output(size_t slot, bool final);
-  // `force`: also text held back as the start of an incomplete UTF-8 character.
-  void flush_partial(size_t slot, bool force);
-  void emit_output(size_t slot, int stream, std::string text);
-  void on_display(size_t slot, Frame f);
-  void release_held(size_t slot, bool all);
-  void release_segments(size_t slot, const std::string& ids);
-  void send_now(size_t slot, Frame f);
   void drop_connection(size_t slot);
+  void deliver(size_t slot, Frame f);
+  void heard_from(size_t slot);
+  void on_exit(size_t slot);
+  void gone(size_t slot);
+  void send_now(size_t slot, Frame f);
+  void signal_slot(size_t slot, int sig, bool whole_group);
+  void release_segments(size_t slot, const std::string& ids);
+  HostLinks::Callbacks link_callbacks();
 };
 
 }  // namespace ddip

@@ -1,0 +1,105 @@
+#include "ddip/events.hpp"
+
+#include <algorithm>
+
+#include "ddip/output.hpp"
+
+namespace ddip {
+
+Event Event::output(int slot, int stream, std::string text) {
+  Event e;
+  e.kind = kOutput;
+  e.slot = slot;
+  e.stream = stream;
+  e.text = std::move(text);
+  return e;
+}
+
+Event Event::of_frame(int slot, Frame f) {
+  Event e;
+  e.kind = f.truncated ? kTruncated : kFrame;
+  e.slot = slot;
+  e.frame = std::move(f);
+  return e;
+}
+
+EventQueue::EventQueue(size_t slots, size_t max_unread_output, std::function<void()> on_push)
+    : max_unread_(max_unread_output),
+      on_push_(std::move(on_push)),
+      unread_(slots, 0),
+      dropped_(slots, 0) {}
+
+Event EventQueue::note(size_t slot, const std::string& what) {
+  return Event::output(static_cast<int>(slot), RankOutput::kStderr, "\n[ddip: " + what + "]\n");
+}
+
+void EventQueue::push(Event e) {
+  {
+    std::lock_guard lock(mu_);
+    if (e.kind == Event::kOutput) {
+      size_t slot = static_cast<size_t>(e.slot);
+      size_t& unread = unread_[slot];
+      size_t& dropped = dropped_[slot];
+      if (unread + e.text.size() > max_unread_) {
+        if (dropped == 0)
+          events_.push_back(note(slot, "rank output is being dropped: more than " +
+                                           std::to_string(max_unread_ >> 10) +
+                                           " KiB of it waits unread in the notebook"));
+        dropped += e.text.size();
+        return;
+      }
+      if (dropped != 0) {
+        events_.push_back(note(slot, std::to_string(dropped) + " bytes of rank output were dropped"));
+        dropped = 0;
+      }
+      unread += e.text.size();
+    }
+    events_.push_back(std::move(e));
+  }
+  cv_.notify_all();
+  if (on_push_) on_push_();
+}
+
+std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  // A zero timeout only looks: a timed wait, even one already expired, costs the timer slack.
+  if (timeout.count() > 0)
+    cv_.wait_for(lock, timeout, [this] { return !events_.empty() || closed_; });
+  if (events_.empty()) return std::nullopt;
+  Event e = std::move(events_.front());
+  events_.pop_front();
+  if (e.kind == Event::kOutput) {
+    size_t& unread = unread_[static_cast<size_t>(e.slot)];
+    unread -= std::min(unread, e.text.size());  // notes were never counted
+  }
+  return e;
+}
+
+void EventQueue::close() {
+  {
+    std::lock_guard lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool EventQueue::closed() const {
+  std::lock_guard lock(mu_);
+  return closed_;
+}
+
+bool EventQueue::wait_closed(std::chrono::milliseconds timeout) const {
+  std::unique_lock lock(mu_);
+  if (timeout.count() < 0)
+    cv_.wait(lock, [this] { return closed_; });
+  else if (timeout.count() > 0)
+    cv_.wait_for(lock, timeout, [this] { return closed_; });
+  return closed_;
+}
+
+size_t EventQueue::dropped_output(int slot) const {
+  std::lock_guard lock(mu_);
+  return dropped_.at(static_cast<size_t>(slot));
+}
+
+}  // namespace ddip

@@ -1,0 +1,75 @@
+// What a group's runtime tells its owner (the notebook's Group, a host agent): Events, and the
+// queue they wait in between the IO thread that makes them and the thread that takes them.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ddip/channel.hpp"
+#include "ddip/supervisor.hpp"
+
+namespace ddip {
+
+struct Event {
+  enum Kind : int {
+    kOutput = 0,        // `text` written to fd `stream` (1 or 2) by worker `slot`
+    kFrame = 1,         // `frame` arrived from worker `slot`
+    kExited = 2,        // worker `slot` exited: `status`, `text` = last lines of its stderr
+    kDisconnected = 3,  // worker `slot` closed its connection
+    kFailed = 4,        // the IO thread hit an error it cannot recover from (`text`)
+    kUnresponsive = 5,  // worker `slot` has answered no heartbeat for `age_ms` (said once)
+    kResponsive = 6,    // worker `slot`, unresponsive before, answers again
+    kTruncated = 7,     // `frame` from worker `slot` came without all its fds: out of fds here
+    kLost = 8,          // worker `slot` on another host is gone with its host's link (`text`: why)
+  };
+  Kind kind = kOutput;
+  int slot = 0;
+  int stream = 0;
+  long long age_ms = 0;
+  std::string text;
+  Frame frame;
+  ExitStatus status;
+
+  static Event output(int slot, int stream, std::string text);
+  static Event of_frame(int slot, Frame f);  // kFrame, or kTruncated for a frame that lost fds
+};
+
+// Thread-safe. Output of one worker waiting unread beyond `max_unread_output` bytes is dropped,
+// and the drop reported in its stderr: a rank printing while nobody reads must not grow the
+// kernel's memory without bound.
+class EventQueue {
+ public:
+  // `on_push`: called after each event is queued, on the pushing thread (must not block).
+  EventQueue(size_t slots, size_t max_unread_output, std::function<void()> on_push = {});
+  void push(Event e);
+  // The next event, waiting up to `timeout` (0: only looks); nullopt on timeout, or at once once
+  // closed and drained.
+  std::optional<Event> pop(std::chrono::milliseconds timeout);
+  // No more events will come: waiters wake. Events already queued can still be taken.
+  void close();
+  bool closed() const;
+  // Waits up to `timeout` (negative: forever) for close(); true once closed.
+  bool wait_closed(std::chrono::milliseconds timeout) const;
+  // Bytes of `slot`'s output dropped since its unread output was last under the cap.
+  size_t dropped_output(int slot) const;
+
+ private:
+  const size_t max_unread_;
+  std::function<void()> on_push_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::deque<Event> events_;
+  std::vector<size_t> unread_;   // bytes of each worker's output in events_
+  std::vector<size_t> dropped_;  // bytes dropped since the queue was last below the cap
+  bool closed_ = false;
+
+  static Event note(size_t slot, const std::string& what);
+};
+
+}  // namespace ddip

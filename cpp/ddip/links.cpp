@@ -1,0 +1,319 @@
+#include "ddip/links.hpp"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <stdexcept>
+
+#include "ddip/remote.hpp"
+
+namespace ddip {
+
+using Clock = std::chrono::steady_clock;
+
+HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
+                     LinkOptions options, const std::vector<SpawnSpec>& workers,
+                     Callbacks callbacks)
+    : loop_(loop),
+      supervisor_(supervisor),
+      pool_(pool),
+      options_(std::move(options)),
+      cb_(std::move(callbacks)) {
+  for (size_t h = 0; h < options_.hosts.size(); ++h) {
+    if (options_.hosts[h].slots.empty())
+      throw std::invalid_argument("remote host " + options_.hosts[h].name + " has no workers");
+    for (int slot : options_.hosts[h].slots) {
+      if (slot < 0 || static_cast<size_t>(slot) >= workers.size() || slots_.count(slot))
+        throw std::invalid_argument("a remote host's slots must be distinct workers");
+      slots_[slot].link = h;
+      specs_[slot] = workers[static_cast<size_t>(slot)];
+    }
+  }
+  tcp_ = std::make_unique<TcpListener>(options_.bind_address, options_.bind_port);
+  key_ = random_bytes(kKeyBytes);
+}
+
+HostLinks::~HostLinks() {
+  close();
+  for (auto& l : links_)
+    for (Fd* fd : {&l.out, &l.err})
+      if (*fd) loop_.unwatch(fd->get());
+  if (tcp_) loop_.unwatch(tcp_->fd());
+}
+
+std::string HostLinks::address() const {
+  const std::string& a = tcp_->address();
+  std::string host = a.find(':') != std::string::npos ? "[" + a + "]" : a;
+  return host + ":" + std::to_string(tcp_->port());
+}
+
+size_t HostLinks::rejected() const {
+  std::lock_guard lock(mu_);
+  return rejected_;
+}
+
+std::string HostLinks::last_rejection() const {
+  std::lock_guard lock(mu_);
+  return last_rejection_;
+}
+
+void HostLinks::start() {
+  loop_.watch(tcp_->fd(), EPOLLIN, [this](uint32_t) { on_accept(); });
+  links_.resize(options_.hosts.size());
+  for (size_t h = 0; h < options_.hosts.size(); ++h) {
+    Link& l = links_[h];
+    l.host = options_.hosts[h];
+    LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
+    ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
+    // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
+    // command line or environment shows it.
+    l.host.launcher.stdin_data = ticket.encode();
+    l.host.launcher.null_stdin = false;
+    l.child = supervisor_.spawn(l.host.launcher);
+    Child& c = supervisor_.child(l.child);
+    l.out = std::move(c.stdout_pipe());
+    l.err = std::move(c.stderr_pipe());
+    loop_.watch(c.pidfd(), EPOLLIN, [this, h](uint32_t) { on_launcher_exit(h); });
+    if (l.out)
+      loop_.watch(l.out.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStdout); });
+    if (l.err)
+      loop_.watch(l.err.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
+  }
+}
+
+void HostLinks::on_accept() {
+  while (true) {
+    std::string peer;
+    Fd fd = tcp_->accept(&peer);
+    if (!fd) return;  // out of fds: the connection waits in the backlog, the heartbeat retries
+    uint64_t id = next_handshake_++ & 0xffffffffu;
+    // Connections still authenticating are few (one per host): many means someone is probing.
+    if (handshakes_.size() >= 64) {
+      Handshake dropped{std::move(fd), peer, KernelHandshake(key_), {}, Clock::now()};
+      handshakes_.emplace(id, std::move(dropped));
+      reject(id, "too many connections authenticating at once");
+      continue;
+    }
+    Handshake h{
+        std::move(fd), peer, KernelHandshake(key_), {}, Clock::now() + options_.handshake_timeout};
+    ssize_t n = ::send(h.fd.get(), h.hs.challenge().data(), h.hs.challenge().size(),
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    int fdnum = h.fd.get();
+    handshakes_.emplace(id, std::move(h));
+    if (n != static_cast<ssize_t>(KernelHandshake::kChallengeBytes)) {
+      reject(id, "could not send the challenge");
+      continue;
+    }
+    loop_.watch(fdnum, EPOLLIN, [this, id](uint32_t) { on_handshake(id); });
+  }
+}
+
+void HostLinks::reject(uint64_t id, const std::string& why) {
+  auto it = handshakes_.find(id);
+  if (it == handshakes_.end()) return;
+  std::string text = "refused a connection from " + it->second.peer + ": " + why;
+  {
+    std::lock_guard lock(mu_);
+    ++rejected_;
+    last_rejection_ = text;
+  }
+  loop_.unwatch(it->second.fd.get());
+  handshakes_.erase(it);  // closes it: nothing it sent was ever parsed beyond the handshake
+  // The kernel's log (the terminal that runs Jupyter): someone may be probing the port.
+  std::fprintf(stderr, "ddip: %s\n", text.c_str());
+}
+
+void HostLinks::tick() {
+  for (auto& [slot, s] : slots_)
+    if (!s.gone && links_[s.link].conn) send_link(s.link, Frame::make(kHeartbeat, slot, 0));
+  auto now = Clock::now();
+  std::vector<uint64_t> late;
+  for (auto& [id, h] : handshakes_)
+    if (now >= h.deadline) late.push_back(id);
+  for (uint64_t id : late)
+    reject(id, "no valid handshake within " + std::to_string(options_.handshake_timeout.count()) +
+                   " ms");
+}
+
+void HostLinks::on_handshake(uint64_t id) {
+  auto it = handshakes_.find(id);
+  if (it == handshakes_.end()) return;
+  Handshake& h = it->second;
+  char buf[KernelHandshake::kResponseBytes];
+  size_t want = KernelHandshake::kResponseBytes - h.response.size();
+  ssize_t n = ::recv(h.fd.get(), buf, want, MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  if (n <= 0) return reject(id, "closed during the handshake");
+  h.response.append(buf, static_cast<size_t>(n));
+  if (h.response.size() < KernelHandshake::kResponseBytes) return;
+  KernelHandshake::Accepted accepted;
+  try {
+    accepted = h.hs.accept(h.response);
+  } catch (const AuthError& e) {
+    return reject(id, e.what());
+  }
+  if (accepted.host >= links_.size() || links_[accepted.host].conn)
+    return reject(id, "authenticated, but for host " + std::to_string(accepted.host) +
+                          ", which is not expected (or already connected)");
+  Link& l = links_[accepted.host];
+  if (::send(h.fd.get(), accepted.proof.data(), accepted.proof.size(),
+             MSG_NOSIGNAL | MSG_DONTWAIT) != static_cast<ssize_t>(accepted.proof.size()))
+    return reject(id, "could not send the proof");
+  loop_.unwatch(h.fd.get());
+  Channel ch(std::move(h.fd));
+  handshakes_.erase(it);
+  ch.seal(std::move(accepted.keys));
+  size_t link = accepted.host;
+  l.conn = std::make_unique<Connection>(
+      loop_, std::move(ch), [this, link](Frame f) { on_frame(link, std::move(f)); },
+      [this, link](Connection::End how, const std::string& why) {
+        if (how == Connection::End::kCorrupt)
+          std::fprintf(stderr, "ddip: dropped the link to host %s: %s\n",
+                       links_[link].host.name.c_str(), why.c_str());
+        lose_link(link, why);
+      });
+  l.ever_connected = true;
+  std::vector<std::pair<int, SpawnSpec>> specs;
+  for (int slot : l.host.slots)
+    if (!slots_[slot].gone) specs.emplace_back(slot, specs_[slot]);
+  send_link(link, Frame::make(kSpawn, l.host.slots.front(), 0, encode_spawn(specs)));
+  for (int slot : l.host.slots) {
+    auto waiting = std::move(slots_[slot].waiting);
+    slots_[slot].waiting.clear();
+    for (auto& [f, segments] : waiting) send(slot, std::move(f), std::move(segments));
+  }
+}
+
+void HostLinks::send(int slot, Frame f, std::vector<uint64_t> segments) {
+  Slot& s = slots_.at(slot);
+  if (!s.gone && !links_[s.link].conn) {
+    s.waiting.emplace_back(std::move(f), std::move(segments));
+    return;
+  }
+  if (!s.gone) send_link(s.link, std::move(f));
+  for (uint64_t id : segments) pool_.release(id);
+}
+
+void HostLinks::send_link(size_t link, Frame f) {
+  Link& l = links_[link];
+  if (l.conn) l.conn->send(std::move(f));  // a failure loses the link
+}
+
+void HostLinks::signal(int slot, int sig, bool whole_group) {
+  Slot& s = slots_.at(slot);
+  if (s.gone) return;
+  if (!links_[s.link].conn && sig == SIGKILL) {
+    // Never connected and being killed: its launcher goes, and with it any hope of the host.
+    return lose_slot(slot, "stopped before its host " + links_[s.link].host.name + " connected");
+  }
+  send(slot, Frame::make(kSignal, slot, 0, encode_signal(sig, whole_group)), {});
+}
+
+void HostLinks::on_frame(size_t link, Frame f) {
+  Link& l = links_[link];
+  int slot = f.rank;
+  if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
+    return lose_link(link, "it sent a frame for rank slot " + std::to_string(slot) +
+                               ", which is not on that host");
+  Slot& s = slots_[slot];
+  if (s.gone) return;
+  if (f.kind == kOutput) return cb_.output(slot, static_cast<int>(f.seq), std::string(f.data()));
+  if (f.kind == kExit) {
+    std::pair<ExitStatus, std::string> exit;
+    try {
+      exit = decode_exit(f.data());
+    } catch (const std::exception& e) {
+      return lose_link(link, e.what());
+    }
+    s.gone = true;
+    for (auto& [waiting, segments] : s.waiting)
+      for (uint64_t id : segments) pool_.release(id);
+    s.waiting.clear();
+    return cb_.exited(slot, exit.first, std::move(exit.second));
+  }
+  if (f.kind == kHello && !s.said_hello) {
+    s.said_hello = true;
+    cb_.hello(slot);
+  }
+  cb_.frame(slot, std::move(f));
+}
+
+void HostLinks::lose_slot(int slot, const std::string& why) {
+  Slot& s = slots_.at(slot);
+  if (s.gone) return;
+  s.gone = true;
+  for (auto& [f, segments] : s.waiting)
+    for (uint64_t id : segments) pool_.release(id);
+  s.waiting.clear();
+  cb_.lost(slot, why);
+}
+
+void HostLinks::lose_link(size_t link, const std::string& why) {
+  Link& l = links_[link];
+  l.conn.reset();  // closed: the agent stops its workers when it sees that
+  for (int slot : l.host.slots)
+    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
+}
+
+void HostLinks::on_launcher(size_t link, int stream) {
+  Link& l = links_[link];
+  Fd& fd = stream == RankOutput::kStdout ? l.out : l.err;
+  if (!fd) return;
+  char buf[8192];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {
+      loop_.unwatch(fd.get());
+      fd.reset();
+      return;
+    }
+    // Kept for the tail only (ssh's and the agent's own complaints), both streams as one.
+    l.output.feed(RankOutput::kStderr, std::string_view(buf, static_cast<size_t>(n)));
+  }
+}
+
+void HostLinks::on_launcher_exit(size_t link) {
+  Link& l = links_[link];
+  if (l.launcher_exited) return;
+  on_launcher(link, RankOutput::kStdout);
+  on_launcher(link, RankOutput::kStderr);
+  auto status = supervisor_.poll(l.child);
+  if (!status) return;  // woken early; the pidfd stays watched
+  l.launcher_exited = true;
+  loop_.unwatch(supervisor_.child(l.child).pidfd());
+  if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
+  std::string tail = l.output.flush(RankOutput::kStderr, true);
+  std::string lines = l.output.stderr_tail();
+  if (!tail.empty()) lines += (lines.empty() ? "" : "\n") + tail;
+  std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
+                    status->describe() + " before host " + l.host.name + " connected";
+  if (!lines.empty()) why += "; its last lines:\n" + lines;
+  for (int slot : l.host.slots) lose_slot(slot, why);
+}
+
+bool HostLinks::launchers_exited() const {
+  return std::all_of(links_.begin(), links_.end(), [](auto& l) { return l.launcher_exited; });
+}
+
+void HostLinks::signal_launchers(int sig) {
+  // A launcher normally leaves with its agent; one still there after the grace is stopped.
+  for (auto& l : links_) try {
+      if (!l.launcher_exited) supervisor_.signal(l.child, sig);
+    } catch (const std::exception&) {
+    }
+}
+
+void HostLinks::close() {
+  for (auto& l : links_) l.conn.reset();
+  for (auto& [id, h] : handshakes_) loop_.unwatch(h.fd.get());
+  handshakes_.clear();
+}
+
+}  // namespace ddip

@@ -1,0 +1,144 @@
+// The coordinator's links to other hosts. Each remote host has a launcher here (ssh, srun, a
+// template) that starts a HostAgent there (remote.hpp); the agent connects back over TCP,
+// authenticates (auth.hpp), and from then on one sealed Connection carries the frames of all that
+// host's workers (their slot in the frame's rank field), their output (kOutput) and their exits
+// (kExit). A link that fails, or a launcher that exits before its host connected, is the death of
+// that host's workers (lost). Nothing from a connection reaches a callback before it has
+// authenticated. Everything runs on the coordinator's loop thread, except the rejection counters.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddip/auth.hpp"
+#include "ddip/connection.hpp"
+#include "ddip/event_loop.hpp"
+#include "ddip/output.hpp"
+#include "ddip/shm.hpp"
+#include "ddip/supervisor.hpp"
+#include "ddip/tcp.hpp"
+
+namespace ddip {
+
+// A host other than this one. Its launcher (ssh, srun, a template) is started here with the
+// link's address and key on its stdin and runs a HostAgent there (remote.hpp), which connects
+// back over authenticated TCP and starts the host's workers.
+struct RemoteHost {
+  std::string name;  // in messages
+  SpawnSpec launcher;
+  std::vector<int> slots;  // the workers that run there; their specs are sent to the agent
+};
+
+struct LinkOptions {
+  std::vector<RemoteHost> hosts;
+  // Where hosts connect: a literal address of this machine, and a port (0: any free one).
+  std::string bind_address = "127.0.0.1";
+  uint16_t bind_port = 0;
+  // A connection that has not authenticated within this long is closed.
+  std::chrono::milliseconds handshake_timeout{10000};
+  // The agent gives up on a kernel silent this long (0: the agent's own default).
+  std::chrono::milliseconds kernel_silence{0};
+};
+
+class HostLinks {
+ public:
+  struct Callbacks {
+    std::function<void(int slot, Frame)> frame;  // any other frame from a worker there
+    std::function<void(int slot, int stream, std::string text)> output;
+    std::function<void(int slot, ExitStatus, std::string stderr_tail)> exited;
+    std::function<void(int slot, const std::string& why)> lost;
+    std::function<void(int slot)> hello;  // its first hello, before that frame itself
+  };
+  // Listens on the bind address at once (throws if it can't); nothing is started yet.
+  // `workers`: every slot's spec (only the remote ones are read).
+  HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool, LinkOptions options,
+            const std::vector<SpawnSpec>& workers, Callbacks callbacks);
+  HostLinks(const HostLinks&) = delete;
+  HostLinks& operator=(const HostLinks&) = delete;
+  ~HostLinks();
+
+  // On the loop's thread (launchers get PR_SET_PDEATHSIG from it): watches the listener and
+  // starts every host's launcher.
+  void start();
+  // "address:port" where hosts connect.
+  std::string address() const;
+  bool remote(int slot) const { return slots_.count(slot) != 0; }
+
+  // Queued on the link when it is up (the sealed channel copies the segments' bytes at once, so
+  // they are released then), else kept until it is; dropped for a worker that is gone.
+  void send(int slot, Frame f, std::vector<uint64_t> segments);
+  void signal(int slot, int sig, bool whole_group);
+  // Heartbeats to every live worker of a connected host (its agent takes a silent link for a
+  // dead kernel, and its workers may take long to say hello), and handshakes that took too long
+  // are closed.
+  void tick();
+  bool launchers_exited() const;
+  void signal_launchers(int sig);
+  // Drops every link and handshake (the agents stop their workers when they see that).
+  void close();
+
+  // Thread-safe: connections refused because they failed to authenticate, and the last why.
+  size_t rejected() const;
+  std::string last_rejection() const;
+
+ private:
+  struct Slot {
+    size_t link = 0;
+    bool said_hello = false;
+    bool gone = false;
+    // Frames for it (with the segments they hold) waiting for the link to come up.
+    std::vector<std::pair<Frame, std::vector<uint64_t>>> waiting;
+  };
+  struct Link {
+    RemoteHost host;
+    size_t child = 0;  // the launcher's Supervisor index
+    Fd out, err;
+    RankOutput output;  // the launcher's own output: its stderr tail explains a failed start
+    bool launcher_exited = false;
+    std::unique_ptr<Connection> conn;
+    bool ever_connected = false;
+  };
+  struct Handshake {
+    Fd fd;
+    std::string peer;
+    KernelHandshake hs;
+    std::string response;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  EventLoop& loop_;
+  Supervisor& supervisor_;
+  SegmentPool& pool_;
+  LinkOptions options_;
+  Callbacks cb_;
+  std::map<int, SpawnSpec> specs_;
+  std::map<int, Slot> slots_;
+  std::vector<Link> links_;
+  std::unique_ptr<TcpListener> tcp_;
+  std::string key_;
+  std::map<uint64_t, Handshake> handshakes_;
+  uint64_t next_handshake_ = 0;
+  mutable std::mutex mu_;
+  size_t rejected_ = 0;
+  std::string last_rejection_;
+
+  void on_accept();
+  void on_handshake(uint64_t id);
+  void reject(uint64_t id, const std::string& why);
+  void on_frame(size_t link, Frame f);
+  void send_link(size_t link, Frame f);
+  void lose_link(size_t link, const std::string& why);
+  void lose_slot(int slot, const std::string& why);
+  void on_launcher(size_t link, int stream);
+  void on_launcher_exit(size_t link);
+};
+
+}  // namespace ddip

@@ -1,0 +1,138 @@
+#include "ddip/streams.hpp"
+
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace ddip {
+
+using Clock = std::chrono::steady_clock;
+
+RankStreams::RankStreams(EventLoop& loop, size_t slots, std::chrono::milliseconds delay, Emit emit)
+    : loop_(loop), delay_(delay), emit_(std::move(emit)), streams_(slots) {}
+
+RankStreams::~RankStreams() {
+  for (auto& s : streams_)
+    for (Fd* fd : {&s.out, &s.err})
+      if (*fd) loop_.unwatch(fd->get());
+}
+
+void RankStreams::attach(size_t slot, Fd out, Fd err) {
+  Stream& s = streams_.at(slot);
+  s.out = std::move(out);
+  s.err = std::move(err);
+  if (s.out)
+    loop_.watch(s.out.get(), EPOLLIN,
+                [this, slot](uint32_t) { read(slot, RankOutput::kStdout, false); });
+  if (s.err)
+    loop_.watch(s.err.get(), EPOLLIN,
+                [this, slot](uint32_t) { read(slot, RankOutput::kStderr, false); });
+}
+
+void RankStreams::read(size_t slot, int stream, bool to_eof) {
+  Stream& s = streams_[slot];
+  Fd& fd = stream == RankOutput::kStdout ? s.out : s.err;
+  if (!fd) return;
+  char buf[65536];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (n <= 0) {  // EOF or error: the worker (and anything it started) closed it
+      loop_.unwatch(fd.get());
+      fd.reset();
+      break;
+    }
+    auto pieces = s.output.feed(static_cast<RankOutput::Stream>(stream), std::string_view(buf, n));
+    s.last_output = Clock::now();
+    for (auto& piece : pieces) {
+      text(slot, stream, std::move(piece.text));
+      if (piece.marker) s.held.emplace_back();
+    }
+    if (static_cast<size_t>(n) < sizeof buf && !to_eof) break;
+  }
+}
+
+void RankStreams::drain(size_t slot, bool to_eof) {
+  read(slot, RankOutput::kStdout, to_eof);
+  read(slot, RankOutput::kStderr, to_eof);
+}
+
+void RankStreams::flush_partial(size_t slot, bool force) {
+  Stream& s = streams_[slot];
+  for (auto stream : {RankOutput::kStdout, RankOutput::kStderr})
+    text(slot, stream, s.output.flush(stream, force));
+}
+
+void RankStreams::output(size_t slot, int stream, std::string t) {
+  text(slot, stream == RankOutput::kStderr ? RankOutput::kStderr : RankOutput::kStdout,
+       std::move(t));
+}
+
+void RankStreams::text(size_t slot, int stream, std::string t) {
+  if (t.empty()) return;
+  Stream& s = streams_[slot];
+  Event e = Event::output(static_cast<int>(slot), stream, std::move(t));
+  if (stream == RankOutput::kStdout && !s.held.empty())
+    s.held.back().push_back(std::move(e));
+  else
+    emit_(std::move(e));
+}
+
+void RankStreams::release_held(size_t slot, bool all) {
+  Stream& s = streams_[slot];
+  while (!s.held.empty()) {
+    std::vector<Event> batch = std::move(s.held.front());
+    s.held.pop_front();
+    for (auto& e : batch) emit_(std::move(e));
+    if (!all) break;
+  }
+}
+
+// Everything the rank printed is in its pipes before it sends a reply (or exits): read it all.
+void RankStreams::catch_up(size_t slot, bool to_eof) {
+  drain(slot, to_eof);
+  flush_partial(slot, true);
+  release_held(slot, true);
+}
+
+void RankStreams::after_output(size_t slot, Event e) {
+  catch_up(slot, false);
+  emit_(std::move(e));
+}
+
+void RankStreams::display(size_t slot, Event e) {
+  // The rank wrote the marker before sending the frame, so after a drain it has been read.
+  if (streams_[slot].held.empty()) drain(slot, false);
+  emit_(std::move(e));
+  release_held(slot, false);
+}
+
+void RankStreams::exited(size_t slot, Event e) {
+  catch_up(slot, true);
+  if (e.text.empty()) e.text = streams_[slot].output.stderr_tail();
+  emit_(std::move(e));
+}
+
+void RankStreams::flush_due(Clock::time_point now) {
+  for (size_t i = 0; i < streams_.size(); ++i) {
+    Stream& s = streams_[i];
+    if (!s.output.has_pending() || now - s.last_output < delay_) continue;
+    flush_partial(i, false);
+    // Kept back (half a UTF-8 character): one more delay for the rest, then it goes anyway.
+    if (s.output.has_pending()) s.last_output = now;
+  }
+}
+
+std::optional<Clock::time_point> RankStreams::next_due() const {
+  std::optional<Clock::time_point> due;
+  for (auto& s : streams_)
+    if (s.output.has_pending()) {
+      auto t = s.last_output + delay_;
+      if (!due || t < *due) due = t;
+    }
+  return due;
+}
+
+}  // namespace ddip

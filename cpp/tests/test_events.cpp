@@ -1,0 +1,91 @@
+#include "ddip/events.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "ddip/output.hpp"
+
+using namespace ddip;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+TEST(Events, OfFrameTellsATruncatedFrameApart) {
+  Frame f = Frame::make(kDone, 0, 3, "reply");
+  EXPECT_EQ(Event::of_frame(2, f).kind, Event::kFrame);
+  f.truncated = true;
+  Event e = Event::of_frame(2, std::move(f));
+  EXPECT_EQ(e.kind, Event::kTruncated);
+  EXPECT_EQ(e.slot, 2);
+  EXPECT_EQ(e.frame.seq, 3u);
+  EXPECT_EQ(e.frame.data(), "reply");
+}
+
+TEST(EventQueue, PopsInOrderAndTimesOutWhenEmpty) {
+  EventQueue q(2, 1 << 20);
+  q.push(Event::output(0, 1, "a"));
+  q.push(Event::output(1, 2, "b"));
+  EXPECT_EQ(q.pop(0ms)->text, "a");
+  EXPECT_EQ(q.pop(0ms)->text, "b");
+  EXPECT_FALSE(q.pop(0ms));
+  auto t0 = Clock::now();
+  EXPECT_FALSE(q.pop(30ms));
+  EXPECT_GE(Clock::now() - t0, 30ms);
+}
+
+TEST(EventQueue, APushFromAnotherThreadWakesAWaiter) {
+  EventQueue q(1, 1 << 20);
+  std::thread pusher([&] { q.push(Event::output(0, 1, "late")); });
+  auto e = q.pop(10s);
+  pusher.join();
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->text, "late");
+}
+
+TEST(EventQueue, CallsOnPushForEveryEventQueued) {
+  std::atomic<int> pushes{0};
+  EventQueue q(1, 10, [&] { ++pushes; });
+  q.push(Event::output(0, 1, "12345"));
+  Event frame;
+  frame.kind = Event::kFrame;
+  q.push(std::move(frame));
+  EXPECT_EQ(pushes, 2);
+}
+
+TEST(EventQueue, UnreadOutputBeyondTheCapIsDroppedAndTheDropReported) {
+  EventQueue q(2, 10);
+  q.push(Event::output(0, 1, "123456"));
+  q.push(Event::output(0, 1, "789012"));  // 12 bytes unread: over the cap of 10, dropped
+  q.push(Event::output(0, 1, "345678"));
+  q.push(Event::output(1, 1, "other"));   // another rank has a cap of its own
+  EXPECT_EQ(q.dropped_output(0), 12u);
+  EXPECT_EQ(q.dropped_output(1), 0u);
+  EXPECT_EQ(q.pop(0ms)->text, "123456");
+  auto note = q.pop(0ms);
+  ASSERT_TRUE(note);
+  EXPECT_EQ(note->stream, RankOutput::kStderr);
+  EXPECT_NE(note->text.find("rank output is being dropped"), std::string::npos) << note->text;
+  EXPECT_EQ(q.pop(0ms)->text, "other");
+  // Read, so there is room again: the next output says how much was lost, then goes through.
+  q.push(Event::output(0, 1, "again"));
+  auto lost = q.pop(0ms);
+  EXPECT_NE(lost->text.find("12 bytes of rank output were dropped"), std::string::npos)
+      << lost->text;
+  EXPECT_EQ(q.pop(0ms)->text, "again");
+  EXPECT_EQ(q.dropped_output(0), 0u);
+}
+
+TEST(EventQueue, CloseWakesWaitersAndLeavesQueuedEventsToTake) {
+  EventQueue q(1, 1 << 20);
+  q.push(Event::output(0, 1, "last words"));
+  EXPECT_FALSE(q.wait_closed(0ms));
+  std::thread closer([&] { q.close(); });
+  EXPECT_TRUE(q.wait_closed(-1ms));
+  closer.join();
+  EXPECT_TRUE(q.closed());
+  EXPECT_EQ(q.pop(10s)->text, "last words");
+  auto t0 = Clock::now();
+  EXPECT_FALSE(q.pop(10s));  // closed and drained: at once
+  EXPECT_LT(Clock::now() - t0, 5s);
+}

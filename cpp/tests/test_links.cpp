@@ -1,0 +1,206 @@
+// HostLinks against a "host" played by this test: the launcher (/bin/sh) writes the ticket it
+// got on its stdin to a file, and a thread here connects with it, as an agent would, over TCP on
+// loopback.
+#include "ddip/links.hpp"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "ddip/remote.hpp"
+#include "helpers.hpp"
+
+using namespace ddip;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Seen {
+  std::vector<std::string> log;  // in order: "hello:S", "frame:S:KIND", "out:S:TEXT", ...
+  std::optional<std::string> lost_why;
+};
+
+struct Kernel {
+  fs::path dir;
+  EventLoop loop;
+  Supervisor supervisor;
+  SegmentPool pool;
+  Seen seen;
+  std::unique_ptr<HostLinks> links;
+
+  // Slots 0 (local, never started here) and 1, 2 on host "far"; its launcher runs `script`
+  // after saving its stdin (the ticket) to DIR/ticket.
+  explicit Kernel(const std::string& script = "exec sleep 30") {
+    dir = fs::temp_directory_path() / ("ddip-test-links-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    LinkOptions o;
+    RemoteHost h;
+    h.name = "far";
+    h.launcher = test::sh("cat > " + (dir / "ticket.part").string() + " && mv " +
+                          (dir / "ticket.part").string() + " " + (dir / "ticket").string() +
+                          "; " + script);
+    h.slots = {1, 2};
+    o.hosts.push_back(h);
+    o.handshake_timeout = 2000ms;
+    std::vector<SpawnSpec> workers(3);
+    workers[1].argv = {"worker-one"};
+    workers[2].argv = {"worker-two"};
+    HostLinks::Callbacks cb;
+    cb.frame = [this](int s, Frame f) {
+      seen.log.push_back("frame:" + std::to_string(s) + ":" + std::to_string(f.kind));
+    };
+    cb.output = [this](int s, int stream, std::string t) {
+      seen.log.push_back("out:" + std::to_string(s) + ":" + std::to_string(stream) + ":" + t);
+    };
+    cb.exited = [this](int s, ExitStatus st, std::string tail) {
+      seen.log.push_back("exit:" + std::to_string(s) + ":" + std::to_string(st.code) + ":" + tail);
+    };
+    cb.lost = [this](int s, const std::string& why) {
+      seen.log.push_back("lost:" + std::to_string(s));
+      seen.lost_why = why;
+    };
+    cb.hello = [this](int s) { seen.log.push_back("hello:" + std::to_string(s)); };
+    links = std::make_unique<HostLinks>(loop, supervisor, pool, o, workers, cb);
+    links->start();
+  }
+  ~Kernel() {
+    links.reset();
+    fs::remove_all(dir);
+  }
+
+  template <typename Pred>
+  bool run_until(Pred done, std::chrono::milliseconds limit = 10s) {
+    auto deadline = Clock::now() + limit;
+    while (!done() && Clock::now() < deadline) loop.run_once(Clock::now() + 20ms);
+    return done();
+  }
+  LinkTicket ticket() {
+    run_until([&] { return fs::exists(dir / "ticket"); });
+    std::ifstream in(dir / "ticket");
+    std::string line;
+    std::getline(in, line);
+    return LinkTicket::decode(line);
+  }
+};
+
+// The agent's side of the handshake; the sealed channel it gets.
+Channel connect_as_host(const LinkTicket& t, const std::string& key) {
+  auto deadline = Clock::now() + 5s;
+  Fd sock = connect_tcp(t.address, t.port, 5s);
+  HostHandshake hs(key, t.host);
+  write_all(sock.get(), hs.respond(read_exact(sock.get(), KernelHandshake::kChallengeBytes, deadline)),
+            deadline);
+  LinkKeys keys = hs.verify(read_exact(sock.get(), KernelHandshake::kProofBytes, deadline));
+  Channel ch(std::move(sock));
+  ch.seal(std::move(keys));
+  return ch;
+}
+
+}  // namespace
+
+TEST(HostLinks, AnAuthenticatedHostGetsItsWorkersAndSpeaksForThem) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  EXPECT_EQ(k.links->address(), "127.0.0.1:" + std::to_string(t.port));
+  // Sent before the host connected: waits for the link, after the list of workers.
+  k.links->send(2, Frame::make(kRequest, 2, 9, "early"), {});
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_as_host(t, t.key));
+    connected = true;
+  });
+  std::vector<Frame> got;
+  ASSERT_TRUE(k.run_until([&] {
+    if (!connected) return false;
+    set_nonblocking(host->fd());
+    while (host->read_some() == Channel::ReadResult::kProgress) {
+      while (auto f = host->next()) got.push_back(std::move(*f));
+      if (got.size() >= 2) break;
+    }
+    return got.size() >= 2;
+  }));
+  agent.join();
+  ASSERT_EQ(got[0].kind, kSpawn);
+  auto specs = decode_spawn(got[0].data());
+  ASSERT_EQ(specs.size(), 2u);
+  EXPECT_EQ(specs[0].first, 1);
+  EXPECT_EQ(specs[0].second.argv, std::vector<std::string>{"worker-one"});
+  EXPECT_EQ(specs[1].second.argv, std::vector<std::string>{"worker-two"});
+  EXPECT_EQ(got[1].kind, kRequest);
+  EXPECT_EQ(got[1].rank, 2);
+  EXPECT_EQ(got[1].data(), "early");
+
+  host->send(Frame::make(kHello, 1, 0, "pid=1"));
+  host->send(Frame::make(kOutput, 1, 2, "to stderr\n"));
+  host->send(Frame::make(kDone, 1, 9, "reply"));
+  host->send(Frame::make(kExit, 1, 0, encode_exit(ExitStatus{3, 0, false}, "last line")));
+  host->send(Frame::make(kDone, 1, 10, "after its exit: ignored"));
+  ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 5; }));
+  k.loop.run_once(Clock::now() + 50ms);
+  EXPECT_EQ(k.seen.log,
+            (std::vector<std::string>{"hello:1", "frame:1:" + std::to_string(kHello),
+                                      "out:1:2:to stderr\n", "frame:1:" + std::to_string(kDone),
+                                      "exit:1:3:last line"}));
+  EXPECT_EQ(k.links->rejected(), 0u);
+}
+
+TEST(HostLinks, AWrongKeyIsRefusedAndCounted) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  std::atomic<bool> refused{false};
+  std::thread intruder([&] {
+    try {
+      connect_as_host(t, std::string(t.key.size(), 'x'));
+    } catch (const std::exception&) {
+      refused = true;  // no proof comes back: the kernel closed the connection
+    }
+  });
+  ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 1; }));
+  intruder.join();
+  EXPECT_TRUE(refused);
+  EXPECT_NE(k.links->last_rejection().find("refused a connection from 127.0.0.1"),
+            std::string::npos)
+      << k.links->last_rejection();
+  EXPECT_TRUE(k.seen.log.empty());
+}
+
+TEST(HostLinks, ALauncherThatExitsBeforeItsHostConnectedLosesItsWorkersWithItsLastLines) {
+  Kernel k("echo 'ssh: could not resolve hostname far' >&2; exit 255");
+  ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
+  EXPECT_EQ(k.seen.log, (std::vector<std::string>{"lost:1", "lost:2"}));
+  ASSERT_TRUE(k.seen.lost_why);
+  EXPECT_NE(k.seen.lost_why->find("its launcher (/bin/sh) ended with exit code 255 before host "
+                                  "far connected"),
+            std::string::npos)
+      << *k.seen.lost_why;
+  EXPECT_NE(k.seen.lost_why->find("could not resolve hostname far"), std::string::npos)
+      << *k.seen.lost_why;
+  EXPECT_TRUE(k.links->launchers_exited());
+}
+
+TEST(HostLinks, ALinkThatClosesLosesEveryWorkerOfItsHost) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_as_host(t, t.key));
+    connected = true;
+  });
+  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
+  agent.join();
+  host.reset();  // the host's end closes
+  ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
+  EXPECT_EQ(k.seen.log, (std::vector<std::string>{"lost:1", "lost:2"}));
+  EXPECT_NE(k.seen.lost_why->find("lost the link to its host far"), std::string::npos)
+      << *k.seen.lost_why;
+}
