@@ -20,7 +20,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import _core
 from . import healing as _healing
 from .errors import GroupClosedError, HealReport, RankFailure, RemoteError
 from .messages import loads, loads_framed
@@ -34,7 +33,6 @@ FAILURE_GRACE_S = 3.0
 DEATH_REPORT_S = 0.8
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
 SLICE_S = 0.05
-_STREAMS = {1: "stdout", 2: "stderr"}
 
 
 @dataclass
@@ -241,38 +239,36 @@ def close_fds(fds):
 def _handle(req: Request, item, cb: Callbacks):
     tag, slot = item[0], item[1]
     if slot not in req.pending:
-        if tag == "frame":
-            close_fds(item[4])
+        if tag == "done":
+            close_fds(item[3])
         return
     r = req.results[slot]
     if tag == "output":
-        text = item[3].decode(errors="replace")
-        r._parts[item[2] - 1].append(text)  # joined once at the end: += would be quadratic
-        _call(req, cb, "on_output", r.rank, _STREAMS[item[2]], text)
+        stream, text = item[2], item[3].decode(errors="replace")
+        r._parts[stream == "stderr"].append(text)  # joined once at the end: += would be quadratic
+        _call(req, cb, "on_output", r.rank, stream, text)
         return
-    if tag == "frame":
-        _, _, kind, data, fds = item
-        if kind == _core.DONE:
-            try:
-                _fill(r, loads_framed(data, fds))
-            except Exception as exc:
-                r.error = RankFailure(
-                    rank=r.rank, ename="UnpicklingError",
-                    evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
-                           f"(is what it returned importable here?)")
-            _finish(req, slot, cb)
+    if tag == "done":
+        try:
+            _fill(r, loads_framed(item[2], item[3]))
+        except Exception as exc:
+            r.error = RankFailure(
+                rank=r.rank, ename="UnpicklingError",
+                evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
+                       f"(is what it returned importable here?)")
+        _finish(req, slot, cb)
+        return
+    if tag == "display" or tag == "message":
+        try:
+            msg = loads(item[2])
+        except Exception:
+            return
+        if tag == "message":
+            _call(req, cb, "on_message", r.rank, msg)
+        elif cb.on_display is not None:
+            _call(req, cb, "on_display", r.rank, msg)
         else:
-            close_fds(fds)
-            try:
-                msg = loads(data)
-            except Exception:
-                return
-            if kind == _core.MESSAGE:
-                _call(req, cb, "on_message", r.rank, msg)
-            elif cb.on_display is not None:
-                _call(req, cb, "on_display", r.rank, msg)
-            else:
-                r.displays.append(msg)
+            r.displays.append(msg)
         return
     if tag == "truncated":
         r.error = RankFailure(rank=r.rank, ename="OSError",

@@ -22,10 +22,11 @@ from .labels import LabelledOutput
 from .messages import dumps_framed, loads
 from .request import Request, close_fds
 
-# Event kinds from _core.Coordinator.next_event: (kind, slot, a, b, data, fds)
-_OUTPUT, _FRAME, _EXITED, _DISCONNECTED, _FAILED, _UNRESPONSIVE, _RESPONSIVE, _TRUNCATED = range(8)
-_LOST = 8  # a rank on another host, gone with its host's link or launcher (multi-host groups)
-STREAMS = {1: "stdout", 2: "stderr"}
+# Events from _core.Coordinator are _core.Event objects whose kind the runtime has classified
+# (python/src/bind_coordinator.cpp): ev.kind, ev.slot, ev.seq, ev.data, ... What a request's
+# mailbox gets from them, by tag: ("output", slot, stream, data), ("done", slot, data, fds),
+# ("display" | "message", slot, data), ("truncated", slot); see request.py for the others.
+_REPLY_KINDS = frozenset(("done", "display", "message", "truncated"))
 # How long an idle rank's output is kept for the next cell (per rank); older output is dropped.
 BACKGROUND_KEEP_BYTES = 64 * 1024
 
@@ -65,21 +66,21 @@ class Runtime:
             ev = self.coord.next_event(min(left, 0.25) * 1000)
             if ev is None:
                 continue
-            kind, slot, a, b, data, fds = ev
-            if kind == _FRAME and a == _core.HELLO:
-                self.info[slot] = loads(data)
+            kind, slot = ev.kind, ev.slot
+            if kind == "hello":
+                self.info[slot] = loads(ev.data)
                 self.state[slot] = "idle"
                 waiting.discard(slot)
-            elif kind == _EXITED:
-                f = self.death(slot, a, b, data)
+            elif kind == "exited":
+                f = self.death(slot, ev.code, ev.signal, ev.data)
                 raise StartError(f"rank {f.rank} exited while starting ({f.evalue})"
                                  + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""),
                                  [f.rank], failure=f)
-            elif kind == _LOST:
-                f = self.lost(slot, data)
+            elif kind == "lost":
+                f = self.lost(slot, ev.data)
                 raise StartError(f"rank {f.rank} could not start: {f.evalue}", [f.rank], failure=f)
-            elif kind == _FAILED:
-                raise StartError(data.decode(errors="replace"))
+            elif kind == "failed":
+                raise StartError(ev.data.decode(errors="replace"))
             else:
                 with self.mu:
                     self.dispatch(ev)
@@ -133,48 +134,45 @@ class Runtime:
 
     def dispatch(self, ev):
         """Puts one event where it belongs. Called with self.mu held; never raises."""
-        kind, slot, a, b, data, fds = ev
+        kind, slot = ev.kind, ev.slot
         req = self.running.get(slot) if slot >= 0 else None
-        if kind == _OUTPUT:
+        if kind == "output":
             if req is not None:
-                req.mailbox.append(("output", slot, a, data))
+                req.mailbox.append(("output", slot, ev.stream, ev.data))
             else:
-                self.keep_background(slot, a, data)
-        elif kind == _FRAME and a == _core.STACKS:
-            replies = self.stack_replies.get(b)
-            if replies is not None:
-                replies[slot] = data.decode(errors="replace")
-        elif kind in (_FRAME, _TRUNCATED) and a in (_core.DONE, _core.DISPLAY, _core.MESSAGE):
-            if req is None or req.seq != b:
-                close_fds(fds)  # a reply to a request its rank no longer runs (cannot happen)
+                self.keep_background(slot, ev.stream, ev.data)
+        elif kind in _REPLY_KINDS:
+            if req is None or req.seq != ev.seq:
+                close_fds(ev.fds)  # a reply to a request its rank no longer runs (cannot happen)
                 return
-            if kind == _TRUNCATED:
-                close_fds(fds)
-                if a != _core.DONE:
-                    return  # a display whose buffers were lost; the reply says the rest
+            if kind == "done":
+                req.mailbox.append(("done", slot, ev.data, ev.fds))
+            elif kind == "truncated":
                 req.mailbox.append(("truncated", slot))
             else:
-                req.mailbox.append(("frame", slot, a, data, fds))
-            if a == _core.DONE:
+                req.mailbox.append((kind, slot, ev.data))
+            if kind == "done" or kind == "truncated":
                 del self.running[slot]
                 if self.state[slot] == "busy":
                     self.state[slot] = "idle"
-        elif kind == _FRAME:
-            close_fds(fds)
-        elif kind in (_EXITED, _LOST):
-            f = self.death(slot, a, b, data) if kind == _EXITED else self.lost(slot, data)
+        elif kind == "stacks":
+            replies = self.stack_replies.get(ev.seq)
+            if replies is not None:
+                replies[slot] = ev.data.decode(errors="replace")
+        elif kind == "exited" or kind == "lost":
+            f = self.death(slot, ev.code, ev.signal, ev.data) if kind == "exited" else self.lost(slot, ev.data)
             self.unresponsive.pop(slot, None)
             if req is not None:
                 del self.running[slot]
                 req.mailbox.append(("died", slot, f))
-        elif kind == _UNRESPONSIVE:
-            self.unresponsive[slot] = a / 1000
+        elif kind == "unresponsive":
+            self.unresponsive[slot] = ev.age
             if req is not None:
-                req.mailbox.append(("unresponsive", slot, a / 1000))
-        elif kind == _RESPONSIVE:
+                req.mailbox.append(("unresponsive", slot, ev.age))
+        elif kind == "responsive":
             self.unresponsive.pop(slot, None)
-        elif kind == _FAILED:
-            self.broken = data.decode(errors="replace")
+        elif kind == "failed":
+            self.broken = ev.data.decode(errors="replace")
             for r in set(self.running.values()):
                 for s in list(r.pending):
                     r.mailbox.append(("broken", s, self.broken))
@@ -208,7 +206,7 @@ class Runtime:
                 out(rank, "stderr", f"[ddip: {dropped} bytes of earlier output from rank {rank} "
                                     f"were dropped while no cell was running]\n")
             for stream, data in items:
-                out(rank, STREAMS[stream], data.decode(errors="replace"))
+                out(rank, stream, data.decode(errors="replace"))
 
     def send(self, slots: list[int], msg: dict, what: str) -> Request:
         """Sends `msg` to `slots` as one request; raises (sending nothing) when one of them is

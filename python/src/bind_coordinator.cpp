@@ -1,7 +1,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
+
+#include <optional>
 
 #include "ddip/coordinator.hpp"
 #include "slices.hpp"
@@ -20,51 +23,145 @@ nb::bytes to_bytes(const std::string& s) { return nb::bytes(s.data(), s.size());
 
 std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 
-// (kind, slot, a, b, data, fds): Output (0, slot, stream, 0, text); Frame (1, slot, frame kind,
-// seq, payload, the fds that came with it: Python's to close); Exited (2, slot, exit code,
-// signal, stderr tail; exit code -1 with signal 0: the status is unknown, someone else in this
-// process reaped it); Disconnected (3, slot, 0, 0, b""); Failed (4, -1, 0, 0, message);
-// Unresponsive (5, slot, ms since its last heartbeat answer, 0, b""); Responsive (6, slot, 0, 0,
-// b""); Truncated (7, slot, frame kind, seq, payload, the fds that did arrive): a frame that
-// lost fds on the way in, this process being out of them; Lost (8, slot, 0, 0, why): a worker
-// on another host, gone with its host's link or launcher.
-nb::object event_tuple(ddip::Event& e) {
-  nb::list fds;
-  auto take_fds = [&] {
-    if (e.frame.fds)
-      for (auto& fd : *e.frame.fds) fds.append(fd.release());
-  };
+// An event as Python sees it: a named object whose kind is classified here, once. Kinds:
+//   "output"        stream ("stdout" / "stderr"), data: the text
+//   "hello"         data: the worker's hello payload
+//   "done"          seq, data, fds (Python's to close): a reply
+//   "truncated"     seq: a reply whose fds could not all be received (this process is out of them)
+//   "display", "message", "stacks"   seq, data
+//   "exited"        code, signal, data: the last lines of its stderr (code -1 with signal 0: the
+//                   status is unknown, someone else in this process reaped it)
+//   "lost"          data: why (a worker on another host, gone with its host's link or launcher)
+//   "unresponsive"  age: seconds since its last heartbeat answer; "responsive"; "disconnected"
+//   "failed"        slot -1, data: the runtime's error
+// Other frames (and displays or messages that lost fds) are not the notebook's: never surfaced.
+struct PyEvent {
+  nb::object kind;
+  int slot = -1;
+  uint64_t seq = 0;
+  nb::object stream = nb::none();
+  nb::object data = nb::bytes("", 0);
+  nb::object fds = nb::tuple();  // the empty tuple is shared
+  int code = 0;
+  int signal = 0;
+  double age = 0;
+};
+
+struct Kinds {
+  nb::object output, hello, done, truncated, display, message, stacks, exited, lost, unresponsive,
+      responsive, disconnected, failed, stdout_, stderr_;
+  Kinds() {
+    auto s = [](const char* name) {
+      PyObject* o = PyUnicode_InternFromString(name);
+      if (!o) throw nb::python_error();
+      return nb::steal(o);
+    };
+    output = s("output"), hello = s("hello"), done = s("done"), truncated = s("truncated");
+    display = s("display"), message = s("message"), stacks = s("stacks"), exited = s("exited");
+    lost = s("lost"), unresponsive = s("unresponsive"), responsive = s("responsive");
+    disconnected = s("disconnected"), failed = s("failed");
+    stdout_ = s("stdout"), stderr_ = s("stderr");
+  }
+};
+
+const Kinds& kinds() {
+  static const Kinds* k = new Kinds();  // never freed: Python objects outliving the interpreter
+  return *k;
+}
+
+// The Python event for `e`; nullopt for what is not the notebook's.
+std::optional<PyEvent> classify(ddip::Event& e) {
+  const Kinds& k = kinds();
+  PyEvent p;
+  p.slot = e.slot;
   switch (e.kind) {
     case ddip::Event::kOutput:
-      return nb::make_tuple(0, e.slot, e.stream, 0, to_bytes(e.text), fds);
+      p.kind = k.output;
+      p.stream = e.stream == 2 ? k.stderr_ : k.stdout_;
+      p.data = to_bytes(e.text);
+      return p;
     case ddip::Event::kFrame:
-      take_fds();
-      return nb::make_tuple(1, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
-                            to_bytes(e.frame.data()), fds);
+    case ddip::Event::kTruncated: {
+      bool truncated = e.kind == ddip::Event::kTruncated;
+      p.seq = e.frame.seq;
+      switch (e.frame.kind) {
+        case ddip::kDone:
+          p.kind = truncated ? k.truncated : k.done;
+          if (truncated) return p;  // its fds that did arrive are closed with the frame
+          break;
+        case ddip::kHello:
+          p.kind = k.hello;
+          break;
+        case ddip::kDisplay:
+          p.kind = k.display;
+          break;
+        case ddip::kMessage:
+          p.kind = k.message;
+          break;
+        case ddip::kStacks:
+          p.kind = k.stacks;
+          break;
+        default:
+          return std::nullopt;
+      }
+      if (truncated) return std::nullopt;  // a display or message whose buffers were lost
+      p.data = to_bytes(e.frame.data());
+      if (e.frame.kind == ddip::kDone && e.frame.fds) {
+        nb::list fds;
+        for (auto& fd : *e.frame.fds) fds.append(fd.release());
+        p.fds = fds;
+      }
+      return p;
+    }
     case ddip::Event::kExited:
-      if (e.status.unknown) return nb::make_tuple(2, e.slot, -1, 0, to_bytes(e.text), fds);
-      return nb::make_tuple(2, e.slot, e.status.code, e.status.signal, to_bytes(e.text), fds);
+      p.kind = k.exited;
+      p.code = e.status.unknown ? -1 : e.status.code;
+      p.signal = e.status.unknown ? 0 : e.status.signal;
+      p.data = to_bytes(e.text);
+      return p;
     case ddip::Event::kDisconnected:
-      return nb::make_tuple(3, e.slot, 0, 0, nb::bytes("", 0), fds);
+      p.kind = k.disconnected;
+      return p;
     case ddip::Event::kFailed:
-      return nb::make_tuple(4, -1, 0, 0, to_bytes(e.text), fds);
+      p.kind = k.failed;
+      p.slot = -1;
+      p.data = to_bytes(e.text);
+      return p;
     case ddip::Event::kUnresponsive:
-      return nb::make_tuple(5, e.slot, e.age_ms, 0, nb::bytes("", 0), fds);
+      p.kind = k.unresponsive;
+      p.age = static_cast<double>(e.age_ms) / 1000.0;
+      return p;
     case ddip::Event::kResponsive:
-      return nb::make_tuple(6, e.slot, 0, 0, nb::bytes("", 0), fds);
-    case ddip::Event::kTruncated:
-      take_fds();
-      return nb::make_tuple(7, e.slot, static_cast<int>(e.frame.kind), e.frame.seq,
-                            to_bytes(e.frame.data()), fds);
+      p.kind = k.responsive;
+      return p;
     case ddip::Event::kLost:
-      return nb::make_tuple(8, e.slot, 0, 0, to_bytes(e.text), fds);
+      p.kind = k.lost;
+      p.data = to_bytes(e.text);
+      return p;
   }
-  return nb::none();
+  return std::nullopt;
 }
 
 }  // namespace
 
 void init_coordinator(nb::module_& m) {
+  nb::class_<PyEvent>(m, "Event",
+                      "What a group's runtime reports: kind (output, hello, done, truncated, "
+                      "display, message, stacks, exited, lost, unresponsive, responsive, "
+                      "disconnected, failed), the worker's slot, and the fields of that kind.")
+      .def_ro("kind", &PyEvent::kind)
+      .def_ro("slot", &PyEvent::slot)
+      .def_ro("seq", &PyEvent::seq)
+      .def_ro("stream", &PyEvent::stream)
+      .def_ro("data", &PyEvent::data)
+      .def_ro("fds", &PyEvent::fds)
+      .def_ro("code", &PyEvent::code)
+      .def_ro("signal", &PyEvent::signal)
+      .def_ro("age", &PyEvent::age)
+      .def("__repr__", [](const PyEvent& e) {
+        return nb::str("<Event {} slot={} seq={} {!r}>")
+            .format(e.kind, e.slot, e.seq, e.data);
+      });
   nb::class_<ddip::Coordinator>(m, "Coordinator",
                                 "Kernel side of a group: spawns workers, owns every fd on one "
                                 "IO thread, reports output, frames and exits as events.")
@@ -161,12 +258,21 @@ void init_coordinator(nb::module_& m) {
       .def(
           "next_event",
           [](ddip::Coordinator& c, double timeout_ms) -> nb::object {
-            auto e = ddip_python::wait_in_slices<ddip::Event>(
-                timeout_ms, [&](std::chrono::milliseconds slice) { return c.next_event(slice); });
-            if (!e) return nb::none();
-            return event_tuple(*e);
+            // Waits in slices (Ctrl-C is never blocked); what is not the notebook's is skipped.
+            auto deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double, std::milli>(std::max(timeout_ms, 0.0)));
+            while (true) {
+              double left = std::chrono::duration<double, std::milli>(
+                                deadline - std::chrono::steady_clock::now()).count();
+              auto e = ddip_python::wait_in_slices<ddip::Event>(
+                  std::max(left, 0.0),
+                  [&](std::chrono::milliseconds slice) { return c.next_event(slice); });
+              if (!e) return nb::none();
+              if (auto p = classify(*e)) return nb::cast(std::move(*p));
+            }
           },
-          "timeout_ms"_a)
+          "timeout_ms"_a, "The next Event within timeout_ms, or None.")
       .def("heartbeat_age_ms", &ddip::Coordinator::heartbeat_age_ms, "slot"_a)
       .def("connected", &ddip::Coordinator::connected, "slot"_a)
       .def(

@@ -17,8 +17,6 @@ from ddip import _core
 from ddip.messages import dumps_framed, loads
 from conftest import PY, alive, wait_until
 
-OUTPUT, FRAME, EXITED, UNRESPONSIVE, RESPONSIVE = 0, 1, 2, 5, 6
-
 
 def run_script(code: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh Python process: it plays the notebook's kernel."""
@@ -40,12 +38,12 @@ def events_until(coord, predicate, timeout: float = 30.0) -> list:
         ev = coord.next_event(100)
         if ev is None:
             continue
-        for fd in ev[5]:
+        for fd in ev.fds:
             os.close(fd)
         seen.append(ev)
         if predicate(ev):
             return seen
-    raise AssertionError(f"no such event within {timeout} s; saw {[e[:4] for e in seen]}")
+    raise AssertionError(f"no such event within {timeout} s; saw {seen}")
 
 
 # -- 1. a foreign reaper in the notebook process --------------------------------------------------
@@ -158,9 +156,9 @@ def test_close_keeps_reading_output_so_a_rank_flooding_on_sigterm_exits_by_itsel
         events = []
         while (ev := coord.next_event(0)) is not None:
             events.append(ev)
-        exits = [e for e in events if e[0] == EXITED]
-        assert [(e[2], e[3]) for e in exits] == [(7, 0)]  # its own exit, not SIGKILL
-        flooded = b"".join(e[4] for e in events if e[0] == OUTPUT and e[2] == 1)
+        exits = [e for e in events if e.kind == "exited"]
+        assert [(e.code, e.signal) for e in exits] == [(7, 0)]  # its own exit, not SIGKILL
+        flooded = b"".join(e.data for e in events if e.kind == "output" and e.stream == "stdout")
         assert flooded.count(b"x" * 1023 + b"\n") == 2048
 
 
@@ -207,13 +205,14 @@ def test_a_stopped_rank_is_reported_unresponsive_then_responsive():
             os.getcwd())
     coord = _core.Coordinator([spec], heartbeat_ms=50, heartbeat_timeout_ms=500)
     try:
-        events_until(coord, lambda e: e[0] == FRAME and e[2] == _core.HELLO)
+        events_until(coord, lambda e: e.kind == "hello")
         pid = coord.pids[0]
         os.kill(pid, signal.SIGSTOP)
-        ev = events_until(coord, lambda e: e[0] == UNRESPONSIVE)[-1]
-        assert ev[1] == 0 and ev[2] >= 500
+        ev = events_until(coord, lambda e: e.kind == "unresponsive")[-1]
+        assert ev.slot == 0 and ev.age >= 0.5
         os.kill(pid, signal.SIGCONT)
-        assert events_until(coord, lambda e: e[0] == RESPONSIVE)[-1][:4] == (RESPONSIVE, 0, 0, 0)
+        ev = events_until(coord, lambda e: e.kind == "responsive")[-1]
+        assert (ev.kind, ev.slot) == ("responsive", 0)
     finally:
         os.kill(coord.pids[0], signal.SIGCONT)
         coord.close(1000)
@@ -226,14 +225,14 @@ def test_a_rank_busy_in_c_code_answers_a_stack_request_naming_its_frame():
         g.run("import time\ndef sleepy_function():\n    print('sleeping', flush=True)\n    time.sleep(30)")
         coord = g._coord
         send_run(coord, 555, "sleepy_function()")
-        events_until(coord, lambda e: e[0] == OUTPUT and b"sleeping" in e[4])
+        events_until(coord, lambda e: e.kind == "output" and b"sleeping" in e.data)
         coord.send([0], _core.STACK_REQUEST, 999, b"")
-        reply = events_until(coord, lambda e: e[0] == FRAME and e[2] == _core.STACKS)[-1]
-        assert reply[3] == 999
-        text = reply[4].decode()
+        reply = events_until(coord, lambda e: e.kind == "stacks")[-1]
+        assert reply.seq == 999
+        text = reply.data.decode()
         assert "sleepy_function" in text, text
         coord.signal(0, signal.SIGINT)  # end the cell; the group is usable again
-        events_until(coord, lambda e: e[0] == FRAME and e[2] == _core.DONE and e[3] == 555)
+        events_until(coord, lambda e: e.kind == "done" and e.seq == 555)
         g._state[0] = "idle"  # the request above bypassed the Group's bookkeeping
         assert g.run("1 + 1")[0].value == 2
 
