@@ -131,27 +131,48 @@ size_t Coordinator::rejected_connections() const { return links_ ? links_->rejec
 std::string Coordinator::last_rejection() const { return links_ ? links_->last_rejection() : ""; }
 
 void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segments) {
-  if (slot < 0 || static_cast<size_t>(slot) >= slots_.size())
-    throw std::out_of_range("no worker slot " + std::to_string(slot));
-  if (!segments.empty()) {
-    if (segments.size() > kMaxFdsPerFrame)
-      throw std::invalid_argument("too many shared-memory segments in one frame");
-    frame.fds = std::make_shared<std::vector<Fd>>();
-    for (uint64_t id : segments) {
-      frame.fds->push_back(pool_.dup_fd(id));
-      pool_.retain(id);
-      frame.fd_bytes.push_back(pool_.length(id));  // a TCP link sends only the bytes put there
+  send(std::vector<int>{slot}, std::move(frame), segments);
+}
+
+void Coordinator::send(const std::vector<int>& slots, Frame frame,
+                       const std::vector<uint64_t>& segments) {
+  for (int slot : slots)
+    if (slot < 0 || static_cast<size_t>(slot) >= slots_.size())
+      throw std::out_of_range("no worker slot " + std::to_string(slot));
+  if (segments.size() > kMaxFdsPerFrame)
+    throw std::invalid_argument("too many shared-memory segments in one frame");
+  // Each worker's frame holds its own fds and its own reference to every segment.
+  std::vector<Frame> frames;
+  for (int slot : slots) {
+    Frame f = frame;
+    f.rank = slot;
+    if (!segments.empty()) {
+      f.fds = std::make_shared<std::vector<Fd>>();
+      f.fd_bytes.clear();
+      for (uint64_t id : segments) {
+        f.fds->push_back(pool_.dup_fd(id));
+        pool_.retain(id);
+        f.fd_bytes.push_back(pool_.length(id));  // a TCP link sends only the bytes put there
+      }
     }
+    frames.push_back(std::move(f));
   }
-  loop_.post([this, slot, f = std::move(frame), segments]() mutable {
-    Slot& s = slots_[slot];
-    if (s.remote) return links_->send(slot, std::move(f), std::move(segments));
-    if (s.exited) {
-      for (uint64_t id : segments) pool_.release(id);
-      return;
+  // One command for all: one wake-up of the IO thread per request, not one per rank.
+  loop_.post([this, slots, frames = std::move(frames), segments]() mutable {
+    for (size_t k = 0; k < slots.size(); ++k) {
+      int slot = slots[k];
+      Slot& s = slots_[slot];
+      if (s.remote) {
+        links_->send(slot, std::move(frames[k]), segments);
+        continue;
+      }
+      if (s.exited) {
+        for (uint64_t id : segments) pool_.release(id);
+        continue;
+      }
+      s.segments.insert(segments.begin(), segments.end());
+      send_now(slot, std::move(frames[k]));
     }
-    s.segments.insert(segments.begin(), segments.end());
-    send_now(slot, std::move(f));
   });
 }
 

@@ -90,11 +90,15 @@ class Coordinator {
   // `segments` (ids from pool().put) travel with it as fds; the worker holds a reference to each
   // until it sends a release for it, or exits.
   void send(int slot, Frame frame, const std::vector<uint64_t>& segments = {});
+  // The same frame to several workers (its payload shared), in one command to the IO thread.
+  void send(const std::vector<int>& slots, Frame frame, const std::vector<uint64_t>& segments = {});
   SegmentPool& pool() { return pool_; }
   // Signal one worker (its process group when whole_group), or every worker when slot < 0.
   void signal(int slot, int sig, bool whole_group = false);
   // Next event, waiting up to `timeout`; nullopt on timeout or once closed and drained.
   std::optional<Event> next_event(std::chrono::milliseconds timeout);
+  // Every event queued now, without waiting, appended to `out`; how many.
+  size_t take_events(std::vector<Event>& out) { return events_.pop_all(out); }
   // Milliseconds since the worker last answered a heartbeat (-1: never connected).
   long long heartbeat_age_ms(int slot) const;
   bool connected(int slot) const;

@@ -75,6 +75,20 @@ std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
   return e;
 }
 
+size_t EventQueue::pop_all(std::vector<Event>& out) {
+  std::lock_guard lock(mu_);
+  size_t n = events_.size();
+  for (auto& e : events_) {
+    if (e.kind == Event::kOutput) {
+      size_t& unread = unread_[static_cast<size_t>(e.slot)];
+      unread -= std::min(unread, e.text.size());
+    }
+    out.push_back(std::move(e));
+  }
+  events_.clear();
+  return n;
+}
+
 void EventQueue::close() {
   {
     std::lock_guard lock(mu_);

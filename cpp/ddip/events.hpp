@@ -51,6 +51,8 @@ class EventQueue {
   // The next event, waiting up to `timeout` (0: only looks); nullopt on timeout, or at once once
   // closed and drained.
   std::optional<Event> pop(std::chrono::milliseconds timeout);
+  // Every event queued now, without waiting (appended to `out`); how many.
+  size_t pop_all(std::vector<Event>& out);
   // No more events will come: waiters wake. Events already queued can still be taken.
   void close();
   bool closed() const;

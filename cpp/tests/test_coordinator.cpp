@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -264,6 +265,48 @@ TEST(Coordinator, SegmentsTravelByFdAndComeBackWhenReleased) {
   for (int i = 0; i < 1000 && c.pool().in_use() > 0; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(c.pool().in_use(), 0u);
   EXPECT_EQ(c.pool().free_bytes(), SegmentPool::kMinSegment);
+}
+
+TEST(Coordinator, OneFrameToSeveralWorkersGivesEachItsOwnFdsAndReference) {
+  Coordinator c(options(3));
+  uint64_t id = c.pool().put("hello", 5);
+  std::string req = "segment:" + std::string(reinterpret_cast<char*>(&id), 8);
+  c.send(std::vector<int>{0, 2}, Frame::make(kRequest, -1, 4, req), {id});
+  c.pool().release(id);  // the caller's reference; the two frames hold one each
+  std::set<int> done;
+  while (done.size() < 2) {
+    Event e = next(c);
+    if (e.kind == Event::kFrame && e.frame.kind == kDone) {
+      EXPECT_EQ(e.frame.seq, 4u);
+      EXPECT_EQ(e.frame.data(), "hello");
+      EXPECT_EQ(e.frame.rank, e.slot);  // each worker's frame named it
+      done.insert(e.slot);
+    }
+  }
+  EXPECT_EQ(done, (std::set<int>{0, 2}));
+  // Each worker released its own reference: the segment goes back to the pool.
+  for (int i = 0; i < 1000 && c.pool().in_use() > 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(c.pool().in_use(), 0u);
+  EXPECT_THROW(c.send(std::vector<int>{0, 3}, Frame::make(kRequest, -1, 5, "echo:1")),
+               std::out_of_range);
+}
+
+TEST(Coordinator, TakeEventsTakesEverythingQueuedWithoutWaiting) {
+  Coordinator c(options(2));
+  std::vector<Event> got;
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  int hellos = 0;
+  while (hellos < 2 && std::chrono::steady_clock::now() < deadline) {
+    got.clear();
+    if (auto e = c.next_event(100ms)) got.push_back(std::move(*e));
+    c.take_events(got);
+    for (auto& e : got) hellos += e.kind == Event::kFrame && e.frame.kind == kHello;
+  }
+  EXPECT_EQ(hellos, 2);
+  got.clear();
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(c.take_events(got), 0u);  // nothing queued: at once
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
 }
 
 TEST(Coordinator, ADeadWorkersSegmentsAreReleased) {

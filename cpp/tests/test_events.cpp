@@ -76,6 +76,21 @@ TEST(EventQueue, UnreadOutputBeyondTheCapIsDroppedAndTheDropReported) {
   EXPECT_EQ(q.dropped_output(0), 0u);
 }
 
+TEST(EventQueue, PopAllTakesEverythingQueuedAndFreesItsRoom) {
+  EventQueue q(1, 10);
+  q.push(Event::output(0, 1, "12345"));
+  q.push(Event::output(0, 1, "67890"));
+  std::vector<Event> got;
+  EXPECT_EQ(q.pop_all(got), 2u);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].text + got[1].text, "1234567890");
+  EXPECT_EQ(q.pop_all(got), 0u);
+  // Taken, so no longer unread: the cap has room again, nothing is dropped.
+  q.push(Event::output(0, 1, "abcdefghij"));
+  EXPECT_EQ(q.dropped_output(0), 0u);
+  EXPECT_EQ(q.pop(0ms)->text, "abcdefghij");
+}
+
 TEST(EventQueue, CloseWakesWaitersAndLeavesQueuedEventsToTake) {
   EventQueue q(1, 1 << 20);
   q.push(Event::output(0, 1, "last words"));

@@ -204,12 +204,10 @@ def unresponsive_failure(rank, age) -> RankFailure:
 
 def drain(rt, req: Request, cb: Callbacks):
     """Processes what the runtime delivered into `req`'s mailbox, calling the callbacks."""
-    while True:
-        with rt.mu:
-            if not req.mailbox:
-                return
-            item = req.mailbox.popleft()
-        _handle(req, item, cb)
+    mailbox = req.mailbox
+    while mailbox:
+        # deque's popleft is atomic: the pumping thread may append meanwhile, no lock needed.
+        _handle(req, mailbox.popleft(), cb)
 
 
 def _call(req: Request, cb: Callbacks, name: str, *args):

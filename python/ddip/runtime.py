@@ -46,6 +46,7 @@ class Runtime:
         self.state = ["starting"] * size
         self.exits: dict[int, RankFailure] = {}
         self.running: dict[int, Request] = {}  # slot -> the request it is busy with
+        self.inbox = collections.deque()  # events taken from the Coordinator, not yet dispatched
         self.unresponsive: dict[int, float] = {}  # slot -> seconds without a heartbeat
         self.background = {s: collections.deque() for s in range(size)}  # idle ranks' output
         self.background_bytes = [0] * size
@@ -117,18 +118,15 @@ class Runtime:
             if coord is None:
                 return
             self.pumping = True
-        ev = None
+        inbox = self.inbox
         try:
-            ev = coord.next_event(timeout * 1000 if timeout > 0 else 0)
-            while ev is not None:
-                with self.mu:
-                    self.dispatch(ev)
-                ev = None
-                ev = coord.next_event(0)
+            # Everything queued comes in one call, straight into the inbox: an interrupt can't
+            # lose what was taken, and what a Ctrl-C left undispatched goes first next time.
+            coord.next_events(inbox, timeout * 1000 if timeout > 0 else 0)
         finally:
             with self.mu:
-                if ev is not None:  # taken, then Ctrl-C landed before it was delivered
-                    self.dispatch(ev)
+                while inbox:
+                    self.dispatch(inbox.popleft())
                 self.pumping = False
                 self.cv.notify_all()
 
@@ -177,7 +175,6 @@ class Runtime:
                 for s in list(r.pending):
                     r.mailbox.append(("broken", s, self.broken))
             self.running = {}
-        self.cv.notify_all()
 
     def keep_background(self, slot, stream, data):
         q = self.background[slot]

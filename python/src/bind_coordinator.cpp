@@ -221,16 +221,12 @@ void init_coordinator(nb::module_& m) {
           "send",
           [](ddip::Coordinator& c, const std::vector<int>& slots, int kind, uint64_t seq,
              const nb::bytes& payload, const std::vector<uint64_t>& segments) {
-            // One payload shared by every slot's frame.
-            auto shared = std::make_shared<const std::string>(from_bytes(payload));
-            for (int slot : slots) {
-              ddip::Frame f;
-              f.kind = static_cast<uint16_t>(kind);
-              f.rank = slot;
-              f.seq = seq;
-              f.payload = shared;
-              c.send(slot, std::move(f), segments);
-            }
+            // One payload shared by every slot's frame, one command to the IO thread.
+            ddip::Frame f;
+            f.kind = static_cast<uint16_t>(kind);
+            f.seq = seq;
+            f.payload = std::make_shared<const std::string>(from_bytes(payload));
+            c.send(slots, std::move(f), segments);
           },
           "slots"_a, "kind"_a, "seq"_a, "payload"_a, "segments"_a = std::vector<uint64_t>{})
       .def(
@@ -273,6 +269,33 @@ void init_coordinator(nb::module_& m) {
             }
           },
           "timeout_ms"_a, "The next Event within timeout_ms, or None.")
+      .def(
+          "next_events",
+          [](ddip::Coordinator& c, nb::object inbox, double timeout_ms) {
+            // Events already queued are taken without releasing the GIL (the IO thread never
+            // needs it); only an empty queue is waited on, in slices (Ctrl-C is never blocked).
+            // They go straight into `inbox` (its append): none is ever held only here, where
+            // an interrupt could lose it.
+            std::vector<ddip::Event> got;
+            if (c.take_events(got) == 0 && timeout_ms > 0) {
+              auto first = ddip_python::wait_in_slices<ddip::Event>(
+                  timeout_ms, [&](std::chrono::milliseconds slice) { return c.next_event(slice); });
+              if (!first) return 0;
+              got.push_back(std::move(*first));
+              c.take_events(got);
+            }
+            nb::object append = inbox.attr("append");
+            int n = 0;
+            for (auto& e : got)
+              if (auto p = classify(e)) {
+                append(nb::cast(std::move(*p)));
+                ++n;
+              }
+            return n;
+          },
+          "inbox"_a, "timeout_ms"_a,
+          "Appends to inbox every Event queued now or, when none is, those that arrive within "
+          "timeout_ms; returns how many.")
       .def("heartbeat_age_ms", &ddip::Coordinator::heartbeat_age_ms, "slot"_a)
       .def("connected", &ddip::Coordinator::connected, "slot"_a)
       .def(
