@@ -27,7 +27,8 @@ EventQueue::EventQueue(size_t slots, size_t max_unread_output, std::function<voi
     : max_unread_(max_unread_output),
       on_push_(std::move(on_push)),
       unread_(slots, 0),
-      dropped_(slots, 0) {}
+      dropped_(slots, 0),
+      dropping_(slots, false) {}
 
 Event EventQueue::note(size_t slot, const std::string& what) {
   return Event::output(static_cast<int>(slot), RankOutput::kStderr, "\n[ddip: " + what + "]\n");
@@ -40,7 +41,8 @@ void EventQueue::push(Event e) {
       size_t slot = static_cast<size_t>(e.slot);
       size_t& unread = unread_[slot];
       size_t& dropped = dropped_[slot];
-      if (unread + e.text.size() > max_unread_) {
+      if (dropping_[slot] || unread + e.text.size() > max_unread_) {
+        dropping_[slot] = true;
         if (dropped == 0)
           events_.push_back(note(slot, "rank output is being dropped: more than " +
                                            std::to_string(max_unread_ >> 10) +
@@ -68,10 +70,7 @@ std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
   if (events_.empty()) return std::nullopt;
   Event e = std::move(events_.front());
   events_.pop_front();
-  if (e.kind == Event::kOutput) {
-    size_t& unread = unread_[static_cast<size_t>(e.slot)];
-    unread -= std::min(unread, e.text.size());  // notes were never counted
-  }
+  if (e.kind == Event::kOutput) taken(e);
   return e;
 }
 
@@ -79,14 +78,18 @@ size_t EventQueue::pop_all(std::vector<Event>& out) {
   std::lock_guard lock(mu_);
   size_t n = events_.size();
   for (auto& e : events_) {
-    if (e.kind == Event::kOutput) {
-      size_t& unread = unread_[static_cast<size_t>(e.slot)];
-      unread -= std::min(unread, e.text.size());
-    }
+    if (e.kind == Event::kOutput) taken(e);
     out.push_back(std::move(e));
   }
   events_.clear();
   return n;
+}
+
+// The reader took `e` (an output event): room again, and whatever comes next may be queued.
+void EventQueue::taken(const Event& e) {
+  size_t slot = static_cast<size_t>(e.slot);
+  unread_[slot] -= std::min(unread_[slot], e.text.size());  // notes were never counted
+  dropping_[slot] = false;
 }
 
 void EventQueue::close() {

@@ -42,7 +42,8 @@ struct Event {
 
 // Thread-safe. Output of one worker waiting unread beyond `max_unread_output` bytes is dropped,
 // and the drop reported in its stderr: a rank printing while nobody reads must not grow the
-// kernel's memory without bound.
+// kernel's memory without bound. Once dropping, all its output is dropped until the reader has
+// taken some of it: a later small piece that happens to fit would make holes in the text.
 class EventQueue {
  public:
   // `on_push`: called after each event is queued, on the pushing thread (must not block).
@@ -68,10 +69,12 @@ class EventQueue {
   mutable std::condition_variable cv_;
   std::deque<Event> events_;
   std::vector<size_t> unread_;   // bytes of each worker's output in events_
-  std::vector<size_t> dropped_;  // bytes dropped since the queue was last below the cap
+  std::vector<size_t> dropped_;  // bytes dropped since the reader last took this worker's output
+  std::vector<bool> dropping_;   // over the cap, and the reader has taken nothing since
   bool closed_ = false;
 
   static Event note(size_t slot, const std::string& what);
+  void taken(const Event& e);  // with mu_ held
 };
 
 }  // namespace ddip

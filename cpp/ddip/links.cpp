@@ -40,9 +40,11 @@ HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
 
 HostLinks::~HostLinks() {
   close();
-  for (auto& l : links_)
+  for (auto& l : links_) {
+    if (!l.launcher_exited) loop_.unwatch(supervisor_.child(l.child).pidfd());
     for (Fd* fd : {&l.out, &l.err})
       if (*fd) loop_.unwatch(fd->get());
+  }
   if (tcp_) loop_.unwatch(tcp_->fd());
 }
 

@@ -91,6 +91,25 @@ TEST(EventQueue, PopAllTakesEverythingQueuedAndFreesItsRoom) {
   EXPECT_EQ(q.pop(0ms)->text, "abcdefghij");
 }
 
+TEST(EventQueue, OnceDroppingEverySmallerPieceIsDroppedTooUntilTheReaderTakesSome) {
+  EventQueue q(1, 10);
+  q.push(Event::output(0, 1, "12345678"));
+  q.push(Event::output(0, 1, "abcdef"));  // over the cap: dropped
+  q.push(Event::output(0, 1, "xy"));      // would fit, but would leave a hole before it
+  EXPECT_EQ(q.dropped_output(0), 8u);
+  std::vector<Event> got;
+  q.pop_all(got);
+  ASSERT_EQ(got.size(), 2u);  // the text before the drop, and the note that dropping began
+  EXPECT_EQ(got[0].text, "12345678");
+  q.push(Event::output(0, 1, "after"));  // the reader took some: the tally, then the text
+  got.clear();
+  q.pop_all(got);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_NE(got[0].text.find("8 bytes of rank output were dropped"), std::string::npos)
+      << got[0].text;
+  EXPECT_EQ(got[1].text, "after");
+}
+
 TEST(EventQueue, CloseWakesWaitersAndLeavesQueuedEventsToTake) {
   EventQueue q(1, 1 << 20);
   q.push(Event::output(0, 1, "last words"));
