@@ -383,6 +383,9 @@ def main() -> str:
               "| ranks | round trip | CPU per rank per request | notebook CPU per request |", "|---|---|---|---|"]
     for n, (rt, rank_cpu, kernel_cpu) in cpu.items():
         lines.append(f"| N={n} | {_ms(rt)} | {_ms(rank_cpu)} | {_ms(kernel_cpu)} |")
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    lines += ["", f"(/proc counts CPU in ticks of {tick * 1e3:g} ms: one tick over {CPU_REQS} requests is "
+                  f"{_ms(tick / CPU_REQS)} per request, the resolution of these figures.)"]
     return ("\n".join(lines) + "\n\nTargets: " + "; ".join(targets) + ".\n\n"
             + "\n".join(f"- {n}" for n in notes) + "\n")
 
