@@ -12,7 +12,6 @@ match); the others wait on the condition. Callbacks never run here: each request
 from __future__ import annotations
 
 import collections
-import signal
 import threading
 import time
 
@@ -73,7 +72,7 @@ class Runtime:
                 self.state[slot] = "idle"
                 waiting.discard(slot)
             elif kind == "exited":
-                f = self.death(slot, ev.code, ev.signal, ev.data)
+                f = self.death(slot, ev)
                 raise StartError(f"rank {f.rank} exited while starting ({f.evalue})"
                                  + (f"; last lines of its stderr:\n{f.stderr_tail}" if f.stderr_tail else ""),
                                  [f.rank], failure=f)
@@ -93,14 +92,12 @@ class Runtime:
         self.exits[slot] = f
         return f
 
-    def death(self, slot, code, sig, tail) -> RankFailure:
-        if code < 0:
-            cause = "exit status unknown (something else in the notebook's process reaped it)"
-        else:
-            cause = f"killed by {signal_name(sig)}" if sig else f"exit code {code}"
-        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=cause,
-                        stderr_tail=tail.decode(errors="replace"), exit_code=None if sig else code,
-                        exit_signal=sig or None)
+    def death(self, slot, ev) -> RankFailure:
+        """An "exited" event: its cause in the runtime's words (ExitStatus::describe)."""
+        code, sig = ev.code, ev.signal
+        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=ev.why,
+                        stderr_tail=ev.data.decode(errors="replace"),
+                        exit_code=None if sig or code < 0 else code, exit_signal=sig or None)
         self.state[slot] = "dead"
         self.exits[slot] = f
         return f
@@ -158,7 +155,7 @@ class Runtime:
             if replies is not None:
                 replies[slot] = ev.data.decode(errors="replace")
         elif kind == "exited" or kind == "lost":
-            f = self.death(slot, ev.code, ev.signal, ev.data) if kind == "exited" else self.lost(slot, ev.data)
+            f = self.death(slot, ev) if kind == "exited" else self.lost(slot, ev.data)
             self.unresponsive.pop(slot, None)
             if req is not None:
                 del self.running[slot]
@@ -288,10 +285,3 @@ class Runtime:
                 self.running = {}
                 self.cv.notify_all()
         return coord
-
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:  # real-time signals have no name
-        return f"signal {sig}"

@@ -29,8 +29,9 @@ std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.siz
 //   "done"          seq, data, fds (Python's to close): a reply
 //   "truncated"     seq: a reply whose fds could not all be received (this process is out of them)
 //   "display", "message", "stacks"   seq, data
-//   "exited"        code, signal, data: the last lines of its stderr (code -1 with signal 0: the
-//                   status is unknown, someone else in this process reaped it)
+//   "exited"        code, signal, why ("exit code 3", "killed by SIGKILL": the runtime's words),
+//                   data: the last lines of its stderr (code -1 with signal 0: the status is
+//                   unknown, someone else in this process reaped it)
 //   "lost"          data: why (a worker on another host, gone with its host's link or launcher)
 //   "unresponsive"  age: seconds since its last heartbeat answer; "responsive"; "disconnected"
 //   "failed"        slot -1, data: the runtime's error
@@ -44,6 +45,7 @@ struct PyEvent {
   nb::object fds = nb::tuple();  // the empty tuple is shared
   int code = 0;
   int signal = 0;
+  nb::object why = nb::none();
   double age = 0;
 };
 
@@ -117,6 +119,7 @@ std::optional<PyEvent> classify(ddip::Event& e) {
       p.kind = k.exited;
       p.code = e.status.unknown ? -1 : e.status.code;
       p.signal = e.status.unknown ? 0 : e.status.signal;
+      p.why = nb::str(e.status.describe().c_str());
       p.data = to_bytes(e.text);
       return p;
     case ddip::Event::kDisconnected:
@@ -157,6 +160,7 @@ void init_coordinator(nb::module_& m) {
       .def_ro("fds", &PyEvent::fds)
       .def_ro("code", &PyEvent::code)
       .def_ro("signal", &PyEvent::signal)
+      .def_ro("why", &PyEvent::why)
       .def_ro("age", &PyEvent::age)
       .def("__repr__", [](const PyEvent& e) {
         return nb::str("<Event {} slot={} seq={} {!r}>")
