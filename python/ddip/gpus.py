@@ -86,10 +86,8 @@ def _query_physical_gpus() -> list[GpuInfo]:
             except (IndexError, ValueError):
                 continue
         return sorted(gpus, key=lambda g: g.index)
-    try:  # no nvidia-smi: the driver still lists its devices
-        return [GpuInfo(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
+    # No nvidia-smi: the driver still lists its devices (the plan counts them as ddip run does).
+    return [GpuInfo(i) for i in range(_core.plan.nvidia_device_count())]
 
 
 def visible_entries(visible_env: str | None, physical_count: int) -> list[str]:
