@@ -1,6 +1,9 @@
 // Move-only owner of a file descriptor, and the one helper every failing system call goes through.
 #pragma once
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -43,6 +46,22 @@ struct Pipe {
   Fd read;
   Fd write;
 };
+
+// How read_available() stopped.
+enum class ReadEnd { kWouldBlock, kStopped, kEnded };
+
+// Reads a non-blocking `fd` through `buf` until it would block, `take(piece)` returns false, or
+// the stream ends (end of file, or an error, which ends it the same way); EINTR is retried.
+template <typename Take>
+ReadEnd read_available(int fd, char* buf, size_t size, Take&& take) {
+  while (true) {
+    ssize_t n = ::read(fd, buf, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return ReadEnd::kWouldBlock;
+    if (n <= 0) return ReadEnd::kEnded;
+    if (!take(std::string_view(buf, static_cast<size_t>(n)))) return ReadEnd::kStopped;
+  }
+}
 
 // A close-on-exec pipe; `nonblocking_read` makes the read end O_NONBLOCK.
 Pipe make_pipe(bool nonblocking_read = false);

@@ -267,17 +267,14 @@ void HostLinks::on_launcher(size_t link, int stream) {
   Fd& fd = stream == RankOutput::kStdout ? l.out : l.err;
   if (!fd) return;
   char buf[8192];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    if (n <= 0) {
-      loop_.unwatch(fd.get());
-      fd.reset();
-      return;
-    }
+  auto end = read_available(fd.get(), buf, sizeof buf, [&](std::string_view piece) {
     // Kept for the tail only (ssh's and the agent's own complaints), both streams as one.
-    l.output.feed(RankOutput::kStderr, std::string_view(buf, static_cast<size_t>(n)));
+    l.output.feed(RankOutput::kStderr, piece);
+    return true;
+  });
+  if (end == ReadEnd::kEnded) {
+    loop_.unwatch(fd.get());
+    fd.reset();
   }
 }
 

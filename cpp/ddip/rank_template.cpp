@@ -383,18 +383,16 @@ void RankTemplate::on_frame(Frame f) {
 }
 
 void RankTemplate::drain(Fd& fd) {
+  if (!fd) return;
   char buf[4096];
-  while (fd) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    if (n <= 0) {
-      loop_.unwatch(fd.get());
-      fd.reset();
-      return;
-    }
-    tail_.append(buf, static_cast<size_t>(n));
+  auto end = read_available(fd.get(), buf, sizeof buf, [&](std::string_view piece) {
+    tail_.append(piece);
     if (tail_.size() > detail::kTailBytes) tail_.erase(0, tail_.size() - detail::kTailBytes);
+    return true;
+  });
+  if (end == ReadEnd::kEnded) {
+    loop_.unwatch(fd.get());
+    fd.reset();
   }
 }
 

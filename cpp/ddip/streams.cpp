@@ -35,22 +35,18 @@ void RankStreams::read(size_t slot, int stream, bool to_eof) {
   Fd& fd = stream == RankOutput::kStdout ? s.out : s.err;
   if (!fd) return;
   char buf[65536];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-    if (n <= 0) {  // EOF or error: the worker (and anything it started) closed it
-      loop_.unwatch(fd.get());
-      fd.reset();
-      break;
-    }
-    auto pieces = s.output.feed(static_cast<RankOutput::Stream>(stream), std::string_view(buf, n));
+  auto end = read_available(fd.get(), buf, sizeof buf, [&](std::string_view got) {
+    auto pieces = s.output.feed(static_cast<RankOutput::Stream>(stream), got);
     s.last_output = Clock::now();
     for (auto& piece : pieces) {
       text(slot, stream, std::move(piece.text));
       if (piece.marker) s.held.emplace_back();
     }
-    if (static_cast<size_t>(n) < sizeof buf && !to_eof) break;
+    return got.size() == sizeof buf || to_eof;  // a short read: all there is for now
+  });
+  if (end == ReadEnd::kEnded) {  // EOF or error: the worker (and anything it started) closed it
+    loop_.unwatch(fd.get());
+    fd.reset();
   }
 }
 
