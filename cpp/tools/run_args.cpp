@@ -119,8 +119,8 @@ CommandLine::CommandLine()
                    "What every rank runs, with its arguments, e.g. python train.py --lr 0.1. "
                    "Put it after -- when it could be taken for a flag of ddip run");
   run_->footer(
-      "Each rank's stdin is /dev/null. Ranks also get OMP_NUM_THREADS=1 (when their host runs "
-      "more than one) and PYTHONUNBUFFERED=1, unless already set. Ctrl-C (SIGINT) and SIGTERM "
+      "Each rank's stdin is /dev/null. Ranks also get OMP_NUM_THREADS (their host's cores "
+      "divided among its ranks) and PYTHONUNBUFFERED=1, unless already set. Ctrl-C (SIGINT) and SIGTERM "
       "are forwarded to every rank's process group, on every host; a second one kills the "
       "ranks. With --hosts, ranks on other hosts get that host's own environment (as under "
       "torchrun) plus the variables above, and run in this directory when it exists there.");
