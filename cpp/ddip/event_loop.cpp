@@ -22,14 +22,26 @@ EventLoop::EventLoop(std::string closed_message) : closed_message_(std::move(clo
 }
 
 void EventLoop::watch(int fd, uint32_t events, FdHandler handler) {
+  add(fd, events, std::move(handler), false);
+}
+
+bool EventLoop::try_watch(int fd, uint32_t events, FdHandler handler) {
+  return add(fd, events, std::move(handler), true);
+}
+
+bool EventLoop::add(int fd, uint32_t events, FdHandler handler, bool permissive) {
   if (by_fd_.count(fd)) throw std::logic_error("fd " + std::to_string(fd) + " is watched already");
   uint64_t id = next_watcher_++;
   epoll_event ev{};
   ev.events = events;
   ev.data.u64 = id;
-  check(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev), "epoll_ctl(ADD)", "watching an fd");
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+    if (permissive && errno == EPERM) return false;
+    throw_errno("epoll_ctl(ADD)", "watching an fd");
+  }
   watchers_.emplace(id, std::make_shared<Watcher>(Watcher{fd, std::move(handler)}));
   by_fd_.emplace(fd, id);
+  return true;
 }
 
 void EventLoop::modify(int fd, uint32_t events) {

@@ -34,6 +34,8 @@ class EventLoop {
   // Calls `handler` with epoll's events whenever `fd` is ready for `events` (level-triggered).
   // The fd stays the caller's; unwatch it before closing it. Throws if epoll refuses it.
   void watch(int fd, uint32_t events, FdHandler handler);
+  // As watch(), but false for what epoll can't watch (EPERM: a regular file, /dev/null).
+  bool try_watch(int fd, uint32_t events, FdHandler handler);
   void modify(int fd, uint32_t events);
   // Safe from inside any handler (a pending readiness of that fd is then not delivered).
   void unwatch(int fd);
@@ -80,6 +82,7 @@ class EventLoop {
   std::deque<Task> commands_;
   bool closed_ = false;
 
+  bool add(int fd, uint32_t events, FdHandler handler, bool permissive);
   void run_timers();
   void run_commands();
 };

@@ -1,5 +1,6 @@
 #include "ddip/event_loop.hpp"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/epoll.h>
 #include <unistd.h>
@@ -101,6 +102,28 @@ TEST(EventLoop, WatchingAnFdTwiceOrABadFdThrows) {
   EXPECT_THROW(loop.watch(p.read.get(), EPOLLIN, [](uint32_t) {}), std::logic_error);
   EXPECT_THROW(loop.watch(-1, EPOLLIN, [](uint32_t) {}), std::system_error);
   EXPECT_THROW(loop.modify(12345, EPOLLIN), std::logic_error);
+}
+
+TEST(EventLoop, TryWatchRefusesWhatEpollCannotWatchAndWatchesTheRest) {
+  EventLoop loop;
+  char path[] = "/tmp/ddip-test-event-loop-XXXXXX";
+  Fd file(::mkstemp(path));
+  ASSERT_TRUE(file);
+  ::unlink(path);
+  Fd null(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(null);
+  for (int fd : {file.get(), null.get()}) {
+    EXPECT_FALSE(loop.try_watch(fd, EPOLLIN, [](uint32_t) {}));
+    EXPECT_FALSE(loop.watching(fd));
+    EXPECT_THROW(loop.watch(fd, EPOLLIN, [](uint32_t) {}), std::system_error);
+  }
+  EXPECT_THROW(loop.try_watch(-1, EPOLLIN, [](uint32_t) {}), std::system_error);  // not EPERM
+  Pipe p = make_pipe(true);
+  std::string got;
+  EXPECT_TRUE(loop.try_watch(p.read.get(), EPOLLIN, [&](uint32_t) { got += drain(p.read.get()); }));
+  test::write_fd(p.write.get(), "ok");
+  loop.run_once(Clock::now() + 1s);
+  EXPECT_EQ(got, "ok");
 }
 
 TEST(EventLoop, TimersRunInOrderWhenDueAndNotBefore) {
