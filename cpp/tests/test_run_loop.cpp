@@ -1,18 +1,14 @@
-// `ddip run`'s event loop (cpp/tools/run_loop.hpp): handlers for readable fds, deadlines, and
-// unwatching in the middle of a round.
-#include <fcntl.h>
+// `ddip run`'s event loop (cpp/tools/run_loop.hpp): run_until over the runtime's event loop, and
+// deadlines polled after every wake-up. Watching fds itself is ddip::EventLoop's (test_event_loop).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <string>
-#include <system_error>
 
 #include "helpers.hpp"
 #include "run_loop.hpp"
 
 using namespace ddip::run;
-using ddip::Fd;
 using std::chrono::milliseconds;
 
 namespace {
@@ -25,16 +21,16 @@ std::string read_some(int fd) {
 
 }  // namespace
 
-TEST(RunLoop, CallsTheHandlerOfAReadableFd) {
+TEST(RunLoop, RunsFdHandlersUntilDoneAndADeadlineEndsAWaitWithNoFd) {
   EventLoop loop;
   auto p = ddip::make_pipe(true);
   std::string got;
-  uint64_t id = loop.watch(p.read.get(), [&] { got += read_some(p.read.get()); });
+  loop.watch(p.read.get(), EPOLLIN, [&](uint32_t) { got += read_some(p.read.get()); });
   ddip::test::write_fd(p.write.get(), "hello");
   loop.run_until([&] { return got == "hello"; });
   EXPECT_EQ(got, "hello");
-  // Unwatched: more data is not read.
-  loop.unwatch(id);
+  // Unwatched: more data is not read, and only the deadline wakes the loop.
+  loop.unwatch(p.read.get());
   ddip::test::write_fd(p.write.get(), "more");
   bool fired = false;
   const auto until = Clock::now() + milliseconds(20);
@@ -44,6 +40,7 @@ TEST(RunLoop, CallsTheHandlerOfAReadableFd) {
   }, [&](Clock::time_point) { fired = true; });
   loop.run_until([&] { return fired; });
   EXPECT_EQ(got, "hello");
+  EXPECT_GE(Clock::now(), until);
 }
 
 TEST(RunLoop, DeadlinesRunOnceDueInTheOrderAdded) {
@@ -61,34 +58,24 @@ TEST(RunLoop, DeadlinesRunOnceDueInTheOrderAdded) {
   EXPECT_GE(fired[1].second, start + milliseconds(60));
 }
 
-TEST(RunLoop, AHandlerMayUnwatchAnotherFdOfTheSameRound) {
+TEST(RunLoop, ADeadlineSetByAnFdHandlerIsAskedForBeforeTheNextWait) {
+  // A unit's deadline follows its state (a heartbeat heard): no re-arming, the loop asks again.
   EventLoop loop;
-  auto p1 = ddip::make_pipe(true), p2 = ddip::make_pipe(true);
-  ddip::test::write_fd(p1.write.get(), "1");
-  ddip::test::write_fd(p2.write.get(), "2");  // both readable before the loop waits
-  int calls = 0;
-  uint64_t id1 = 0, id2 = 0;
-  id1 = loop.watch(p1.read.get(), [&] {
-    ++calls;
-    loop.unwatch(id2);
-    loop.unwatch(id1);  // itself too: the handler is not destroyed under it
+  auto p = ddip::make_pipe(true);
+  std::optional<Clock::time_point> when;
+  std::optional<Clock::time_point> fired_at;
+  loop.watch(p.read.get(), EPOLLIN, [&](uint32_t) {
+    read_some(p.read.get());
+    when = Clock::now() + milliseconds(30);
   });
-  id2 = loop.watch(p2.read.get(), [&] {
-    ++calls;
-    loop.unwatch(id1);
-    loop.unwatch(id2);
+  loop.deadline([&] { return when; }, [&](Clock::time_point now) {
+    fired_at = now;
+    when.reset();
   });
-  loop.run_until([&] { return calls > 0; });
-  // Whichever ran first unwatched the other: its pending event of this round is dropped.
-  EXPECT_EQ(calls, 1);
-}
-
-TEST(RunLoop, TryWatchRefusesWhatEpollCannotWatch) {
-  EventLoop loop;
-  char path[] = "/tmp/ddip-test-run-loop-XXXXXX";
-  Fd file(::mkstemp(path));
-  ASSERT_TRUE(file);
-  ::unlink(path);
-  EXPECT_EQ(loop.try_watch(file.get(), [] {}), std::nullopt);
-  EXPECT_THROW(loop.watch(file.get(), [] {}), std::system_error);
+  ddip::test::write_fd(p.write.get(), "x");
+  const auto start = Clock::now();
+  loop.run_until([&] { return fired_at.has_value(); });
+  ASSERT_TRUE(fired_at);
+  EXPECT_GE(*fired_at, start + milliseconds(30));
+  EXPECT_LT(*fired_at, start + milliseconds(5000));  // woken by the deadline, not left waiting
 }

@@ -103,7 +103,6 @@ class Launcher final : Crew {
   milliseconds link_timeout_;
   std::vector<UnitPlan> plans_;
   std::vector<UnitEnd> ends_;  // per unit, as the Supervisor numbers them
-  std::vector<uint64_t> exit_watch_;
   Supervisor sup_;
   EventLoop loop_;
   Terminal terminal_;
@@ -146,7 +145,6 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
     else
       streams_.add_rank(p.first_rank, p.shown);
   }
-  exit_watch_.resize(plans_.size());
   loop_.deadline([this] { return policy_.next_deadline(all_exited()); },
                  [this](Clock::time_point now) { policy_.tick(now, all_exited()); });
   loop_.deadline(
@@ -176,7 +174,7 @@ void Launcher::start_units() {
     }
     Child& c = sup_.child(u);
     streams_.attach(u, std::move(c.stdout_pipe()), std::move(c.stderr_pipe()));
-    exit_watch_[u] = loop_.watch(c.pidfd(), [this, u] { on_exit(u); });
+    loop_.watch(c.pidfd(), EPOLLIN, [this, u](uint32_t) { on_exit(u); });
     if (p.host) downstream_.add(u, std::move(c.stdin_pipe()));
   }
 }
@@ -246,7 +244,7 @@ void Launcher::on_exit(size_t u) {
   if (!st) return;
   UnitEnd& un = ends_[u];
   un.status = st;
-  loop_.unwatch(exit_watch_[u]);
+  loop_.unwatch(sup_.child(u).pidfd());
   if (un.host) downstream_.ended(u);
   streams_.drain(u);
   if (un.host) {
@@ -323,7 +321,7 @@ int Launcher::run() {
                       "taking over SIGINT and SIGTERM"));
   // A closed terminal or pipe must not kill the launcher (and with it, every rank).
   ::signal(SIGPIPE, SIG_IGN);
-  loop_.watch(signals_.get(), [this] { on_signal(); });
+  loop_.watch(signals_.get(), EPOLLIN, [this](uint32_t) { on_signal(); });
   std::string no_channel;
   if (node_) {
     // The control channel is this process's stdin; the ranks get /dev/null instead.

@@ -35,16 +35,15 @@ Upstream::Upstream(EventLoop& loop, Terminal& terminal, milliseconds link_timeou
 
 std::string Upstream::open(Fd fd) {
   set_nonblocking(fd.get());
-  auto id = loop_.try_watch(fd.get(), [this] { on_readable(); });
-  if (!id) return "its launcher gives it no stdin to listen to (docker and kubectl exec need -i)";
+  if (!loop_.try_watch(fd.get(), EPOLLIN, [this](uint32_t) { on_readable(); }))
+    return "its launcher gives it no stdin to listen to (docker and kubectl exec need -i)";
   fd_ = std::move(fd);
-  watch_ = *id;
   heard_at_ = Clock::now();
   return "";
 }
 
 void Upstream::close() {
-  loop_.unwatch(watch_);
+  loop_.unwatch(fd_.get());
   fd_.reset();
 }
 

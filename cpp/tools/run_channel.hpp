@@ -51,7 +51,6 @@ class Upstream {
   milliseconds link_timeout_;
   Hooks hooks_;
   Fd fd_;
-  uint64_t watch_ = 0;
   protocol::ControlReader in_;
   Clock::time_point heard_at_;
   bool silent_ = false;  // the link timeout has passed once: said, not again

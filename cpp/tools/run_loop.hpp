@@ -1,42 +1,31 @@
-// `ddip run`'s one thread: an epoll set over file descriptors, and deadlines. Each unit of the
-// launcher (rank output, the control channels, the failure policy) registers here what it waits
-// for, with what to do then; nothing else in the launcher waits (but bounded writes).
+// `ddip run`'s one thread: the runtime's event loop (ddip/event_loop.hpp) for file descriptors,
+// plus deadlines kept by the launcher's units. Each unit (rank output, the control channels,
+// the failure policy) registers here what it waits for, with what to do then; nothing else in
+// the launcher waits (but bounded writes).
 #pragma once
 
-#include <chrono>
-#include <cstdint>
+#include <sys/epoll.h>  // EPOLLIN, what the units watch() for
+
 #include <functional>
 #include <optional>
-#include <unordered_map>
 #include <vector>
 
-#include "ddip/fd.hpp"
+#include "ddip/event_loop.hpp"
 
 namespace ddip::run {
 
-using Clock = std::chrono::steady_clock;
+using Clock = ddip::EventLoop::Clock;
 
-class EventLoop {
+// Deadlines are polled rather than timers: each unit's next deadline follows its state (a
+// heartbeat heard, every rank exited), so asking after each wake-up needs no re-arming.
+class EventLoop : public ddip::EventLoop {
  public:
-  using Handler = std::function<void()>;
   using Next = std::function<std::optional<Clock::time_point>()>;
   using Due = std::function<void(Clock::time_point now)>;
 
-  EventLoop();
-  EventLoop(const EventLoop&) = delete;
-  EventLoop& operator=(const EventLoop&) = delete;
-
-  // Calls `on_ready` whenever `fd` is readable or closed, until unwatch(id). Throws
-  // std::system_error.
-  uint64_t watch(int fd, Handler on_ready);
-  // As watch(), but nullopt for what epoll can't watch (EPERM: a regular file, /dev/null).
-  std::optional<uint64_t> try_watch(int fd, Handler on_ready);
-  // Before `fd` is closed. An event of this round not yet handled is dropped.
-  void unwatch(uint64_t id);
-
   // A deadline kept by someone else: `next()` says when it is next due (nullopt: nothing to
   // wait for now), `due(now)` runs once it has passed. Checked after every wake-up, in the order
-  // added; ids are never reused, so a handler may unwatch anything, itself included.
+  // added.
   void deadline(Next next, Due due);
 
   // Waits and dispatches until `done()` holds (asked before each wait).
@@ -47,11 +36,6 @@ class EventLoop {
     Next next;
     Due due;
   };
-  uint64_t add(int fd, Handler on_ready, bool permissive);
-
-  Fd epoll_;
-  std::unordered_map<uint64_t, std::pair<int, Handler>> watches_;
-  uint64_t next_id_ = 0;
   std::vector<Deadline> deadlines_;
 };
 

@@ -113,7 +113,7 @@ void RankStreams::attach(size_t u, Fd out, Fd err) {
   un.pipe[1] = std::move(out);
   un.pipe[2] = std::move(err);
   for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
-    un.watch[s] = loop_.watch(un.pipe[s].get(), [this, u, s] { read(u, s); });
+    loop_.watch(un.pipe[s].get(), EPOLLIN, [this, u, s](uint32_t) { read(u, s); });
 }
 
 bool RankStreams::any_open() const {
@@ -133,7 +133,7 @@ void RankStreams::read(size_t u, RankOutput::Stream s) {
     n = 0;  // EIO and the like: nothing more will come from it
   }
   if (n == 0) {
-    loop_.unwatch(un.watch[s]);
+    loop_.unwatch(fd.get());
     fd.reset();
     deliver(u, s, un.output.flush(s));
     return;

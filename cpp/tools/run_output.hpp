@@ -95,7 +95,6 @@ class RankStreams {
     std::string tag;
     RankOutput output;
     Fd pipe[3];  // [1] stdout, [2] stderr
-    uint64_t watch[3] = {0, 0, 0};
     Fd log[3];
     bool after_cr[3] = {false, false, false};
     std::deque<std::string> tail;  // host units: launcher_tail()
