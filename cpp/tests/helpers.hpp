@@ -49,6 +49,15 @@ inline std::string read_all(Fd& fd) {
   }
 }
 
+// What a non-blocking fd holds now (up to end of file).
+inline std::string read_ready(int fd) {
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
 // One line, without its '\n' (or what is left at end of file).
 inline std::string read_line(Fd& fd) {
   std::string line;

@@ -16,18 +16,7 @@
 using namespace ddip;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-namespace {
-
-std::string drain(int fd) {
-  std::string out;
-  char buf[256];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
-  return out;
-}
-
-}  // namespace
+using ddip::test::read_ready;
 
 TEST(EventLoop, CallsAnFdsHandlerWithWhatIsReady) {
   EventLoop loop;
@@ -36,7 +25,7 @@ TEST(EventLoop, CallsAnFdsHandlerWithWhatIsReady) {
   uint32_t seen = 0;
   loop.watch(p.read.get(), EPOLLIN, [&](uint32_t ev) {
     seen = ev;
-    got += drain(p.read.get());
+    got += read_ready(p.read.get());
   });
   test::write_fd(p.write.get(), "hello");
   loop.run_once(Clock::now() + 5s);
@@ -81,14 +70,14 @@ TEST(EventLoop, AHandlerMayUnwatchItselfAndItsFdCanBeWatchedAgain) {
   Pipe p = make_pipe(true);
   std::string first, second;
   loop.watch(p.read.get(), EPOLLIN, [&, fd = p.read.get()](uint32_t) {
-    first += drain(fd);
+    first += read_ready(fd);
     loop.unwatch(fd);  // destroys this very handler's owner; the call must finish safely
   });
   test::write_fd(p.write.get(), "one");
   loop.run_once(Clock::now() + 5s);
   EXPECT_EQ(first, "one");
   EXPECT_FALSE(loop.watching(p.read.get()));
-  loop.watch(p.read.get(), EPOLLIN, [&](uint32_t) { second += drain(p.read.get()); });
+  loop.watch(p.read.get(), EPOLLIN, [&](uint32_t) { second += read_ready(p.read.get()); });
   test::write_fd(p.write.get(), "two");
   loop.run_once(Clock::now() + 5s);
   EXPECT_EQ(first, "one");
@@ -120,7 +109,7 @@ TEST(EventLoop, TryWatchRefusesWhatEpollCannotWatchAndWatchesTheRest) {
   EXPECT_THROW(loop.try_watch(-1, EPOLLIN, [](uint32_t) {}), std::system_error);  // not EPERM
   Pipe p = make_pipe(true);
   std::string got;
-  EXPECT_TRUE(loop.try_watch(p.read.get(), EPOLLIN, [&](uint32_t) { got += drain(p.read.get()); }));
+  EXPECT_TRUE(loop.try_watch(p.read.get(), EPOLLIN, [&](uint32_t) { got += read_ready(p.read.get()); }));
   test::write_fd(p.write.get(), "ok");
   loop.run_once(Clock::now() + 1s);
   EXPECT_EQ(got, "ok");

@@ -13,16 +13,9 @@ using namespace ddip::run;
 namespace proto = ddip::run::protocol;
 using ddip::Fd;
 using std::chrono::milliseconds;
+using ddip::test::read_ready;
 
 namespace {
-
-std::string drain_fd(int fd) {
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
-  return out;
-}
 
 struct Heard {
   std::vector<proto::Control> messages;
@@ -118,7 +111,7 @@ TEST(RunChannel, UpstreamSendsReportsOnItsStderr) {
   Upstream up(loop, terminal, milliseconds(30000), heard.hooks());
   proto::Report done = proto::NodeDone{{{2, "exit code 0"}}};
   up.send(done);
-  EXPECT_EQ(drain_fd(err.read.get()), proto::encode(done));
+  EXPECT_EQ(read_ready(err.read.get()), proto::encode(done));
 }
 
 TEST(RunChannel, DownstreamTellsPingsAndKillsLaunchers) {
@@ -131,20 +124,20 @@ TEST(RunChannel, DownstreamTellsPingsAndKillsLaunchers) {
   down.add(3, std::move(a.write));
   down.add(4, std::move(b.write));
   down.tell(proto::Stop{});
-  EXPECT_EQ(drain_fd(a.read.get()), proto::encode(proto::Control{proto::Stop{}}));
-  EXPECT_EQ(drain_fd(b.read.get()), proto::encode(proto::Control{proto::Stop{}}));
+  EXPECT_EQ(read_ready(a.read.get()), proto::encode(proto::Control{proto::Stop{}}));
+  EXPECT_EQ(read_ready(b.read.get()), proto::encode(proto::Control{proto::Stop{}}));
   down.ended(3);  // host of unit 3: its launcher exited
   down.tell(proto::Signal{SIGTERM});
-  EXPECT_EQ(drain_fd(b.read.get()), proto::encode(proto::Control{proto::Signal{SIGTERM}}));
+  EXPECT_EQ(read_ready(b.read.get()), proto::encode(proto::Control{proto::Signal{SIGTERM}}));
   std::string pinged;
   loop.run_until([&] {
-    pinged += drain_fd(b.read.get());
+    pinged += read_ready(b.read.get());
     return pinged.size() >= 2 * proto::encode(proto::Control{proto::Ping{}}).size();
   });
   EXPECT_EQ(pinged, proto::encode(proto::Control{proto::Ping{}}) + proto::encode(proto::Control{proto::Ping{}}));
   const auto kill_sent = Clock::now();
   down.kill();
-  EXPECT_EQ(drain_fd(b.read.get()), proto::encode(proto::Control{proto::Kill{}}));
+  EXPECT_EQ(read_ready(b.read.get()), proto::encode(proto::Control{proto::Kill{}}));
   loop.run_until([&] { return !killed.empty(); });
   EXPECT_GE(Clock::now() - kill_sent, milliseconds(100));
   EXPECT_EQ(killed, (std::vector<size_t>{4}));  // not the one that had exited

@@ -16,16 +16,9 @@
 
 using namespace ddip::run;
 using ddip::Fd;
+using ddip::test::read_ready;
 
 namespace {
-
-std::string drain_fd(int fd) {
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
-  return out;
-}
 
 std::string file_text(const std::filesystem::path& p) {
   std::ifstream f(p);
@@ -93,11 +86,11 @@ TEST(RunOutput, RanksHostsTeeAndLogs) {
 
   // Units interleave line by line in the order their pipes are read; rank 0's partial line is
   // released at its end of file, with a line end.
-  auto out = lines_of(drain_fd(term_out.read.get()));
+  auto out = lines_of(read_ready(term_out.read.get()));
   std::sort(out.begin(), out.end());
   EXPECT_EQ(out, (std::vector<std::string>{"[0] hello", "[0] part", "[4] from node2"}));
   // Each unit's text arrived in one read, so each is written whole, in either order.
-  const std::string err = drain_fd(term_err.read.get()), mine = "[0] oops 1\n[0] oops 2\n",
+  const std::string err = read_ready(term_err.read.get()), mine = "[0] oops 1\n[0] oops 2\n",
                     hosts = "ssh: warning\n[4] its stderr\r[4] after\n";
   EXPECT_TRUE(err == mine + hosts || err == hosts + mine) << err;
   ASSERT_EQ(records.size(), 1u);
@@ -136,5 +129,5 @@ TEST(RunOutput, ATerminalThatGoesAwayIsSaidOnceAndWrittenNoMore) {
   EXPECT_EQ(failed, 1);
   EXPECT_FALSE(terminal.ok(1));
   EXPECT_TRUE(terminal.ok(2));
-  EXPECT_EQ(drain_fd(term_err.read.get()), "[0] still shown\n");
+  EXPECT_EQ(read_ready(term_err.read.get()), "[0] still shown\n");
 }
