@@ -96,8 +96,15 @@ cpp-test: $(STAMPS)/system $(STAMPS)/build-deps
 	  (cd $$dir && PATH=$(CURDIR)/$(VENV)/bin:$$PATH ctest --output-on-failure -j $(JOBS)) || exit 1; \
 	done
 
+# tests/test_install.py builds wheels in Debian roots: minutes of compiling, while the rest of the
+# suite mostly waits on processes and kernels. So the two run side by side (the install tests'
+# report follows the suite's), and the machine's two cores are both busy.
 py-test: setup $(STAMPS)/release-deps
-	$(VPY) -m pytest -q --timeout=300 --durations=25 tests
+	@$(VPY) -m pytest -q -p no:cacheprovider --timeout=300 --durations=10 tests/test_install.py \
+	  > .install-tests.log 2>&1 & install=$$!; \
+	$(VPY) -m pytest -q --timeout=300 --durations=25 --ignore=tests/test_install.py tests; rc=$$?; \
+	wait $$install; irc=$$?; echo "== tests/test_install.py (ran alongside)"; cat .install-tests.log; \
+	rm -f .install-tests.log; [ $$rc = 0 ] && [ $$irc = 0 ]
 
 # The GPU suite (skipped without an NVIDIA GPU) and GPU selection's unit tests.
 .PHONY: test-gpu
