@@ -197,12 +197,12 @@ def test_ctx_is_entered_and_exited_in_every_rank_also_on_error(capsys):
 class Tee(io.TextIOBase):
     """A stdout that tells when a given text has arrived."""
 
-    def __init__(self, wanted):
+    def __init__(self, *wanted):
         self.text, self.wanted, self.seen = "", wanted, threading.Event()
 
     def write(self, s):
         self.text += s
-        if self.wanted in self.text:
+        if all(w in self.text for w in self.wanted):
             self.seen.set()
         return len(s)
 
@@ -337,6 +337,41 @@ def test_ctrl_c_in_the_notebook_stops_the_children(monkeypatch):
             ddip.ranch(3, sleep_in_children, "x")
     finally:
         t.join()
+    assert children_of(os.getpid()) <= before
+
+
+class ChildrenWaitForTheNotebook:
+    """A ctx whose rendezvous, on the children, waits for a notebook that never comes."""
+
+    def __enter__(self):
+        if os.environ["RANK"] != "0":
+            try:  # the notebook may interrupt as soon as the line is written
+                print("child waiting", flush=True)
+                time.sleep(120)
+            except KeyboardInterrupt:
+                print("child interrupted", flush=True)
+                raise
+
+    def __exit__(self, *exc):
+        return False
+
+
+def ctrl_c_before_the_children_enter():
+    # The notebook: the user's Ctrl-C lands in fn once both children wait in their rendezvous.
+    if sys.stdout.seen.wait(30):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_the_notebook_interrupts_children_that_never_entered_fn(monkeypatch):
+    # Children still inside ctx.__enter__ are not yet "running" fn; the user's Ctrl-C must still
+    # interrupt them at once (not kill them after a grace, nor wait for their rendezvous).
+    tee = Tee("[rank 1] child waiting\n", "[rank 2] child waiting\n")
+    monkeypatch.setattr(sys, "stdout", tee)
+    before = children_of(os.getpid())
+    with pytest.raises(KeyboardInterrupt):
+        ddip.ranch(3, ctrl_c_before_the_children_enter, ctx=ChildrenWaitForTheNotebook())
+    assert "[rank 1] child interrupted\n" in tee.text and "[rank 2] child interrupted\n" in tee.text
     assert children_of(os.getpid()) <= before
 
 

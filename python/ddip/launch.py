@@ -369,7 +369,11 @@ class _Launch:
             finally:
                 self._restore_env()
                 self.notebook.look_interactive()
-            results = self._join(collector) if collector else []
+            # The user's Ctrl-C ended the notebook's rank (inside fn or around it): the children
+            # stop now, not when they next need rank 0 (a rendezvous may wait minutes for it).
+            ctrl_c = own is not None and own[0] == "error" and isinstance(own[1], KeyboardInterrupt) \
+                and not self.interrupt_sent
+            results = self._join(collector, stop=ctrl_c) if collector else []
         return self._finish(results, own, gather)
 
     # -- the notebook's own rank ------------------------------------------------------------------
@@ -569,9 +573,9 @@ class _Launch:
             self.group.close(0)
         return results
 
-    def _join(self, collector: "_Collector"):
+    def _join(self, collector: "_Collector", stop: bool = False):
         try:
-            while collector.is_alive():
+            while not stop and collector.is_alive():
                 collector.join(0.1)
                 with self.lock:
                     started = min(self.failed_at.values(), default=None)
@@ -583,17 +587,23 @@ class _Launch:
                     self._kill(rest)
                     collector.join()
         except KeyboardInterrupt:
-            # Ctrl-C while the children are still busy: show where they were, then stop them.
-            self._kill(self.child_ranks, signal.SIGINT)
-            collector.join(INTERRUPT_GRACE_S)
-            with self.lock:
-                self.stopped.update(self.child_ranks)
-            self._kill(self.child_ranks)
-            collector.join()
+            self._interrupt_children(collector)
             raise
+        if stop:
+            self._interrupt_children(collector)
         if collector.error is not None:
             raise collector.error
         return collector.results
+
+    def _interrupt_children(self, collector: "_Collector"):
+        """Ctrl-C while the children are still busy: interrupt them (their tracebacks show where
+        they were), then kill what is left after the grace."""
+        self._kill(self.child_ranks, signal.SIGINT)
+        collector.join(INTERRUPT_GRACE_S)
+        with self.lock:
+            self.stopped.update(self.child_ranks)
+        self._kill(self.child_ranks)
+        collector.join()
 
     def _finish(self, results, own, gather):
         failures = []
