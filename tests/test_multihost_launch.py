@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 
 import cloudpickle
@@ -230,3 +232,103 @@ def test_ranch_across_hosts_bad_input_starts_nothing():
                 if "hosts" in kwargs else ddip.ranch(nprocs, rank_env, **kwargs)
         assert words in str(ei.value), (kwargs, str(ei.value))
     assert children_of(os.getpid()) == before
+
+
+# -- files that travel with the launch: `ddip run --ship`, `%%diprun --hosts` ----------------------
+
+DDIP = os.path.join(os.path.dirname(sys.executable), "ddip")
+
+SHIPPED = """
+import hashlib, os, sys
+data = open(sys.argv[1], "rb").read()
+print("rank", os.environ["RANK"], "file", __file__, "data", sys.argv[1], hashlib.sha256(data).hexdigest(), flush=True)
+"""
+
+
+def _lines(out: str) -> list[str]:
+    return sorted(l for l in out.splitlines() if l.strip())
+
+
+def test_ddip_run_ships_files_to_another_host_and_removes_them(tmp_path):
+    import hashlib
+
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "script.py").write_text(SHIPPED)
+    data = os.urandom(3 << 20)  # far more than a pipe or a command line holds
+    (here / "data.bin").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    host_tmp = tmp_path / "host-tmp"  # the other host's TMPDIR, where its ddip run puts the copies
+    host_tmp.mkdir()
+    p = subprocess.run([DDIP, "run", "--hosts", "localhost:1,here:2", "--launcher", HERE, "--master-addr", "127.0.0.1",
+                        "--ship", "script.py", "--ship", str(here / "data.bin"), "--",
+                        sys.executable, "script.py", str(here / "data.bin")],
+                       cwd=here, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(host_tmp)})
+    assert p.returncode == 0, p.stderr
+    lines = _lines(p.stdout)
+    assert lines[0] == f"[0] rank 0 file {here}/script.py data {here}/data.bin {digest}", p.stdout
+    copies = {l.split()[4].rsplit("/", 1)[0] for l in lines[1:]}
+    assert len(copies) == 1 and copies.pop().startswith(f"{host_tmp}/ddip-run-"), lines
+    for r, line in ((1, lines[1]), (2, lines[2])):
+        _, _, rank, _, file, _, data_path, got = line.split()
+        assert (rank, os.path.basename(file), os.path.basename(data_path), got) == (str(r), "script.py", "data.bin", digest)
+    assert os.listdir(host_tmp) == []  # the copies went with the host's ranks
+
+
+def test_ddip_run_ship_bad_input_is_a_usage_error(tmp_path):
+    (tmp_path / "a.py").write_text("pass\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.py").write_text("pass\n")
+    for args, words in ((["--hosts", "localhost:1,here:1", "--ship", "missing.py"], "can't ship missing.py: No such file"),
+                        (["--hosts", "localhost:1,here:1", "--ship", "a.py", "--ship", "sub/a.py"], "two files named a.py"),
+                        (["-n", "1", "--ship", "a.py"], "--ship requires --hosts")):
+        p = subprocess.run([DDIP, "run", "--check", *args, "--launcher", HERE, "--", sys.executable, "a.py"]
+                           if "--hosts" in args else [DDIP, "run", *args, "--", sys.executable, "a.py"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and words in p.stderr, (args, p.stderr)
+
+
+def _mount_ns(pid) -> int:
+    return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+
+
+@needs_netns
+@pytest.mark.timeout(300)
+def test_diprun_hosts_ships_the_cell_to_hosts_that_cannot_see_it(hosts, tmp_path, monkeypatch):
+    from test_magics import running_kernel
+
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    # The kernel's temporary files (the cell's script among them) go to a directory that the
+    # hosts see empty: a tmpfs over it in their sshd's own mount namespace (ip netns exec makes
+    # one), so nothing a rank there runs can come from this machine's copy.
+    private = tmp_path / "kernel-tmp"
+    private.mkdir()
+    if any(_mount_ns(p.pid) == _mount_ns("self") for p in hosts.sshd):
+        pytest.skip("the hosts' sshd shares this mount namespace")
+    hidden = []
+    try:
+        for p in hosts.sshd:
+            subprocess.run(["nsenter", "-t", str(p.pid), "-m", "mount", "-t", "tmpfs", "-o", "size=1m", "ddip-test",
+                            str(private)], check=True, capture_output=True)
+            hidden.append(p.pid)
+        monkeypatch.setenv("TMPDIR", str(private))
+        with running_kernel(tmp_path / "jupyter") as kernel:
+            cell = kernel.run(textwrap.dedent(f"""\
+                %%diprun --hosts {a}:1,{b}:2 --launcher "{hosts.launcher}"
+                import os
+                print("rank", os.environ["RANK"], "group", os.environ["GROUP_RANK"], "sees", os.listdir({str(private)!r}),
+                      "file", __file__, flush=True)
+                """), timeout=180)
+            assert cell.ok, cell.outputs
+            lines = _lines(cell.stream())
+            assert [l.split(" file ")[0] for l in lines] == ["[0] rank 0 group 0 sees []", "[1] rank 1 group 1 sees []",
+                                                             "[2] rank 2 group 1 sees []"], cell.outputs
+            copies = {l.split(" file ")[1] for l in lines}
+            assert all(c.startswith("/tmp/ddip-run-") and c.endswith("/cell.py") for c in copies), copies
+            assert len(copies) == 2  # one private directory per host
+            assert os.listdir(private) == []  # the magic's own file is gone too
+        assert not any(os.path.exists(os.path.dirname(c)) for c in copies)  # nothing left on the hosts
+        assert wait_until(lambda: not _netns_pids(hosts), 15), _netns_pids(hosts)
+    finally:
+        for pid in hidden:
+            subprocess.run(["nsenter", "-t", str(pid), "-m", "umount", str(private)], capture_output=True)
