@@ -26,7 +26,8 @@ struct Dir {
     path = ::mkdtemp(t.data());
   }
   ~Dir() { fs::remove_all(path); }
-  std::string write(const std::string& name, const std::string& content, fs::perms perms = fs::perms(0644)) {
+  std::string write(const std::string& name, const std::string& content,
+                    fs::perms perms = fs::perms(0644)) {
     auto p = path / name;
     std::ofstream(p, std::ios::binary) << content;
     fs::permissions(p, perms);
@@ -44,12 +45,21 @@ std::string slurp(const std::string& path) {
 TEST(RunShip, FileHeaderRoundTripsAndRefusesGarbage) {
   protocol::FileHeader h{"dir with space/cell.py", 12345, 0700};
   std::string line = protocol::encode(h);
-  EXPECT_EQ(line, std::string("\x1e" "ddip file dir\\swith\\sspace/cell.py 12345 448\n"));
+  EXPECT_EQ(line, std::string("\x1e"
+                              "ddip file dir\\swith\\sspace/cell.py 12345 448\n"));
   EXPECT_EQ(protocol::decode_file_header(line), h);
-  EXPECT_THROW(protocol::decode_file_header("\x1e" "ddip file x 99999999999999 384\n"), protocol::ProtocolError);
-  EXPECT_THROW(protocol::decode_file_header("\x1e" "ddip file x 1 4096\n"), protocol::ProtocolError);
-  EXPECT_THROW(protocol::decode_file_header("\x1e" "ddip ping\n"), protocol::ProtocolError);
-  EXPECT_THROW(protocol::decode_file_header("\x1e" "ddip file \\e 1 384\n"), protocol::ProtocolError);
+  EXPECT_THROW(protocol::decode_file_header("\x1e"
+                                            "ddip file x 99999999999999 384\n"),
+               protocol::ProtocolError);
+  EXPECT_THROW(protocol::decode_file_header("\x1e"
+                                            "ddip file x 1 4096\n"),
+               protocol::ProtocolError);
+  EXPECT_THROW(protocol::decode_file_header("\x1e"
+                                            "ddip ping\n"),
+               protocol::ProtocolError);
+  EXPECT_THROW(protocol::decode_file_header("\x1e"
+                                            "ddip file \\e 1 384\n"),
+               protocol::ProtocolError);
 }
 
 TEST(RunShip, FilesTravelIntoAPrivateDirectoryThatGoesAtTheEnd) {
@@ -82,9 +92,11 @@ TEST(RunShip, FilesTravelIntoAPrivateDirectoryThatGoesAtTheEnd) {
     EXPECT_NE(dir, here.path.string());
     EXPECT_EQ(slurp(dir + "/cell.py"), "print('hi')\n");
     EXPECT_EQ(slurp(dir + "/data.bin"), big);
-    EXPECT_EQ(fs::status(dir + "/data.bin").permissions() & fs::perms::owner_all, fs::perms::owner_all);
+    EXPECT_EQ(fs::status(dir + "/data.bin").permissions() & fs::perms::owner_all,
+              fs::perms::owner_all);
     EXPECT_EQ(shipped.rewrite({"python", script, "--data", data, "cell.py"}),
-              (std::vector<std::string>{"python", dir + "/cell.py", "--data", dir + "/data.bin", "cell.py"}));
+              (std::vector<std::string>{"python", dir + "/cell.py", "--data", dir + "/data.bin",
+                                        "cell.py"}));
     char rest[64] = {};
     ASSERT_EQ(::read(p.read.get(), rest, sizeof rest), static_cast<ssize_t>(after.size()));
     EXPECT_EQ(std::string(rest, after.size()), after);
@@ -102,7 +114,8 @@ TEST(RunShip, WhatCantBeShippedIsNamed) {
     }
     return std::string("accepted");
   };
-  EXPECT_NE(message({(here.path / "nope.py").string()}).find("nope.py: No such file"), std::string::npos);
+  EXPECT_NE(message({(here.path / "nope.py").string()}).find("nope.py: No such file"),
+            std::string::npos);
   EXPECT_NE(message({here.path.string()}).find("not a regular file"), std::string::npos);
   fs::create_directory(here.path / "sub");
   std::string a = here.write("a.py", "1"), b = here.write("sub/a.py", "2");

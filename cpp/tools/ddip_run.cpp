@@ -449,7 +449,8 @@ int main(int argc, char** argv) {
                       std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::duration<double>(opts.link_timeout_s)));
     } catch (const std::exception& e) {
-      std::cerr << prog << ": could not receive the files shipped with the launch: " << e.what() << "\n";
+      std::cerr << prog << ": could not receive the files shipped with the launch: " << e.what()
+                << "\n";
       return 1;
     }
     opts.command = shipped.rewrite(opts.command);

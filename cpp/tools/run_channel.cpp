@@ -74,7 +74,10 @@ void Upstream::send(const protocol::Report& report) { terminal_.write(2, protoco
 
 Downstream::Downstream(EventLoop& loop, milliseconds link_timeout,
                        std::function<void(size_t unit)> kill_launcher, milliseconds kill_after)
-    : loop_(loop), link_timeout_(link_timeout), kill_after_(kill_after), kill_launcher_(std::move(kill_launcher)) {
+    : loop_(loop),
+      link_timeout_(link_timeout),
+      kill_after_(kill_after),
+      kill_launcher_(std::move(kill_launcher)) {
   next_ping_ = Clock::now() + ping_every(link_timeout_);
   loop.deadline(
       [this]() -> std::optional<Clock::time_point> {
@@ -93,7 +96,9 @@ Downstream::Downstream(EventLoop& loop, milliseconds link_timeout,
                 });
 }
 
-void Downstream::add(size_t unit, Fd stdin_pipe) { hosts_.push_back({unit, std::move(stdin_pipe), true, {}}); }
+void Downstream::add(size_t unit, Fd stdin_pipe) {
+  hosts_.push_back({unit, std::move(stdin_pipe), true, {}});
+}
 
 void Downstream::ship(size_t unit, std::string bytes) {
   for (auto& h : hosts_)

@@ -23,7 +23,9 @@ namespace {
 // A header line longer than this is garbage (a path is at most PATH_MAX, escaped).
 constexpr size_t kMaxHeader = 16 * 1024;
 
-std::string name_of(const std::string& path) { return std::filesystem::path(path).filename().string(); }
+std::string name_of(const std::string& path) {
+  return std::filesystem::path(path).filename().string();
+}
 
 // Waits until `fd` can be read, at most `silence`.
 void await(int fd, std::chrono::milliseconds silence) {
@@ -32,7 +34,8 @@ void await(int fd, std::chrono::milliseconds silence) {
     int n = ::poll(&p, 1, static_cast<int>(silence.count()));
     if (n > 0) return;
     if (n == 0)
-      throw std::runtime_error("nothing arrived for " + std::to_string(silence.count() / 1000) + " s");
+      throw std::runtime_error("nothing arrived for " + std::to_string(silence.count() / 1000) +
+                               " s");
     if (errno != EINTR) throw std::runtime_error(std::string("poll: ") + std::strerror(errno));
   }
 }
@@ -44,7 +47,8 @@ size_t read_some(int fd, char* buf, size_t n, std::chrono::milliseconds silence)
     ssize_t got = ::read(fd, buf, n);
     if (got > 0) return static_cast<size_t>(got);
     if (got == 0) throw std::runtime_error("the channel closed");
-    if (errno != EINTR && errno != EAGAIN) throw std::runtime_error(std::string("read: ") + std::strerror(errno));
+    if (errno != EINTR && errno != EAGAIN)
+      throw std::runtime_error(std::string("read: ") + std::strerror(errno));
   }
 }
 
@@ -57,7 +61,8 @@ std::string ship_payload(const std::vector<std::string>& paths) {
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0)
       throw std::invalid_argument("can't ship " + path + ": " + std::strerror(errno));
-    if (!S_ISREG(st.st_mode)) throw std::invalid_argument("can't ship " + path + ": it is not a regular file");
+    if (!S_ISREG(st.st_mode))
+      throw std::invalid_argument("can't ship " + path + ": it is not a regular file");
     std::string name = name_of(path);
     if (!names.insert(name).second)
       throw std::invalid_argument("can't ship two files named " + name + " (" + path +
@@ -65,7 +70,8 @@ std::string ship_payload(const std::vector<std::string>& paths) {
     std::ifstream in(path, std::ios::binary);
     std::ostringstream content;
     content << in.rdbuf();
-    if (!in.good() && !in.eof()) throw std::invalid_argument("can't ship " + path + ": it can't be read");
+    if (!in.good() && !in.eof())
+      throw std::invalid_argument("can't ship " + path + ": it can't be read");
     std::string bytes = content.str();
     if (bytes.size() > protocol::kMaxShipBytes)
       throw std::invalid_argument("can't ship " + path + ": larger than 4 GiB");
@@ -98,7 +104,8 @@ void ShippedFiles::receive(int fd, size_t count, std::chrono::milliseconds silen
     while (c != '\n') {
       read_some(fd, &c, 1, silence);
       line += c;
-      if (line.size() > kMaxHeader) throw std::runtime_error("a shipped file's header has no line end");
+      if (line.size() > kMaxHeader)
+        throw std::runtime_error("a shipped file's header has no line end");
     }
     protocol::FileHeader h = protocol::decode_file_header(line);
     std::string name = name_of(h.path);
@@ -108,7 +115,8 @@ void ShippedFiles::receive(int fd, size_t count, std::chrono::milliseconds silen
     Fd out(::open(copy.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (h.mode & 0700u) | 0400u));
     if (!out) throw std::runtime_error("can't create " + copy + ": " + std::strerror(errno));
     for (uint64_t left = h.size; left > 0;) {
-      size_t n = read_some(fd, buf.data(), static_cast<size_t>(std::min<uint64_t>(left, buf.size())), silence);
+      size_t n = read_some(fd, buf.data(),
+                           static_cast<size_t>(std::min<uint64_t>(left, buf.size())), silence);
       for (size_t done = 0; done < n;) {
         ssize_t w = ::write(out.get(), buf.data() + done, n - done);
         if (w < 0 && errno == EINTR) continue;
