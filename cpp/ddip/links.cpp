@@ -120,8 +120,9 @@ void HostLinks::on_accept() {
     uint64_t id = next_handshake_++ & 0xffffffffu;
     std::string from = address_of(peer);
     make_room(from);
-    Handshake h{std::move(fd), peer, KernelHandshake(key_), {},
-                Clock::now() + options_.handshake_timeout, from};
+    Handshake h{
+        std::move(fd), peer, KernelHandshake(key_), {}, Clock::now() + options_.handshake_timeout,
+        from};
     ssize_t n = ::send(h.fd.get(), h.hs.challenge().data(), h.hs.challenge().size(),
                        MSG_NOSIGNAL | MSG_DONTWAIT);
     int fdnum = h.fd.get();

@@ -198,7 +198,8 @@ namespace {
 // listener said when it refused the connection (too many strangers holding the port busy).
 Channel handshake_once(const LinkTicket& t, detail::Clock::time_point deadline,
                        std::chrono::milliseconds user_timeout) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
+  auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
   Fd sock = connect_tcp(t.address, t.port, std::max(left, std::chrono::milliseconds(1)));
   // Each read: a refusal in place of what was expected is the listener's word on why.
   auto read = [&](size_t n) {
@@ -206,7 +207,8 @@ Channel handshake_once(const LinkTicket& t, detail::Clock::time_point deadline,
     if (std::string why = refusal_in(got); !why.empty()) {
       // The rest of its line, which ends with the connection.
       try {
-        got += read_upto(sock.get(), 512, std::min(deadline, detail::Clock::now() + std::chrono::seconds(1)));
+        got += read_upto(sock.get(), 512,
+                         std::min(deadline, detail::Clock::now() + std::chrono::seconds(1)));
       } catch (const std::exception&) {
       }
       throw std::runtime_error(refusal_in(got));
@@ -259,9 +261,8 @@ Channel connect_to_kernel(const LinkTicket& t, std::chrono::milliseconds connect
     pause = std::min(pause * 2, std::chrono::milliseconds(2000));
   }
   std::string why = "could not connect to the kernel at " + t.address + ":" +
-                    std::to_string(t.port) + " within " +
-                    std::to_string(connect_timeout.count()) + " ms (" + std::to_string(tries) +
-                    " tries): " + last;
+                    std::to_string(t.port) + " within " + std::to_string(connect_timeout.count()) +
+                    " ms (" + std::to_string(tries) + " tries): " + last;
   if (!refused.empty() && refused != last) why += "; earlier, " + refused;
   throw std::runtime_error(why);
 }
@@ -270,9 +271,9 @@ int HostAgent::run() {
   using detail::Clock;
   if (options_.ticket.timeout_ms > 0)
     options_.kernel_timeout = std::chrono::milliseconds(options_.ticket.timeout_ms);
-  Channel channel = connect_to_kernel(options_.ticket, options_.connect_timeout,
-                                      options_.ticket.timeout_ms > 0 ? options_.kernel_timeout
-                                                                     : std::chrono::milliseconds(0));
+  Channel channel = connect_to_kernel(
+      options_.ticket, options_.connect_timeout,
+      options_.ticket.timeout_ms > 0 ? options_.kernel_timeout : std::chrono::milliseconds(0));
 
   // One thread, one event loop: the link to the kernel, a timer for a silent kernel, and the
   // workers' events, which the Coordinator's IO thread announces with a posted command.

@@ -90,9 +90,7 @@ std::string address_of(const std::string& peer) {
   return colon == std::string::npos ? peer : peer.substr(0, colon);
 }
 
-std::string refusal_line(const std::string& why) {
-  return std::string(kRefusalMagic) + why + "\n";
-}
+std::string refusal_line(const std::string& why) { return std::string(kRefusalMagic) + why + "\n"; }
 
 std::string refusal_in(std::string_view got) {
   if (!got.starts_with(kRefusalMagic)) return "";

@@ -1,8 +1,6 @@
 // HostLinks against a "host" played by this test: the launcher (/bin/sh) writes the ticket it
 // got on its stdin to a file, and a thread here connects with it, as an agent would, over TCP on
 // loopback.
-#include "ddip/links.hpp"
-
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -19,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ddip/links.hpp"
 #include "ddip/remote.hpp"
 #include "helpers.hpp"
 
@@ -155,9 +154,7 @@ Fd stranger(const LinkTicket& t, const std::string& source = "127.0.0.1") {
 }
 
 // Everything the kernel wrote to `fd` until it closed it.
-std::string until_closed(int fd) {
-  return read_upto(fd, 4096, Clock::now() + 5s);
-}
+std::string until_closed(int fd) { return read_upto(fd, 4096, Clock::now() + 5s); }
 
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
@@ -336,7 +333,8 @@ TEST(HostLinks, StrangersFromOneAddressCantCrowdOutTheHostsAgent) {
   ASSERT_GE(first.size(), KernelHandshake::kChallengeBytes);
   EXPECT_EQ(refusal_in(first.substr(KernelHandshake::kChallengeBytes)),
             "the kernel's listener refused the connection: too many unauthenticated connections "
-            "at once from 127.0.0.1 (" + std::to_string(cap) + "; the oldest is closed for each new one)");
+            "at once from 127.0.0.1 (" +
+                std::to_string(cap) + "; the oldest is closed for each new one)");
   // The host's agent, from that same address, gets in and authenticates.
   std::optional<Channel> host;
   std::atomic<bool> connected{false};
@@ -351,10 +349,11 @@ TEST(HostLinks, StrangersFromOneAddressCantCrowdOutTheHostsAgent) {
   std::string log = testing::internal::GetCapturedStderr();
   EXPECT_EQ(count_of(log, "ddip: refused a connection from"), size_t(HostLinks::kLoggedRefusals))
       << log;
-  EXPECT_NE(log.find("ddip: refused " + std::to_string(k.links->rejected() - HostLinks::kLoggedRefusals) +
-                     " more connection(s) before the group closed; the last: refused a connection "
-                     "from 127.0.0.1:"),
-            std::string::npos)
+  EXPECT_NE(
+      log.find("ddip: refused " + std::to_string(k.links->rejected() - HostLinks::kLoggedRefusals) +
+               " more connection(s) before the group closed; the last: refused a connection "
+               "from 127.0.0.1:"),
+      std::string::npos)
       << log;
 }
 
@@ -367,9 +366,10 @@ TEST(HostLinks, StrangersFromManyAddressesAreHeldToTheCapAndTheAgentStillGetsIn)
     for (int i = 0; i < 8; ++i) idle.push_back(stranger(t, "127.0.0." + std::to_string(a)));
   testing::internal::CaptureStderr();
   ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 80 - HostLinks::kMaxHandshakes; }));
-  EXPECT_NE(k.links->last_rejection().find("too many unauthenticated connections at once (64, from 10 "
-                                           "addresses"),
-            std::string::npos)
+  EXPECT_NE(
+      k.links->last_rejection().find("too many unauthenticated connections at once (64, from 10 "
+                                     "addresses"),
+      std::string::npos)
       << k.links->last_rejection();
   std::optional<Channel> host;
   std::atomic<bool> connected{false};
@@ -406,9 +406,10 @@ struct FakeListener {
           write_all(fd.get(), hs.challenge(), deadline);
           std::string response = read_exact(fd.get(), KernelHandshake::kResponseBytes, deadline);
           if (i <= refusals) {
-            write_all(fd.get(), refusal_line("the kernel's listener refused the connection: too "
-                                             "many unauthenticated connections at once from "
-                                             "127.0.0.1"),
+            write_all(fd.get(),
+                      refusal_line("the kernel's listener refused the connection: too "
+                                   "many unauthenticated connections at once from "
+                                   "127.0.0.1"),
                       deadline);
             continue;
           }
@@ -439,7 +440,8 @@ TEST(ConnectToKernel, AnAgentThatNeverGetsInSaysWhatTheListenerSaid) {
     FAIL() << "connected";
   } catch (const std::runtime_error& e) {
     std::string what = e.what();
-    EXPECT_NE(what.find("could not connect to the kernel at 127.0.0.1:"), std::string::npos) << what;
+    EXPECT_NE(what.find("could not connect to the kernel at 127.0.0.1:"), std::string::npos)
+        << what;
     EXPECT_NE(what.find("the kernel's listener refused the connection: too many unauthenticated "
                         "connections at once from 127.0.0.1"),
               std::string::npos)
