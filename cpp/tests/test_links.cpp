@@ -449,3 +449,26 @@ TEST(ConnectToKernel, AnAgentThatNeverGetsInSaysWhatTheListenerSaid) {
   }
   EXPECT_GT(kernel.connections.load(), 1);
 }
+
+TEST(HostLinks, AStartThatFailsWhileStrangersHeldThePortSaysSo) {
+  // The agent never got in (its launcher ends): the loss names what the listener closed.
+  fs::path go = fs::temp_directory_path() / ("ddip-test-links-go-" + std::to_string(::getpid()));
+  Kernel k("while [ ! -e " + go.string() +
+           " ]; do sleep 0.02; done; echo 'no way in' >&2; exit 1");
+  LinkTicket t = k.ticket();
+  testing::internal::CaptureStderr();
+  std::vector<Fd> idle;
+  for (int i = 0; i < 20; ++i) idle.push_back(stranger(t));
+  ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 20 - HostLinks::kHandshakesPerPeer - 1; }));
+  { std::ofstream(go.string()) << "go"; }
+  ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
+  fs::remove(go);
+  testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(k.seen.lost_why);
+  EXPECT_NE(k.seen.lost_why->find("ended with exit code 1 before host far connected (meanwhile the "
+                                  "kernel's listener closed 11 unauthenticated connection(s): too "
+                                  "many unauthenticated connections at once from 127.0.0.1"),
+            std::string::npos)
+      << *k.seen.lost_why;
+  EXPECT_NE(k.seen.lost_why->find("no way in"), std::string::npos) << *k.seen.lost_why;
+}
