@@ -226,7 +226,8 @@ class Group:
         _template.after_start(tmpl, refusals)
         self._generation += 1
         self._broken = None
-        rt = Runtime(coord, self.rank_ids)
+        rt = Runtime(coord, self.rank_ids, None if layout is None else
+                     [layout.host(s).name if layout.remote(s) else None for s in range(size)])
         try:
             rt.wait_ready(self.timeout)
         except BaseException:
