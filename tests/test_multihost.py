@@ -441,12 +441,12 @@ dist.destroy_process_group()
 RUN_FAIL = """
 import os, sys, time
 rank = int(os.environ["RANK"])
-print("pid", os.getpid(), flush=True)
-if rank == int(os.environ.get("FAIL_RANK", "-1")):
-    time.sleep(1)
-    print("rank", rank, "is giving up", file=sys.stderr, flush=True)
-    sys.exit(7)
-try:
+try:  # a test may press Ctrl-C as soon as the pid line is out
+    print("pid", os.getpid(), flush=True)
+    if rank == int(os.environ.get("FAIL_RANK", "-1")):
+        time.sleep(1)
+        print("rank", rank, "is giving up", file=sys.stderr, flush=True)
+        sys.exit(7)
     time.sleep(120)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
