@@ -48,8 +48,6 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent / "tests"))  # netns_hosts: the hosts the tests use
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 
 import netns_hosts  # noqa: E402
 
@@ -273,7 +271,10 @@ class _Ipp:
 
     def engine_on(self, host: str) -> int:
         """The id of an engine on `host` (its address is its ddip0's)."""
-        where = self.view.apply_sync(_engine_address, self.hosts.me)
+        # Code, not functions: ipyparallel pickles functions by reference, and the engines can't
+        # import this module.
+        self.view.execute(_ENGINE_ADDRESS % self.hosts.me, block=True)
+        where = self.view.pull("_address", block=True)
         for eid, addr in zip(self.client.ids, where):
             if addr == self.hosts.addr[host]:
                 return eid
@@ -294,12 +295,13 @@ class _Ipp:
         self.stop()
 
 
-def _engine_address(notebook: str) -> str:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((notebook, 9))  # no packet is sent: only the route's source address is read
-        return s.getsockname()[0]
+# No packet is sent: connecting a UDP socket only picks the route, whose source address is read.
+_ENGINE_ADDRESS = """
+import socket
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as _s:
+    _s.connect(("%s", 9))
+    _address = _s.getsockname()[0]
+"""
 
 
 def _ipp_transfers(c: _Ipp, arr, hosts) -> tuple[list[_Push], list[_Push], int]:
@@ -311,7 +313,8 @@ def _ipp_transfers(c: _Ipp, arr, hosts) -> tuple[list[_Push], list[_Push], int]:
             c.view.push({"a": arr}, block=True)
         pushes.append(p)
     want = float(arr[-1])
-    got = c.view.apply_sync(_last_of_a)
+    c.view.execute("_last = float(a[-1])", block=True)
+    got = c.view.pull("_last", block=True)
     if got != [want] * len(c.client.ids):
         raise RuntimeError(f"ipyparallel push delivered wrong data: {got}")
     eid = c.engine_on("B")
@@ -323,10 +326,6 @@ def _ipp_transfers(c: _Ipp, arr, hosts) -> tuple[list[_Push], list[_Push], int]:
     if back.shape != arr.shape or back[-1] != arr[-1]:
         raise RuntimeError("ipyparallel pull returned wrong data")
     return pushes, pulls, first.rss_growth
-
-
-def _last_of_a():
-    return float(a[-1])  # noqa: F821 - `a` was pushed into the engine's namespace
 
 
 # -- report ---------------------------------------------------------------------------------
