@@ -23,6 +23,8 @@ import tempfile
 import textwrap
 import time
 
+import psutil
+
 SSHD = "/usr/sbin/sshd"
 LINK = "ddip0"  # the hosts' interface: the same name on every host, so GLOO_SOCKET_IFNAME fits them all
 
@@ -193,6 +195,18 @@ class Hosts:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        # A process left in a host (a remote command whose client is gone) would live on unseen
+        # in a deleted namespace: ended here by pid, as psutil finds it (pid and start time).
+        left = []
+        for ns in self.ns.values():
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in out.stdout.split():
+                try:
+                    left.append(psutil.Process(int(pid)))
+                    left[-1].kill()
+                except psutil.NoSuchProcess:
+                    pass
+        psutil.wait_procs(left, timeout=5)
         for ns in [*self.ns.values(), self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.root_if], capture_output=True)
