@@ -32,7 +32,7 @@ def test_three_hosts_count_the_bytes_that_cross_each_link_and_are_removed_at_the
         payload = bytes(range(256)) * (8 * MB // 256)
         out = _ssh(h, "B", "wc -c", input=payload)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == [str(len(payload))]
+        assert out.stdout.split() == [str(len(payload)).encode()]
         after = h.link_counters()
         got = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in "ABC"}
         # B received the payload (plus ssh's framing and TCP/IP headers); A and C saw next to nothing.
