@@ -180,7 +180,7 @@ def _local_group(n: int, backend):
 
 def _closed(g):
     """Closes g and waits for its ranks to be gone (the sweeps kill what is left)."""
-    pids = list(g.pids)
+    pids = [pid for pid in g.pids if pid is not None]  # psutil.Process(None) would be this process
     g.close()
     psutil.wait_procs([p for p in map(_proc, pids) if p], timeout=GRACE_S)
 
