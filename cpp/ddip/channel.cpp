@@ -84,12 +84,13 @@ struct Channel::Mapping {
 
 // A sealed frame being read: header and its MAC, then the body piece by piece, then its MAC.
 struct Channel::Incoming {
-  enum Stage { kHead, kTable, kFd, kPayload, kMac } stage = kHead;
-  char head[sizeof(detail::WireHeader) + kMacBytes];
+  // kHead: the 24-byte header; kHeadRest: the fd table and the MAC of both.
+  enum Stage { kHead, kHeadRest, kFd, kPayload, kMac } stage = kHead;
+  char head[sizeof(detail::WireHeader) + kMaxFdsPerFrame * sizeof(uint64_t) + kMacBytes];
+  size_t head_size = sizeof(detail::WireHeader);  // of what is in `head` when it is complete
   size_t filled = 0;  // of the current stage's piece
   detail::WireHeader h{};
   std::optional<HmacStream> mac;
-  char table[kMaxFdsPerFrame * sizeof(uint64_t)];
   std::vector<uint64_t> entries;
   size_t entry = 0;  // the fd being received
   struct Received {
@@ -105,9 +106,8 @@ struct Channel::Incoming {
   std::pair<char*, size_t> target() {
     switch (stage) {
       case kHead:
-        return {head + filled, sizeof head - filled};
-      case kTable:
-        return {table + filled, entries.size() * sizeof(uint64_t) - filled};
+      case kHeadRest:
+        return {head + filled, head_size - filled};
       case kFd:
         return {fds[entry].addr + filled, fds[entry].size - filled};
       case kPayload:
@@ -183,17 +183,15 @@ void Channel::seal_into(Outgoing& o, Frame f) {
     }
     table.append(reinterpret_cast<const char*>(&word), sizeof word);
   }
-  length += table.size() + f.data().size();
+  length += f.data().size();
   detail::WireHeader h{length, f.seq, f.kind, static_cast<uint16_t>(entries), f.rank};
-  std::string_view header(reinterpret_cast<const char*>(&h), sizeof h);
-  o.head.reserve(header.size() + kMacBytes + table.size());
-  o.head.append(header);
-  o.head += send_mac_.header_mac(header);
+  o.head.reserve(sizeof h + table.size() + kMacBytes);
+  o.head.append(reinterpret_cast<const char*>(&h), sizeof h);
   o.head += table;
-  o.body_mac = std::make_shared<HmacStream>(send_mac_.body_mac(header));
+  o.body_mac = std::make_shared<HmacStream>(send_mac_.body_mac(o.head));
+  o.head += send_mac_.header_mac(o.head);
   send_mac_.advance();
-  o.pieces.push_back({o.head.data(), header.size() + kMacBytes, false});
-  if (!table.empty()) o.pieces.push_back({o.head.data() + header.size() + kMacBytes, table.size(), true});
+  o.pieces.push_back({o.head.data(), o.head.size(), false});
   for (auto& m : o.maps)
     if (m->len) o.pieces.push_back({static_cast<const char*>(m->addr), m->len, true});
   if (!f.data().empty()) o.pieces.push_back({f.payload->data(), f.payload->size(), true});
@@ -348,12 +346,12 @@ Channel::ReadResult Channel::read_sealed() {
 // `n` more bytes of the current piece arrived; moves to the next piece when it is complete.
 void Channel::sealed_advance(size_t n) {
   Incoming& in = *in_;
-  if (in.stage != Incoming::kHead && in.stage != Incoming::kMac)
+  if (in.stage == Incoming::kFd || in.stage == Incoming::kPayload)
     in.mac->update(std::string_view(in.target().first, n));
   in.filled += n;
   // Moves on through pieces that are complete (or empty).
   auto start_payload = [&] {
-    uint64_t used = in.entries.size() * sizeof(uint64_t);
+    uint64_t used = 0;
     for (auto& r : in.fds) used += r.size;
     in.payload = std::make_shared<std::string>(in.h.length - used, '\0');
     in.stage = Incoming::kPayload;
@@ -374,25 +372,24 @@ void Channel::sealed_advance(size_t n) {
     if (in.target().second > 0) return;
     switch (in.stage) {
       case Incoming::kHead: {
-        std::string_view header(in.head, sizeof(detail::WireHeader));
-        // Nothing is allocated for the frame before its header is authenticated.
-        recv_mac_.verify_header(header, std::string_view(in.head + header.size(), kMacBytes));
         std::memcpy(&in.h, in.head, sizeof in.h);
-        // Authenticated: what is wrong now is a bug on the other end; still, never trust lengths.
-        if (in.h.nfds > kMaxFdsPerFrame) throw std::runtime_error("corrupt TCP frame (fd count)");
-        if (in.h.length > kMaxSealedFrame ||
-            in.h.length < uint64_t(in.h.nfds) * sizeof(uint64_t))
-          throw std::runtime_error("corrupt TCP frame (length)");
-        in.mac.emplace(recv_mac_.body_mac(header));
-        in.entries.assign(in.h.nfds, 0);
-        in.filled = 0;
-        if (in.h.nfds > 0) in.stage = Incoming::kTable;
-        else start_payload();
+        // Not authenticated yet: only bounds what is read next (at most 16 table entries).
+        if (in.h.nfds > kMaxFdsPerFrame)
+          throw AuthError("a frame header failed authentication (impossible fd count)");
+        in.head_size = sizeof in.h + in.h.nfds * sizeof(uint64_t) + kMacBytes;
+        in.stage = Incoming::kHeadRest;
         break;
       }
-      case Incoming::kTable: {
-        std::memcpy(in.entries.data(), in.table, in.entries.size() * sizeof(uint64_t));
-        uint64_t left = in.h.length - in.entries.size() * sizeof(uint64_t);
+      case Incoming::kHeadRest: {
+        // Nothing is allocated for the frame before its header and fd table are authenticated.
+        std::string_view head(in.head, in.head_size - kMacBytes);
+        recv_mac_.verify_header(head, std::string_view(in.head + head.size(), kMacBytes));
+        in.mac.emplace(recv_mac_.body_mac(head));
+        in.entries.resize(in.h.nfds);
+        std::memcpy(in.entries.data(), in.head + sizeof in.h, in.h.nfds * sizeof(uint64_t));
+        // Authenticated: what is wrong now is a bug on the other end; still, never trust lengths.
+        if (in.h.length > kMaxSealedFrame) throw std::runtime_error("corrupt TCP frame (length)");
+        uint64_t left = in.h.length;
         in.fds.resize(in.entries.size());
         for (size_t i = 0; i < in.entries.size(); ++i) {
           uint64_t e = in.entries[i];
@@ -411,6 +408,7 @@ void Channel::sealed_advance(size_t n) {
             r.addr = static_cast<char*>(a);
           }
         }
+        in.filled = 0;
         next_fd(0);
         break;
       }

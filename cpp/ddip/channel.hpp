@@ -5,11 +5,11 @@
 // fds, rank) followed by the payload. On a Unix socket the fds of a frame ride on the sendmsg that
 // carries its header. On a sealed channel (TCP, after the link's handshake) no fd can travel:
 //
-//   header (24; its length is the body's) | MAC of the header | body | MAC of header and body
-//   body = u64 per fd (its length, or kRefBit | a segment id) | those fds' bytes | payload
+//   header (24; its length: the body's) | fd table (u64 per fd: its length, or kRefBit | a
+//   segment id) | MAC of header and table | body (the fds' bytes, the payload) | MAC of it all
 //
-// The header's own MAC is checked before anything is allocated for the length it announces, so
-// a forged header costs the receiver 56 bytes and the link, never memory. The fds' bytes are
+// The first MAC is checked before anything is allocated for the lengths announced, so a forged
+// header costs the receiver at most 208 bytes and the link, never memory. The fds' bytes are
 // written straight from the fds (mapped, never copied into a buffer) and received straight into
 // fresh sealed memfds, the MAC fed as they stream, so a frame looks the same to both ends either
 // way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
