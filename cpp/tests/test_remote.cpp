@@ -168,6 +168,29 @@ TEST(Remote, BuffersTravelInBandBothWays) {
   c.close();
 }
 
+TEST(Remote, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
+  Coordinator c(options());
+  uint64_t id = c.pool().put("shared bytes", 12);
+  c.send(std::vector<int>{1, 2}, Frame::make(kRequest, 0, 3, "segment"), {id});
+  c.pool().release(id);
+  for (int slot : {1, 2}) {
+    auto done = wait_for(c, Event::kFrame, slot, 10s, kDone);
+    ASSERT_TRUE(done.last) << "slot " << slot;
+    EXPECT_EQ(done.last->frame.data(), "shared bytes") << "slot " << slot;
+  }
+  EXPECT_EQ(c.pool().in_use(), 0u);
+  // A later request with a new segment: the agent's copy of the first is gone, the new one used.
+  id = c.pool().put("later bytes", 11);
+  c.send(std::vector<int>{2, 1}, Frame::make(kRequest, 0, 4, "segment"), {id});
+  c.pool().release(id);
+  for (int slot : {1, 2}) {
+    auto done = wait_for(c, Event::kFrame, slot, 10s, kDone);
+    ASSERT_TRUE(done.last) << "slot " << slot;
+    EXPECT_EQ(done.last->frame.data(), "later bytes") << "slot " << slot;
+  }
+  c.close();
+}
+
 TEST(Remote, ExitStatusAndStderrTailComeBack) {
   Coordinator c(options());
   c.send(1, Frame::make(kRequest, 1, 1, "exit:3"));
