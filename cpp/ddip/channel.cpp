@@ -63,22 +63,34 @@ const std::string& Frame::data() const {
 }
 
 
-// A read-only mapping of the bytes of an fd that a sealed frame sends: written from here.
+// The bytes of an fd that a sealed frame sends are written from a moving window onto it (mapped
+// read-only, never copied): its pages count in this process's RSS a window at a time, not whole.
 struct Channel::Mapping {
+  static constexpr size_t kWindow = size_t(4) << 20;
+  int fd;  // the frame's own, open until it is written
+  size_t len;
   void* addr = nullptr;
-  size_t len = 0;
-  Mapping(int fd, size_t n) : len(n) {
-    if (n == 0) return;
-    addr = ::mmap(nullptr, n, PROT_READ, MAP_SHARED, fd, 0);
-    if (addr == MAP_FAILED) {
-      addr = nullptr;
-      throw_errno("mmap", "mapping a buffer to send over TCP");
-    }
-  }
+  size_t off = 0, size = 0;  // the window
+  Mapping(int f, size_t n) : fd(f), len(n) {}
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (addr) ::munmap(addr, len);
+  ~Mapping() { unmap(); }
+  void unmap() {
+    if (addr) ::munmap(addr, size);
+    addr = nullptr;
+  }
+  // The bytes from `pos` on that the window holds (mapping it there first if it must).
+  std::pair<const char*, size_t> at(size_t pos) {
+    if (!addr || pos < off || pos >= off + size) {
+      unmap();
+      static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+      off = pos / page * page;
+      size = std::min(kWindow, len - off);
+      void* a = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(off));
+      if (a == MAP_FAILED) throw_errno("mmap", "mapping a buffer to send over TCP");
+      addr = a;
+    }
+    return {static_cast<const char*>(addr) + (pos - off), off + size - pos};
   }
 };
 
@@ -193,12 +205,11 @@ void Channel::seal_into(Outgoing& o, Frame f) {
   send_mac_.advance();
   o.pieces.push_back({o.head.data(), o.head.size(), false});
   for (auto& m : o.maps)
-    if (m->len) o.pieces.push_back({static_cast<const char*>(m->addr), m->len, true});
+    if (m->len) o.pieces.push_back({nullptr, m->len, true, m.get()});
   if (!f.data().empty()) o.pieces.push_back({f.payload->data(), f.payload->size(), true});
-  o.pieces.push_back({nullptr, kMacBytes, false});  // the body's MAC, once the body is written
-  f.fds.reset();  // mapped: the fds themselves are no longer needed
+  o.pieces.push_back({nullptr, kMacBytes, false, nullptr, true});
   f.fd_bytes.clear();
-  o.frame = std::move(f);
+  o.frame = std::move(f);  // with its fds, which the windows map
 }
 
 bool Channel::flush_sealed(Outgoing& o) {
@@ -207,12 +218,18 @@ bool Channel::flush_sealed(Outgoing& o) {
     int niov = 0;
     for (size_t k = o.piece; k < o.pieces.size() && niov < 8; ++k) {
       Piece& p = o.pieces[k];
-      if (!p.data) {  // the MAC: made once everything before it was written
+      if (p.mac && !p.data) {  // made once everything before it was written
         if (k != o.piece) break;
         o.mac = o.body_mac->final();
         p.data = o.mac.data();
       }
       size_t skip = k == o.piece ? o.piece_offset : 0;
+      if (p.map) {
+        auto [at, n] = p.map->at(skip);
+        iov[niov++] = {const_cast<char*>(at), std::min(n, p.size - skip)};
+        if (n < p.size - skip) break;  // the rest of it after this window is written
+        continue;
+      }
       iov[niov++] = {const_cast<char*>(p.data) + skip, p.size - skip};
     }
     msghdr msg{};
@@ -229,7 +246,9 @@ bool Channel::flush_sealed(Outgoing& o) {
     while (left > 0) {
       Piece& p = o.pieces[o.piece];
       size_t k = std::min(left, p.size - o.piece_offset);
-      if (p.body) o.body_mac->update(std::string_view(p.data + o.piece_offset, k));
+      if (p.body)
+        o.body_mac->update(std::string_view(
+            p.map ? p.map->at(o.piece_offset).first : p.data + o.piece_offset, k));
       o.piece_offset += k;
       left -= k;
       if (o.piece_offset == p.size) {

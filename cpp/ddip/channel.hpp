@@ -129,11 +129,13 @@ class Channel {
   static constexpr size_t kStageBytes = 64 * 1024;
 
  private:
-  struct Mapping;  // a read-only mapping of an fd being sent
+  struct Mapping;  // a window onto an fd being sent
   struct Piece {
-    const char* data;
+    const char* data;  // or, for an fd's bytes, `map`
     size_t size;
     bool body;  // fed to the body's MAC
+    Mapping* map = nullptr;
+    bool mac = false;  // the body's MAC, made once everything before it was written
   };
   struct Outgoing {
     char header[24];
