@@ -289,6 +289,71 @@ def test_no_remote_worker_survives_the_sigkill_of_the_notebook(hosts):
     assert all(wait_until(lambda x=x: not alive(x), 10) for x in pids), "a remote worker outlived the notebook"
 
 
+def _rx_bytes(hosts, name: str) -> int:
+    """Bytes that arrived on host `name`'s only link (its ddip0 veth) so far."""
+    return int(_run("cat", "/sys/class/net/ddip0/statistics/rx_bytes", ns=hosts.ns[name]))
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+CHECKSUM = "import hashlib; hashlib.sha256(x.tobytes()).hexdigest()"
+
+
+@needs_netns
+def test_a_push_crosses_each_hosts_link_once_and_reaches_every_rank_there(hosts):
+    np = pytest.importorskip("numpy")
+    import hashlib
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:2,{b}:2", launcher=hosts.launcher, backend=None, timeout=120)
+    try:
+        x = np.random.default_rng(19).integers(0, 256, size=32 << 20, dtype=np.uint8)
+        want = hashlib.sha256(x.tobytes()).hexdigest()
+        before = {n: _rx_bytes(hosts, n) for n in hosts.ns}
+        g.push(x=x)
+        crossed = {n: _rx_bytes(hosts, n) - before[n] for n in hosts.ns}
+        assert [r.value for r in g.run(CHECKSUM)] == [want] * 4
+        for n, got in crossed.items():
+            # Once per host (plus framing and heartbeats), not once per rank (2x).
+            assert x.nbytes <= got < 1.1 * x.nbytes, f"{got} bytes crossed host {n}'s link for {x.nbytes}"
+        # The host's copy is its ranks': a second push with other content reaches them as well.
+        y = x[::-1].copy()
+        g.push(x=y)
+        assert [r.value for r in g.run(CHECKSUM)] == [hashlib.sha256(y.tobytes()).hexdigest()] * 4
+    finally:
+        g.close()
+
+
+@needs_netns
+def test_the_notebooks_memory_during_a_push_holds_one_copy_whatever_the_rank_count(hosts):
+    np = pytest.importorskip("numpy")
+    import hashlib
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:4,{b}:4", launcher=hosts.launcher, backend=None, timeout=180)
+    try:
+        x = np.random.default_rng(20).integers(0, 256, size=32 << 20, dtype=np.uint8)
+        want = hashlib.sha256(x.tobytes()).hexdigest()
+        _reset_peak_rss()
+        start = _rss_kb("VmRSS")
+        g.push(x=x)
+        grew = (_rss_kb("VmHWM") - start) * 1024
+        assert [r.value for r in g.run(CHECKSUM)] == [want] * 8
+        # The segment (one copy) and bounded buffers; one copy per remote rank was 8x.
+        assert grew < 2 * x.nbytes, f"the notebook's peak RSS grew by {grew} bytes for {x.nbytes} pushed to 8 ranks"
+    finally:
+        g.close()
+
+
 @needs_netns
 def test_an_unreachable_host_is_a_clear_start_error(hosts):
     nobody = f"{hosts.net}.99"  # in the subnet, but no host has it
