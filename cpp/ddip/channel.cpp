@@ -405,7 +405,8 @@ void Channel::sealed_advance(size_t n) {
         recv_mac_.verify_header(head, std::string_view(in.head + head.size(), kMacBytes));
         in.mac.emplace(recv_mac_.body_mac(head));
         in.entries.resize(in.h.nfds);
-        std::memcpy(in.entries.data(), in.head + sizeof in.h, in.h.nfds * sizeof(uint64_t));
+        if (in.h.nfds > 0)
+          std::memcpy(in.entries.data(), in.head + sizeof in.h, in.h.nfds * sizeof(uint64_t));
         // Authenticated: what is wrong now is a bug on the other end; still, never trust lengths.
         if (in.h.length > kMaxSealedFrame) throw std::runtime_error("corrupt TCP frame (length)");
         uint64_t left = in.h.length;
