@@ -282,6 +282,192 @@ def test_no_remote_worker_survives_the_sigkill_of_the_notebook(hosts):
     assert all(wait_until(lambda x=x: not alive(x), 10) for x in pids), "a remote worker outlived the notebook"
 
 
+def _rx_bytes(hosts, name: str) -> int:
+    """Bytes that arrived on host `name`'s only link (its ddip0 veth) so far."""
+    return int(_run("cat", "/sys/class/net/ddip0/statistics/rx_bytes", ns=hosts.ns[name]))
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+CHECKSUM = "import hashlib; hashlib.sha256(x.tobytes()).hexdigest()"
+
+
+@needs_netns
+def test_a_push_crosses_each_hosts_link_once_and_reaches_every_rank_there(hosts):
+    np = pytest.importorskip("numpy")
+    import hashlib
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:2,{b}:2", launcher=hosts.launcher, backend=None, timeout=120)
+    try:
+        x = np.random.default_rng(19).integers(0, 256, size=32 << 20, dtype=np.uint8)
+        want = hashlib.sha256(x.tobytes()).hexdigest()
+        before = {n: _rx_bytes(hosts, n) for n in hosts.ns}
+        g.push(x=x)
+        crossed = {n: _rx_bytes(hosts, n) - before[n] for n in hosts.ns}
+        assert [r.value for r in g.run(CHECKSUM)] == [want] * 4
+        for n, got in crossed.items():
+            # Once per host (plus framing and heartbeats), not once per rank (2x).
+            assert x.nbytes <= got < 1.1 * x.nbytes, f"{got} bytes crossed host {n}'s link for {x.nbytes}"
+        # The host's copy is its ranks': a second push with other content reaches them as well.
+        y = x[::-1].copy()
+        g.push(x=y)
+        assert [r.value for r in g.run(CHECKSUM)] == [hashlib.sha256(y.tobytes()).hexdigest()] * 4
+    finally:
+        g.close()
+
+
+@needs_netns
+def test_the_notebooks_memory_during_a_push_holds_one_copy_whatever_the_rank_count(hosts):
+    np = pytest.importorskip("numpy")
+    import hashlib
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:4,{b}:4", launcher=hosts.launcher, backend=None, timeout=180)
+    try:
+        x = np.random.default_rng(20).integers(0, 256, size=32 << 20, dtype=np.uint8)
+        want = hashlib.sha256(x.tobytes()).hexdigest()
+        _reset_peak_rss()
+        start = _rss_kb("VmRSS")
+        g.push(x=x)
+        grew = (_rss_kb("VmHWM") - start) * 1024
+        assert [r.value for r in g.run(CHECKSUM)] == [want] * 8
+        # The segment (one copy) and bounded buffers; one copy per remote rank was 8x.
+        assert grew < 2 * x.nbytes, f"the notebook's peak RSS grew by {grew} bytes for {x.nbytes} pushed to 8 ranks"
+    finally:
+        g.close()
+
+
+class _Tap:
+    """A relay between host A's agent and the kernel that can write a forged frame header into
+    the agent -> kernel stream, at a frame boundary (it follows the sealed framing, see
+    channel.hpp), as an attacker on the path could."""
+
+    RESPONSE = 8 + 32 + 4 + 32  # the agent's handshake response, before the first frame
+
+    def __init__(self, addr: str, real: str):
+        import threading
+        self.real = real  # a file where the launcher wrapper writes the kernel's address
+        self.server = socket.create_server((addr, 0))
+        self.port = self.server.getsockname()[1]
+        self.inject = threading.Event()
+        self.injected = threading.Event()
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
+
+    def _serve(self):
+        import threading
+        agent, _ = self.server.accept()
+        with open(self.real) as f:
+            host, port = f.read().split()
+        kernel = socket.create_connection((host, int(port)))
+        self.socks = (agent, kernel)
+        for target in (self._to_agent, self._to_kernel):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _to_agent(self):
+        agent, kernel = self.socks
+        while data := _recv(kernel):
+            agent.sendall(data)
+        agent.close()
+
+    def _to_kernel(self):
+        import select
+        import struct
+        agent, kernel = self.socks
+        buf, skip = b"", self.RESPONSE
+        while True:
+            if not buf and skip == 0 and self.inject.is_set() and not self.injected.is_set():
+                # A header announcing 1 GiB (within what a link accepts), and junk for its MAC.
+                kernel.sendall(struct.pack("<QQHHi", 1 << 30, 7, 3, 0, 0) + b"\x00" * 32)
+                self.injected.set()
+            if not select.select([agent], [], [], 0.05)[0]:
+                continue
+            data = _recv(agent)
+            if not data:
+                break
+            buf += data
+            while True:  # forward whole frames (and the handshake) only
+                if skip:
+                    n = min(skip, len(buf))
+                    kernel.sendall(buf[:n])
+                    buf, skip = buf[n:], skip - n
+                    if skip:
+                        break
+                if len(buf) < 24:
+                    break
+                length, nfds = struct.unpack_from("<Q", buf)[0], struct.unpack_from("<H", buf, 18)[0]
+                skip = 24 + 8 * nfds + 32 + length + 32
+        kernel.close()
+
+    def close(self):
+        self.server.close()
+        for s in getattr(self, "socks", ()):
+            s.close()
+
+
+def _recv(s) -> bytes:
+    try:
+        return s.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+@needs_netns
+def test_a_forged_header_on_a_live_link_drops_that_host_only_and_allocates_nothing(hosts, tmp_path):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    real = tmp_path / "kernel-address"
+    tap = _Tap(hosts.me, str(real))
+    # The launcher: ssh, with host A's ticket pointed at the tap (and the real address noted).
+    wrapper = tmp_path / "launch.py"
+    wrapper.write_text(textwrap.dedent(f"""\
+        import os, sys
+        host, command = sys.argv[1], " ".join(sys.argv[2:])
+        ticket = sys.stdin.readline().split()
+        if host == {a!r}:
+            with open({str(real)!r}, "w") as f:
+                f.write(ticket[1] + " " + ticket[2])
+            ticket[1], ticket[2] = {hosts.me!r}, {str(tap.port)!r}
+        r, w = os.pipe()
+        os.write(w, (" ".join(ticket) + "\\n").encode())
+        os.close(w)
+        os.dup2(r, 0)
+        os.execvp("ssh", ["ssh", "-F", {hosts.dir + "/ssh_config"!r}, "-T", "-o", "BatchMode=yes", host,
+                          "exec " + command])
+        """))
+    g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=f"{sys.executable} {wrapper} {{host}} {{command}}",
+                   backend=None, timeout=60)
+    try:
+        assert [r.value for r in g.run("1 + 1")] == [2, 2]
+        _reset_peak_rss()
+        start = _rss_kb("VmRSS")
+        tap.inject.set()
+        assert tap.injected.wait(30), "the tap never found a frame boundary to inject at"
+        assert wait_until(lambda: g.status()[0]["state"] == "dead", 30), g.status()
+        with pytest.raises(ddip.RankDeadError) as err:
+            g.run("1 + 1", ranks=[0])
+        assert "frame header failed authentication" in str(err.value), str(err.value)
+        # The other host's link is untouched, and the kernel allocated nothing for the 1 GiB.
+        assert [r.value for r in g.run("1 + 1", ranks=[1])] == [2]
+        assert g.status()[1]["state"] == "idle"
+        grew = (_rss_kb("VmHWM") - start) * 1024
+        assert grew < 64 << 20, f"the notebook's peak RSS grew by {grew} bytes for a forged header"
+    finally:
+        g.close()
+        tap.close()
+
+
 @needs_netns
 def test_an_unreachable_host_is_a_clear_start_error(hosts):
     nobody = f"{hosts.net}.99"  # in the subnet, but no host has it
