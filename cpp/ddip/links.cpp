@@ -41,7 +41,7 @@ HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
 HostLinks::~HostLinks() {
   close();
   for (auto& l : links_) {
-    if (!l.launcher_exited) loop_.unwatch(supervisor_.child(l.child).pidfd());
+    if (!l.launcher_exited && !l.standing) loop_.unwatch(supervisor_.child(l.child).pidfd());
     for (Fd* fd : {&l.out, &l.err})
       if (*fd) loop_.unwatch(fd->get());
   }
@@ -72,6 +72,22 @@ void HostLinks::start() {
     l.host = options_.hosts[h];
     LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
     ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
+    if (options_.keeper) {
+      // The host's standing agent (keeper.hpp): it outlives this group, and so does its rank
+      // template. Its launcher's exit reaches this loop as a posted command.
+      ticket.standing = true;
+      ticket.warm = options_.warm;
+      l.standing = true;
+      l.lease = options_.keeper->lease(l.host.launcher, [this, h] {
+        try {
+          loop_.post([this, h] { on_launcher_exit(h); });
+        } catch (const std::runtime_error&) {
+          // The group has stopped: nobody waits for this host any more.
+        }
+      });
+      l.lease->send(ticket.encode());
+      continue;
+    }
     // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
     // command line or environment shows it.
     l.host.launcher.stdin_data = ticket.encode();
@@ -249,6 +265,7 @@ void HostLinks::lose_slot(int slot, const std::string& why) {
   Slot& s = slots_.at(slot);
   if (s.gone) return;
   s.gone = true;
+  s.lost = true;
   for (auto& [f, segments] : s.waiting)
     for (uint64_t id : segments) pool_.release(id);
   s.waiting.clear();
@@ -278,19 +295,51 @@ void HostLinks::on_launcher(size_t link, int stream) {
   }
 }
 
-void HostLinks::on_launcher_exit(size_t link) {
+std::optional<ExitStatus> HostLinks::launcher_status(size_t link) {
   Link& l = links_[link];
-  if (l.launcher_exited) return;
+  if (l.standing) return l.lease ? l.lease->exit_status() : std::nullopt;
   on_launcher(link, RankOutput::kStdout);
   on_launcher(link, RankOutput::kStderr);
   auto status = supervisor_.poll(l.child);
-  if (!status) return;  // woken early; the pidfd stays watched
-  l.launcher_exited = true;
-  loop_.unwatch(supervisor_.child(l.child).pidfd());
-  if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
+  if (status) loop_.unwatch(supervisor_.child(l.child).pidfd());
+  return status;
+}
+
+std::string HostLinks::launcher_tail(size_t link) {
+  Link& l = links_[link];
+  if (l.standing) return l.lease ? l.lease->tail() : std::string();
   std::string tail = l.output.flush(RankOutput::kStderr, true);
   std::string lines = l.output.stderr_tail();
   if (!tail.empty()) lines += (lines.empty() ? "" : "\n") + tail;
+  return lines;
+}
+
+bool HostLinks::host_done(const Link& l) const {
+  return std::all_of(l.host.slots.begin(), l.host.slots.end(),
+                     [this](int slot) { return slots_.at(slot).gone; });
+}
+
+void HostLinks::return_lease(Link& l) {
+  if (!l.lease) return;
+  // Reused only where the group ended cleanly: every worker's exit reported over a link that
+  // held. Anything else (a lost link, a worker never heard of) and the agent is let go.
+  bool clean = l.ever_connected && !l.launcher_exited &&
+               std::all_of(l.host.slots.begin(), l.host.slots.end(), [this](int slot) {
+                 const Slot& s = slots_.at(slot);
+                 return s.gone && !s.lost;
+               });
+  if (!clean) l.lease->retire();
+  l.lease.reset();
+}
+
+void HostLinks::on_launcher_exit(size_t link) {
+  Link& l = links_[link];
+  if (l.launcher_exited) return;
+  auto status = launcher_status(link);
+  if (!status) return;  // woken early; the pidfd stays watched
+  l.launcher_exited = true;
+  if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
+  std::string lines = launcher_tail(link);
   std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
                     status->describe() + " before host " + l.host.name + " connected";
   if (!lines.empty()) why += "; its last lines:\n" + lines;
@@ -298,18 +347,27 @@ void HostLinks::on_launcher_exit(size_t link) {
 }
 
 bool HostLinks::launchers_exited() const {
-  return std::all_of(links_.begin(), links_.end(), [](auto& l) { return l.launcher_exited; });
+  // A standing agent stays; it is done with this group once every worker there is gone.
+  return std::all_of(links_.begin(), links_.end(), [this](auto& l) {
+    return l.launcher_exited ||
+           (l.standing && (!l.lease || (!l.lease->retired() && host_done(l))));
+  });
 }
 
 void HostLinks::signal_launchers(int sig) {
-  // A launcher normally leaves with its agent; one still there after the grace is stopped.
+  // A launcher normally leaves with its agent; one still there after the grace is stopped. A
+  // standing agent whose workers are not all gone is let go instead: its stdin is closed, and
+  // it stops them and exits (SIGKILL after the keeper's grace).
   for (auto& l : links_) try {
-      if (!l.launcher_exited) supervisor_.signal(l.child, sig);
+      if (l.launcher_exited) continue;
+      if (l.standing && l.lease && !host_done(l)) l.lease->retire();
+      if (!l.standing) supervisor_.signal(l.child, sig);
     } catch (const std::exception&) {
     }
 }
 
 void HostLinks::close() {
+  for (auto& l : links_) return_lease(l);
   for (auto& l : links_) l.conn.reset();
   for (auto& [id, h] : handshakes_) loop_.unwatch(h.fd.get());
   handshakes_.clear();
