@@ -189,6 +189,58 @@ def _start(modules) -> None:
 _started_at = 0.0
 
 
+# -- kernel side: other hosts' standing agents ----------------------------------------------------
+
+_keeper = None  # _core.AgentKeeper: each host's launcher + agent (and its template), kernel-long
+
+
+def agent_keeper():
+    """The kernel's standing host agents (created on first use): groups across hosts lease each
+    host's agent from it, so that host's rank template outlives the group."""
+    global _keeper
+    with _lock:
+        if _keeper is None:
+            _keeper = _core.AgentKeeper()
+        return _keeper
+
+
+def remote_warm(warm, uses_torch: bool) -> int:
+    """The tickets' `warm` for a group's other hosts: 0 cold, 1 fork when the host's template is
+    ready, 2 wait for it while it imports (the ranks will use torch)."""
+    if warm is False or not enabled():
+        return 0
+    return 2 if uses_torch else 1
+
+
+def release_hosts(timeout: float = 5.0) -> int:
+    """Lets every other host go: each idle standing agent stops its rank template and exits now,
+    one serving a group when that group ends. The next group there starts a new agent (and pays
+    its imports again). Returns how many were idle."""
+    with _lock:
+        keeper = _keeper
+    if keeper is None:
+        return 0
+    return keeper.release(int(timeout * 1000))
+
+
+def host_spec():
+    """On another host, in its standing agent (`python -m ddip.remote`): how to start that host's
+    rank template, as (argv, env, cwd), or None where DDIP_PREWARM=0 says cold ranks. The same
+    program as the kernel's, preloading what is installed there (torch by default); the agent's
+    C++ HostAgent starts it with the first group that wants warm ranks and keeps it."""
+    if not enabled():
+        return None
+    from . import _core
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDIP_")}
+    if "OMP_NUM_THREADS" not in env:
+        # Sized as the usual group's ranks there (2 per host): a fork that differs resizes.
+        env["OMP_NUM_THREADS"] = str(_core.plan.omp_threads(_core.plan.cpu_count(), 2))
+    env.update({"PYTHONUNBUFFERED": "1", "DDIP_TEMPLATE_MODULES": ",".join(DEFAULT_MODULES)})
+    argv = [sys.executable, "-c", "import ddip.template; ddip.template.main()"]
+    return argv, [f"{k}={v}" for k, v in env.items()], os.getcwd()
+
+
 def _usual_rank_threads() -> int:
     from . import _core
     from .group import omp_threads
