@@ -40,11 +40,14 @@ struct StandingAgent {
 };
 
 struct KeeperCore {
-  explicit KeeperCore(std::chrono::milliseconds g) : grace(g) {}
+  KeeperCore(std::chrono::milliseconds g, std::chrono::milliseconds k) : grace(g), keepalive(k) {}
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::shared_ptr<StandingAgent>> agents;  // until reaped
   const std::chrono::milliseconds grace;
+  // An empty line to every agent this often: an idle agent that hears nothing for much longer
+  // (a host cut off while no group ran: no link, no heartbeats) knows the kernel is gone.
+  const std::chrono::milliseconds keepalive;
   EventLoop loop{"the kernel's standing host agents are being let go"};  // post() is thread-safe
   Supervisor supervisor;  // the keeper thread's
 
@@ -54,7 +57,22 @@ struct KeeperCore {
   void on_exit(const std::shared_ptr<StandingAgent>& a);
   void run();
   bool any_running();
+  void keep_alive();
 };
+
+void KeeperCore::keep_alive() {
+  std::vector<std::shared_ptr<StandingAgent>> all;
+  {
+    std::lock_guard lock(mu);
+    all = agents;
+  }
+  for (auto& a : all) {
+    if (!a->in) continue;
+    ssize_t ignored = ::write(a->in.get(), "\n", 1);  // EAGAIN, EPIPE: its exit says the rest
+    (void)ignored;
+  }
+  loop.after(keepalive, [this] { keep_alive(); });
+}
 
 void KeeperCore::spawn(const std::shared_ptr<StandingAgent>& a, SpawnSpec spec) {
   spec.stdin_pipe = true;  // tickets go there; its end of file ends the agent
@@ -140,6 +158,7 @@ void KeeperCore::run() {
   sigemptyset(&pipe);
   sigaddset(&pipe, SIGPIPE);
   ::pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
+  loop.after(keepalive, [this] { keep_alive(); });
   while (!loop.closed()) {
     try {
       loop.run_once();
@@ -167,8 +186,8 @@ void KeeperCore::run() {
 
 }  // namespace detail
 
-AgentKeeper::AgentKeeper(std::chrono::milliseconds stop_grace)
-    : core_(std::make_shared<detail::KeeperCore>(stop_grace)) {
+AgentKeeper::AgentKeeper(std::chrono::milliseconds stop_grace, std::chrono::milliseconds keepalive)
+    : core_(std::make_shared<detail::KeeperCore>(stop_grace, keepalive)) {
   owner_pid_ = ::getpid();
   thread_ = std::thread([core = core_] { core->run(); });
 }

@@ -36,10 +36,14 @@ struct StandingAgent;
 
 class AgentLease;
 
+
 class AgentKeeper {
  public:
   // `stop_grace`: how long a launcher whose stdin was closed gets to exit before SIGKILL.
-  explicit AgentKeeper(std::chrono::milliseconds stop_grace = std::chrono::seconds(5));
+  // `keepalive`: how often each agent gets an empty line, so that one cut off from the kernel
+  // between groups notices (AgentOptions::idle_timeout, 30 s, is several of them).
+  explicit AgentKeeper(std::chrono::milliseconds stop_grace = std::chrono::seconds(5),
+                       std::chrono::milliseconds keepalive = std::chrono::seconds(5));
   AgentKeeper(const AgentKeeper&) = delete;
   AgentKeeper& operator=(const AgentKeeper&) = delete;
   // Lets every agent go (stdin closed), waits up to the grace, then kills the launchers left.

@@ -278,7 +278,14 @@ int HostAgent::serve(int input, std::optional<SpawnSpec> template_spec) {
         break;
       }
       pollfd p{input, POLLIN, 0};
-      if (::poll(&p, 1, -1) < 0 && errno != EINTR) throw_errno("poll", "waiting for a ticket");
+      int idle_ms = static_cast<int>(options_.idle_timeout.count());
+      int ready = ::poll(&p, 1, idle_ms);
+      if (ready < 0 && errno != EINTR) throw_errno("poll", "waiting for a ticket");
+      if (ready == 0) {
+        why_ = "nothing from the kernel for " + std::to_string(idle_ms) +
+               " ms while no group ran: it is gone, or this host is cut off from it";
+        return 1;
+      }
       char buf[4096];
       ssize_t n = ::read(input, buf, sizeof buf);
       if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;

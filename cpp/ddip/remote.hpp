@@ -67,6 +67,10 @@ struct AgentOptions {
   std::chrono::milliseconds worker_stale{2500};
   // How long a group that wants warm ranks waits for a template still importing.
   std::chrono::milliseconds template_wait{60000};
+  // An agent waiting for a ticket that hears nothing on its stdin this long (the kernel's keeper
+  // writes an empty line every 5 s) takes the kernel for gone: its host was cut off between
+  // groups, and its launcher's connection may not report that for hours (TCP keepalive).
+  std::chrono::milliseconds idle_timeout{30000};
 };
 
 class RankTemplate;

@@ -72,6 +72,8 @@ int worker_main() {
 int agent_main() {
   AgentOptions o;
   o.kernel_timeout = 3000ms;
+  if (const char* idle = std::getenv("DDIP_TEST_IDLE_MS"))
+    o.idle_timeout = std::chrono::milliseconds(std::atoi(idle));
   HostAgent agent(o);
   int rc = agent.serve(0, std::nullopt);  // as python -m ddip.remote does
   if (rc) std::cerr << "agent: " << agent.why() << "\n";
@@ -315,6 +317,36 @@ TEST(Remote, AStandingAgentServesOneGroupAfterAnotherUntilTheKernelLetsItGo) {
   EXPECT_EQ(keeper.release(5000ms), 1u);
   EXPECT_FALSE(alive(agent));
   EXPECT_TRUE(keeper.launchers().empty());
+}
+
+TEST(Remote, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilent) {
+  AgentKeeper keeper(3000ms, 100ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  o.hosts[0].launcher.env.push_back("DDIP_TEST_IDLE_MS=600");
+  pid_t agent;
+  {
+    Coordinator c(o);
+    ASSERT_GT(remote_pid(c, 1, 1), 0);
+    agent = keeper.launchers().at(0);
+    c.close();
+  }
+  // Idle for several of its silence limits: the keeper's empty lines keep it.
+  std::this_thread::sleep_for(2000ms);
+  ASSERT_EQ(keeper.launchers(), std::vector<pid_t>{agent});
+  {
+    Coordinator c(o);
+    EXPECT_GT(remote_pid(c, 1, 2), 0);
+    EXPECT_EQ(keeper.launchers(), std::vector<pid_t>{agent});
+    c.close();
+  }
+  // An agent nobody speaks to (its kernel gone without closing its stdin) leaves on its own.
+  Pipe in = make_pipe();
+  AgentOptions ao;
+  ao.idle_timeout = 300ms;
+  HostAgent silent(ao);
+  EXPECT_EQ(silent.serve(in.read.get(), std::nullopt), 1);
+  EXPECT_NE(silent.why().find("nothing from the kernel for 300 ms"), std::string::npos) << silent.why();
 }
 
 TEST(Remote, AStandingAgentWhoseGroupEndsUncleanlyIsLetGoWithItsWorkers) {
