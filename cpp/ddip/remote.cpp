@@ -203,8 +203,6 @@ LinkTicket LinkTicket::decode(const std::string& line) {
   return t;
 }
 
-namespace detail {
-
 std::string unforkable(const SpawnSpec& tmpl, const SpawnSpec& rank) {
   const std::string& python = tmpl.argv.empty() ? std::string() : tmpl.argv.front();
   if (rank.argv.size() < 3 || rank.argv[0] != python || rank.argv[1] != "-c")
@@ -230,8 +228,6 @@ std::string unforkable(const SpawnSpec& tmpl, const SpawnSpec& rank) {
   return "";
 }
 
-}  // namespace detail
-
 HostAgent::HostAgent(AgentOptions options) : options_(std::move(options)) {}
 
 HostAgent::~HostAgent() = default;
@@ -239,7 +235,7 @@ HostAgent::~HostAgent() = default;
 RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers) {
   if (!template_ || !template_spec_ || options_.ticket.warm == 0) return nullptr;
   for (const auto& w : workers)
-    if (std::string why = detail::unforkable(*template_spec_, w); !why.empty()) {
+    if (std::string why = unforkable(*template_spec_, w); !why.empty()) {
       std::fprintf(stderr, "ddip.remote: ranks start cold: %s\n", why.c_str());
       return nullptr;
     }

@@ -105,10 +105,9 @@ class HostAgent {
   RankTemplate* warm_template(const std::vector<SpawnSpec>& workers);
 };
 
-namespace detail {
-// Why `rank` can't be a fork of a template started by `tmpl` (it runs another program, or Python
-// reads a start-up variable of its differently), or "" when it can.
+// Why `rank` can't be a fork of a rank template started by `tmpl` (it runs another program, or
+// Python reads a start-up variable of its differently), or "" when it can. The one rule for the
+// kernel's template (ddip.template) and a host's.
 std::string unforkable(const SpawnSpec& tmpl, const SpawnSpec& rank);
-}  // namespace detail
 
 }  // namespace ddip

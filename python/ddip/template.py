@@ -30,9 +30,6 @@ DEFAULT_MODULES = ("torch",) if importlib.util.find_spec("torch") is not None el
 # How long a group waits for a template that is still importing, at most: cold ranks would
 # import the same modules from scratch on the same cores, so waiting is rarely slower.
 MAX_WAIT_S = 60.0
-# Python reads these once at start-up: a rank whose environment sets them differently from the
-# template's can't be a fork of it, so it starts cold.
-_STARTUP_VARS_IGNORED = {"PYTHONUNBUFFERED"}
 
 forked = False  # True in a rank forked from a template (for tests and `%makedip -v`)
 serving = False  # True in the template once it waits for fork requests
@@ -272,16 +269,14 @@ def _say_once(text: str) -> None:
 
 
 def _unforkable(specs) -> str | None:
-    """Why these ranks can't be forks of the template, or None."""
-    for argv, env, _cwd in specs:
-        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-c":
-            return f"ranks run {argv[:2]!r}, not `{sys.executable} -c ...`"
-        ours = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
-        ours["PYTHONUNBUFFERED"] = "1"
-        theirs = dict(e.split("=", 1) for e in env if e.startswith("PYTHON"))
-        for k in sorted(set(ours) | set(theirs)):
-            if k not in _STARTUP_VARS_IGNORED and ours.get(k) != theirs.get(k):
-                return f"the ranks' {k} differs from the kernel's, and Python reads it only at start-up"
+    """Why these ranks can't be forks of the template, or None (the runtime's rule, which a
+    host's agent applies to its own template too)."""
+    argv = [sys.executable, "-c", ""]
+    env = [f"{k}={v}" for k, v in os.environ.items()] + ["PYTHONUNBUFFERED=1"]
+    for rank_argv, rank_env, _cwd in specs:
+        why = _core.unforkable(argv, env, list(rank_argv), list(rank_env))
+        if why:
+            return why
     return None
 
 

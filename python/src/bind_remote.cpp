@@ -32,6 +32,16 @@ void init_remote(nb::module_& m) {
       "and returns (exit code, why) once they are gone. Raises when it can't connect or "
       "authenticate.");
   m.def(
+      "unforkable",
+      [](const std::vector<std::string>& template_argv, const std::vector<std::string>& template_env,
+         const std::vector<std::string>& argv, const std::vector<std::string>& env) {
+        return ddip::unforkable(ddip::SpawnSpec{template_argv, template_env, "", true},
+                                ddip::SpawnSpec{argv, env, "", true});
+      },
+      "template_argv"_a, "template_env"_a, "argv"_a, "env"_a,
+      "Why a rank (argv, env) can't be a fork of a rank template started with (template_argv, "
+      "template_env), or '' when it can.");
+  m.def(
       "serve_host_agent",
       [](int input, nb::object template_spec, int kernel_timeout_ms, int connect_timeout_ms) {
         std::optional<ddip::SpawnSpec> spec;
