@@ -73,19 +73,7 @@ void HostLinks::start() {
     LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
     ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
     if (options_.keeper) {
-      // The host's standing agent (keeper.hpp): it outlives this group, and so does its rank
-      // template. Its launcher's exit reaches this loop as a posted command.
-      ticket.standing = true;
-      ticket.warm = options_.warm;
-      l.standing = true;
-      l.lease = options_.keeper->lease(l.host.launcher, [this, h] {
-        try {
-          loop_.post([this, h] { on_launcher_exit(h); });
-        } catch (const std::runtime_error&) {
-          // The group has stopped: nobody waits for this host any more.
-        }
-      });
-      l.lease->send(ticket.encode());
+      lease_agent(h);
       continue;
     }
     // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
@@ -102,6 +90,39 @@ void HostLinks::start() {
     if (l.err)
       loop_.watch(l.err.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
   }
+}
+
+void HostLinks::lease_agent(size_t h) {
+  // The host's standing agent (keeper.hpp): it outlives this group, and so does its rank
+  // template. Its launcher's exit reaches this loop as a posted command.
+  Link& l = links_[h];
+  LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
+  ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
+  ticket.standing = true;
+  ticket.warm = options_.warm;
+  l.standing = true;
+  l.lease = options_.keeper->lease(l.host.launcher, [this, h] {
+    try {
+      loop_.post([this, h] { on_launcher_exit(h); });
+    } catch (const std::runtime_error&) {
+      // The group has stopped: nobody waits for this host any more.
+    }
+  });
+  l.lease->send(ticket.encode());
+}
+
+bool HostLinks::relaunch(size_t h) {
+  // An agent kept from an earlier group that left before taking this group's ticket (it gave
+  // up on a silent kernel just then): one new agent, as a first group would start.
+  Link& l = links_[h];
+  if (!l.standing || !l.lease || !l.lease->reused() || l.ever_connected || l.conn) return false;
+  l.lease.reset();
+  try {
+    lease_agent(h);
+  } catch (const std::exception&) {
+    return false;  // the exit already seen is the cause to report
+  }
+  return true;
 }
 
 void HostLinks::on_accept() {
@@ -337,6 +358,7 @@ void HostLinks::on_launcher_exit(size_t link) {
   if (l.launcher_exited) return;
   auto status = launcher_status(link);
   if (!status) return;  // woken early; the pidfd stays watched
+  if (relaunch(link)) return;
   l.launcher_exited = true;
   if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
   std::string lines = launcher_tail(link);

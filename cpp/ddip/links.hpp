@@ -153,6 +153,8 @@ class HostLinks {
   // Every worker of the host is gone: its standing agent is free for the next group.
   bool host_done(const Link& l) const;
   void return_lease(Link& l);
+  void lease_agent(size_t link);
+  bool relaunch(size_t link);  // a kept agent gone before this group's ticket: a new one
 };
 
 }  // namespace ddip

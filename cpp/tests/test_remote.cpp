@@ -349,6 +349,28 @@ TEST(Remote, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilen
   EXPECT_NE(silent.why().find("nothing from the kernel for 300 ms"), std::string::npos) << silent.why();
 }
 
+TEST(Remote, AKeptAgentThatDiesBeforeTheNextGroupsTicketIsReplacedByANewOne) {
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  pid_t agent;
+  {
+    Coordinator c(o);
+    ASSERT_GT(remote_pid(c, 1, 1), 0);
+    agent = keeper.launchers().at(0);
+    c.close();
+  }
+  ::kill(agent, SIGSTOP);  // leased by the next group, but it will never read that ticket
+  Coordinator c(o);
+  ::kill(agent, SIGKILL);
+  pid_t w = remote_pid(c, 1, 2);
+  ASSERT_GT(w, 0) << "the group did not start on a new agent";
+  ASSERT_EQ(keeper.launchers().size(), 1u);
+  EXPECT_NE(keeper.launchers()[0], agent);
+  EXPECT_EQ(parent_of(w), keeper.launchers()[0]);
+  c.close();
+}
+
 TEST(Remote, AStandingAgentWhoseGroupEndsUncleanlyIsLetGoWithItsWorkers) {
   AgentKeeper keeper(3000ms);
   auto o = options();
