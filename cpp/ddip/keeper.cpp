@@ -49,7 +49,7 @@ struct KeeperCore {
   // (a host cut off while no group ran: no link, no heartbeats) knows the kernel is gone.
   const std::chrono::milliseconds keepalive;
   EventLoop loop{"the kernel's standing host agents are being let go"};  // post() is thread-safe
-  Supervisor supervisor;  // the keeper thread's
+  Supervisor supervisor;                                                 // the keeper thread's
 
   void spawn(const std::shared_ptr<StandingAgent>& a, SpawnSpec spec);
   void let_go(const std::shared_ptr<StandingAgent>& a);

@@ -36,7 +36,6 @@ struct StandingAgent;
 
 class AgentLease;
 
-
 class AgentKeeper {
  public:
   // `stop_grace`: how long a launcher whose stdin was closed gets to exit before SIGKILL.

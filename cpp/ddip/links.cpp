@@ -371,8 +371,7 @@ void HostLinks::on_launcher_exit(size_t link) {
 bool HostLinks::launchers_exited() const {
   // A standing agent stays; it is done with this group once every worker there is gone.
   return std::all_of(links_.begin(), links_.end(), [this](auto& l) {
-    return l.launcher_exited ||
-           (l.standing && (!l.lease || (!l.lease->retired() && host_done(l))));
+    return l.launcher_exited || (l.standing && (!l.lease || (!l.lease->retired() && host_done(l))));
   });
 }
 

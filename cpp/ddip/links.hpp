@@ -112,8 +112,8 @@ class HostLinks {
     bool launcher_exited = false;
     std::unique_ptr<Connection> conn;
     bool ever_connected = false;
-    bool standing = false;               // its launcher is the keeper's (`child` is unused)
-    std::unique_ptr<AgentLease> lease;   // until the group ends there
+    bool standing = false;              // its launcher is the keeper's (`child` is unused)
+    std::unique_ptr<AgentLease> lease;  // until the group ends there
   };
   struct Handshake {
     Fd fd;

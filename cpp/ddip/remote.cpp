@@ -312,7 +312,8 @@ int HostAgent::serve(int input, std::optional<SpawnSpec> template_spec) {
       try {
         template_->start(*template_spec_);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "ddip.remote: ranks start cold: the rank template could not start: %s\n",
+        std::fprintf(stderr,
+                     "ddip.remote: ranks start cold: the rank template could not start: %s\n",
                      e.what());
         template_spec_.reset();
       }

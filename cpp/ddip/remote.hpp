@@ -96,10 +96,10 @@ class HostAgent {
  private:
   AgentOptions options_;
   std::string why_;
-  int lifeline_ = -1;     // a standing agent's stdin, watched during a group for end of file
-  std::string input_;     // read from it beyond the current ticket
-  bool let_go_ = false;   // end of file on it
-  bool clean_ = false;    // the last group ended with every worker reported and the link intact
+  int lifeline_ = -1;    // a standing agent's stdin, watched during a group for end of file
+  std::string input_;    // read from it beyond the current ticket
+  bool let_go_ = false;  // end of file on it
+  bool clean_ = false;   // the last group ended with every worker reported and the link intact
   std::optional<SpawnSpec> template_spec_;
   std::unique_ptr<RankTemplate> template_;
   RankTemplate* warm_template(const std::vector<SpawnSpec>& workers);

@@ -1,7 +1,5 @@
 // AgentKeeper with /bin/sh launchers playing standing agents: each reads ticket lines on its
 // stdin and appends them to a file (what a HostAgent would serve), and exits at end of file.
-#include "ddip/keeper.hpp"
-
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -11,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "ddip/keeper.hpp"
 #include "helpers.hpp"
 
 using namespace ddip;
@@ -41,8 +40,8 @@ std::string slurp(const fs::path& p) {
 struct Dir {
   fs::path path;
   Dir() {
-    path = fs::temp_directory_path() / ("ddip-test-keeper-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(counter++));
+    path = fs::temp_directory_path() /
+           ("ddip-test-keeper-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
     fs::create_directories(path);
   }
   ~Dir() { fs::remove_all(path); }
@@ -68,7 +67,8 @@ TEST(AgentKeeper, ALaterGroupGetsTheSameAgentAndItsNextTicket) {
     first = lease->pid();
     lease->send("ticket-1\n");
     ASSERT_TRUE(eventually([&] { return slurp(d.path / "tickets") == "ticket-1\n"; }));
-    EXPECT_TRUE(eventually([&] { return lease->tail() == "started\ngot ticket-1"; })) << lease->tail();
+    EXPECT_TRUE(eventually([&] { return lease->tail() == "started\ngot ticket-1"; }))
+        << lease->tail();
   }
   // Returned: still running, idle, and the next lease of the same command gets it.
   EXPECT_TRUE(alive(first));

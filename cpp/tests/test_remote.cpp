@@ -346,7 +346,8 @@ TEST(Remote, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilen
   ao.idle_timeout = 300ms;
   HostAgent silent(ao);
   EXPECT_EQ(silent.serve(in.read.get(), std::nullopt), 1);
-  EXPECT_NE(silent.why().find("nothing from the kernel for 300 ms"), std::string::npos) << silent.why();
+  EXPECT_NE(silent.why().find("nothing from the kernel for 300 ms"), std::string::npos)
+      << silent.why();
 }
 
 TEST(Remote, AKeptAgentThatDiesBeforeTheNextGroupsTicketIsReplacedByANewOne) {

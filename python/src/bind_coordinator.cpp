@@ -1,7 +1,7 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
-#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
@@ -203,7 +203,8 @@ void init_coordinator(nb::module_& m) {
               throw std::invalid_argument("bind_port must be 0..65535");
             o.bind_port = static_cast<uint16_t>(bind_port);
             if (remote_warm < 0 || remote_warm > 2)
-              throw std::invalid_argument("remote_warm must be 0 (cold), 1 (when ready) or 2 (wait)");
+              throw std::invalid_argument(
+                  "remote_warm must be 0 (cold), 1 (when ready) or 2 (wait)");
             o.agent_keeper = agent_keeper;  // kept alive by this object (keep_alive below)
             o.remote_warm = static_cast<uint32_t>(remote_warm);
             nb::gil_scoped_release release;
@@ -218,7 +219,8 @@ void init_coordinator(nb::module_& m) {
           "pool_idle_ms: pooled shared memory unused this long is freed (0: kept); rank_template: "
           "fork workers from this warm template; hosts: (name, launcher argv, launcher env, "
           "slots) for workers on other hosts, whose agents connect back to bind_address:bind_port "
-          "(0: any free port) over authenticated TCP; agent_keeper: lease each host's launcher from "
+          "(0: any free port) over authenticated TCP; agent_keeper: lease each host's launcher "
+          "from "
           "these standing agents (none: one-shot); remote_warm: fork there from the host's rank "
           "template (0 no, 1 when ready, 2 waiting for it).")
       .def_prop_ro("pids",

@@ -33,8 +33,9 @@ void init_remote(nb::module_& m) {
       "authenticate.");
   m.def(
       "unforkable",
-      [](const std::vector<std::string>& template_argv, const std::vector<std::string>& template_env,
-         const std::vector<std::string>& argv, const std::vector<std::string>& env) {
+      [](const std::vector<std::string>& template_argv,
+         const std::vector<std::string>& template_env, const std::vector<std::string>& argv,
+         const std::vector<std::string>& env) {
         return ddip::unforkable(ddip::SpawnSpec{template_argv, template_env, "", true},
                                 ddip::SpawnSpec{argv, env, "", true});
       },
@@ -46,9 +47,9 @@ void init_remote(nb::module_& m) {
       [](int input, nb::object template_spec, int kernel_timeout_ms, int connect_timeout_ms) {
         std::optional<ddip::SpawnSpec> spec;
         if (!template_spec.is_none()) {
-          auto [argv, env, cwd] = nb::cast<std::tuple<std::vector<std::string>,
-                                                      std::vector<std::string>, std::string>>(
-              template_spec);
+          auto [argv, env, cwd] =
+              nb::cast<std::tuple<std::vector<std::string>, std::vector<std::string>, std::string>>(
+                  template_spec);
           spec = ddip::SpawnSpec{argv, env, cwd, true};
         }
         ddip::AgentOptions o;
