@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -271,6 +272,125 @@ def test_a_host_that_drops_off_the_network_fails_within_the_heartbeat_timeout(ho
 
 
 @needs_netns
+@pytest.mark.timeout(120)
+def test_a_rank_cut_off_while_idle_fails_requests_naming_its_host_then_is_reported_lost(hosts):
+    # Taken off the network while idle: once reported unresponsive, a request to it fails at
+    # once (it does not wait for an answer that can't come), naming the rank, its host and why.
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=hosts.launcher, backend=None, heartbeat_timeout=3)
+    try:
+        hosts.set_link("B", False)
+        assert wait_until(lambda: [r["state"] for r in g.status()][1] != "idle", 30)
+        with pytest.raises((ddip.RankUnresponsiveError, ddip.RankDeadError)) as err:
+            g.run("1 + 1")
+        assert err.value.ranks == [1]
+        assert b in str(err.value) and ("no heartbeat" in str(err.value) or "lost the link" in str(err.value))
+        # Its agent stops the rank after as long without the kernel, so the link can't come back:
+        # the kernel closes it, and the rank is reported dead with the cause.
+        assert wait_until(lambda: [r["state"] for r in g.status()][1] == "dead", 30)
+        with pytest.raises(ddip.RankDeadError) as err:
+            g.run("1 + 1")
+        assert err.value.ranks == [1]
+        assert f"lost the link to its host {b}: it acknowledged nothing for 3000 ms" in str(err.value), str(err.value)
+        assert [r.value for r in g.run("1 + 1", ranks=[0])] == [2]  # the other host goes on
+    finally:
+        hosts.set_link("B", True)
+        g.close(grace=0.5)
+
+
+def _launcher_pid(host: str) -> int:
+    """The ssh this process started for `host`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and argv[0] == b"ssh" and host.encode() in argv:
+            return int(pid)
+    raise AssertionError(f"no ssh to {host} among this process's children")
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_a_launcher_that_exits_after_its_host_connected_is_a_lost_host(hosts):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=hosts.launcher, backend=None)
+    try:
+        pid = _pids(g)[1]
+        os.kill(_launcher_pid(b), signal.SIGKILL)
+        assert wait_until(lambda: [r["state"] for r in g.status()][1] == "dead", 30)
+        with pytest.raises(ddip.RankDeadError) as err:
+            g.run("1 + 1")
+        assert err.value.ranks == [1]
+        assert f"its launcher (ssh) ended with killed by SIGKILL while host {b} was connected" in str(err.value)
+        # The link was closed, so its agent stopped the rank.
+        assert wait_until(lambda: not alive(pid), 15), "the rank outlived its launcher"
+        assert [r.value for r in g.run("1 + 1", ranks=[0])] == [2]
+    finally:
+        g.close()
+
+
+def _listening_port(address: str) -> int | None:
+    """A TCP port this machine listens on at `address`, as any local user sees it."""
+    want = socket.inet_aton(address)[::-1].hex().upper()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and local.split(":")[0] == want:
+                return int(local.split(":")[1], 16)
+    return None
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_a_group_starts_while_strangers_hold_its_port_busy(hosts, capfd):
+    # A local user opens 70 idle connections to the listener as soon as it appears (its port is
+    # in /proc/net/tcp), from the notebook's own address; the launchers start only then.
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    flag = os.path.join(hosts.dir, f"strangers-{time.monotonic_ns()}")
+    launcher = (f"while [ ! -e {flag} ]; do sleep 0.02; done; "
+                f"exec ssh -F {hosts.dir}/ssh_config -T -o BatchMode=yes {{host}} exec {{command}}")
+    held, stop = [], threading.Event()
+
+    def strangers():
+        port = None
+        while port is None and not stop.wait(0.005):
+            port = _listening_port(hosts.me)
+        for _ in range(70):
+            try:
+                held.append(socket.create_connection((hosts.me, port), timeout=5))
+            except OSError:
+                pass
+        open(flag, "w").close()
+
+    thread = threading.Thread(target=strangers, daemon=True)
+    thread.start()
+    try:
+        g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=launcher, backend=None, timeout=60)
+        try:
+            assert len(held) == 70
+            assert [r.value for r in g.run("1 + 1")] == [2, 2]
+            rejected = g._coord.rejected_connections
+        finally:
+            g.close()
+    finally:
+        stop.set()
+        thread.join(10)
+        for s in held:
+            s.close()
+    # At most 8 + one per host from one address wait to authenticate; the older ones were closed.
+    assert rejected >= 70 - 10
+    # The kernel's log: a few refusals in full, then a count.
+    err = capfd.readouterr().err
+    assert len([l for l in err.splitlines() if l.startswith("ddip: refused a connection from")]) == 5, err
+    assert re.search(r"^ddip: refused \d+ more connection\(s\) before the group closed; the last: refused a "
+                     rf"connection from {re.escape(hosts.me)}:\d+: closed to make room", err, re.M), err
+
+
+@needs_netns
 def test_no_remote_worker_survives_the_sigkill_of_the_notebook(hosts):
     a, b = hosts.addr["A"], hosts.addr["B"]
     script = textwrap.dedent(f"""
@@ -438,12 +558,12 @@ dist.destroy_process_group()
 RUN_FAIL = """
 import os, sys, time
 rank = int(os.environ["RANK"])
-print("pid", os.getpid(), flush=True)
-if rank == int(os.environ.get("FAIL_RANK", "-1")):
-    time.sleep(1)
-    print("rank", rank, "is giving up", file=sys.stderr, flush=True)
-    sys.exit(7)
-try:
+try:  # a test may press Ctrl-C as soon as the pid line is out
+    print("pid", os.getpid(), flush=True)
+    if rank == int(os.environ.get("FAIL_RANK", "-1")):
+        time.sleep(1)
+        print("rank", rank, "is giving up", file=sys.stderr, flush=True)
+        sys.exit(7)
     time.sleep(120)
 except KeyboardInterrupt:
     print("interrupted", flush=True)

@@ -1,5 +1,6 @@
 #include "ddip/links.hpp"
 
+#include <arpa/inet.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -15,6 +16,25 @@
 namespace ddip {
 
 using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// After a launcher ended while its host was connected: how long the link gets to end by itself
+// (the agent's last frames and its close may still be unread) before the host is taken as lost.
+constexpr std::chrono::milliseconds kLauncherGrace{1000};
+
+// `name` as the address a connection from it would show, when it is an IP literal; else "".
+std::string numeric_address(const std::string& name) {
+  unsigned char buf[sizeof(in6_addr)];
+  char text[INET6_ADDRSTRLEN];
+  for (int family : {AF_INET, AF_INET6})
+    if (::inet_pton(family, name.c_str(), buf) == 1 &&
+        ::inet_ntop(family, buf, text, sizeof text) != nullptr)
+      return text;
+  return "";
+}
+
+}  // namespace
 
 HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
                      LinkOptions options, const std::vector<SpawnSpec>& workers,
@@ -40,6 +60,7 @@ HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
 
 HostLinks::~HostLinks() {
   close();
+  if (accept_timer_) loop_.cancel(accept_timer_);
   for (auto& l : links_) {
     if (!l.launcher_exited && !l.standing) loop_.unwatch(supervisor_.child(l.child).pidfd());
     for (Fd* fd : {&l.out, &l.err})
@@ -129,17 +150,16 @@ void HostLinks::on_accept() {
   while (true) {
     std::string peer;
     Fd fd = tcp_->accept(&peer);
-    if (!fd) return;  // out of fds: the connection waits in the backlog, the heartbeat retries
-    uint64_t id = next_handshake_++ & 0xffffffffu;
-    // Connections still authenticating are few (one per host): many means someone is probing.
-    if (handshakes_.size() >= 64) {
-      Handshake dropped{std::move(fd), peer, KernelHandshake(key_), {}, Clock::now()};
-      handshakes_.emplace(id, std::move(dropped));
-      reject(id, "too many connections authenticating at once");
-      continue;
+    if (!fd) {
+      if (tcp_->starved()) pause_accepting();
+      return;
     }
+    uint64_t id = next_handshake_++ & 0xffffffffu;
+    std::string from = address_of(peer);
+    make_room(from);
     Handshake h{
-        std::move(fd), peer, KernelHandshake(key_), {}, Clock::now() + options_.handshake_timeout};
+        std::move(fd), peer, KernelHandshake(key_), {}, Clock::now() + options_.handshake_timeout,
+        from};
     ssize_t n = ::send(h.fd.get(), h.hs.challenge().data(), h.hs.challenge().size(),
                        MSG_NOSIGNAL | MSG_DONTWAIT);
     int fdnum = h.fd.get();
@@ -152,7 +172,66 @@ void HostLinks::on_accept() {
   }
 }
 
-void HostLinks::reject(uint64_t id, const std::string& why) {
+// Out of fds: the connection waits in the backlog. Watching the listener meanwhile would wake the
+// loop at once, again and again (level-triggered): it rests, as the Unix listener does, until a
+// timer or a handshake that ends (an fd freed) tries again.
+void HostLinks::pause_accepting() {
+  if (accept_timer_) return;
+  loop_.modify(tcp_->fd(), 0);
+  accept_timer_ = loop_.after(kAcceptPause, [this] {
+    accept_timer_ = 0;
+    loop_.modify(tcp_->fd(), EPOLLIN);
+  });
+}
+
+// Strangers can hold the port busy with idle connections (a local user sees it in /proc/net/tcp).
+// Refusing the newcomer would refuse the group's agents with them, so the newcomer always gets
+// its chance and the oldest handshake of the most crowded address is closed instead: its own
+// address's once that holds kHandshakesPerPeer, and the hosts launched to only when no other
+// address is there to close. An agent answers the challenge in one round trip, and retries.
+void HostLinks::make_room(const std::string& from) {
+  struct Peer {
+    size_t count = 0;
+    uint64_t oldest = 0;
+    Clock::time_point at = Clock::time_point::max();
+  };
+  std::map<std::string, Peer> peers;
+  for (auto& [id, h] : handshakes_) {
+    Peer& p = peers[h.from];
+    ++p.count;
+    if (h.deadline < p.at) p.at = h.deadline, p.oldest = id;  // the same timeout for all
+  }
+  std::string victim, why;
+  // Room for every host's agent too: they may all come from one address (a NAT, this machine).
+  size_t per_peer = kHandshakesPerPeer + links_.size();
+  auto mine = peers.find(from);
+  if (mine != peers.end() && mine->second.count >= per_peer) {
+    victim = from;
+    why = "too many unauthenticated connections at once from " + from + " (" +
+          std::to_string(per_peer) + "; the oldest is closed for each new one)";
+  } else if (handshakes_.size() >= kMaxHandshakes) {
+    auto launched = [this](const std::string& a) {
+      return std::any_of(links_.begin(), links_.end(),
+                         [&](const Link& l) { return numeric_address(l.host.name) == a; });
+    };
+    std::pair<bool, size_t> worst{true, 0};
+    for (auto& [a, p] : peers) {
+      std::pair<bool, size_t> rank{launched(a), p.count};
+      if (victim.empty() || rank.first < worst.first ||
+          (rank.first == worst.first && rank.second > worst.second))
+        victim = a, worst = rank;
+    }
+    why = "too many unauthenticated connections at once (" + std::to_string(kMaxHandshakes) +
+          ", from " + std::to_string(peers.size()) + " addresses; the most from " + victim + ")";
+  } else {
+    return;
+  }
+  ++made_room_;
+  made_room_why_ = why;
+  reject(peers[victim].oldest, "closed to make room for a newer one: " + why, why);
+}
+
+void HostLinks::reject(uint64_t id, const std::string& why, const std::string& tell) {
   auto it = handshakes_.find(id);
   if (it == handshakes_.end()) return;
   std::string text = "refused a connection from " + it->second.peer + ": " + why;
@@ -161,16 +240,62 @@ void HostLinks::reject(uint64_t id, const std::string& why) {
     ++rejected_;
     last_rejection_ = text;
   }
-  loop_.unwatch(it->second.fd.get());
+  int fd = it->second.fd.get();
+  if (!tell.empty()) {
+    // An agent closed to make room reads why where it expected the proof. What the peer sent is
+    // read first: a close with unread bytes would be a reset, which may discard the line.
+    char scratch[4096];
+    (void)!::recv(fd, scratch, sizeof scratch, MSG_DONTWAIT);
+    std::string line = refusal_line("the kernel's listener refused the connection: " + tell);
+    (void)!::send(fd, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+  loop_.unwatch(fd);
   handshakes_.erase(it);  // closes it: nothing it sent was ever parsed beyond the handshake
   // The kernel's log (the terminal that runs Jupyter): someone may be probing the port.
-  std::fprintf(stderr, "ddip: %s\n", text.c_str());
+  log_rejection(text);
+  // An fd was freed: a listener resting for want of one may take its connection now.
+  if (accept_timer_) {
+    loop_.cancel(accept_timer_);
+    accept_timer_ = 0;
+    loop_.modify(tcp_->fd(), EPOLLIN);
+  }
+}
+
+// A few lines per window, then a count: a port scan or a flood can't fill the kernel's log.
+void HostLinks::log_rejection(const std::string& text) {
+  auto now = Clock::now();
+  if (now >= log_window_end_) {
+    flush_rejection_log("in the last minute");
+    log_window_end_ = now + kLogWindow;
+    logged_ = 0;
+  }
+  if (logged_ < kLoggedRefusals) {
+    ++logged_;
+    std::fprintf(stderr, "ddip: %s\n", text.c_str());
+    if (logged_ == kLoggedRefusals)
+      std::fprintf(stderr, "ddip: (more refusals within a minute are counted, not shown)\n");
+    return;
+  }
+  ++unlogged_;
+  unlogged_last_ = text;
+}
+
+void HostLinks::flush_rejection_log(const char* when) {
+  if (unlogged_ == 0) return;
+  std::fprintf(stderr, "ddip: refused %zu more connection(s) %s; the last: %s\n", unlogged_, when,
+               unlogged_last_.c_str());
+  unlogged_ = 0;
 }
 
 void HostLinks::tick() {
   for (auto& [slot, s] : slots_)
     if (!s.gone && links_[s.link].conn) send_link(s.link, Frame::make(kHeartbeat, slot, 0));
   auto now = Clock::now();
+  if (unlogged_ > 0 && now >= log_window_end_) {
+    flush_rejection_log("in the last minute");
+    log_window_end_ = now + kLogWindow;
+    logged_ = 0;
+  }
   std::vector<uint64_t> late;
   for (auto& [id, h] : handshakes_)
     if (now >= h.deadline) late.push_back(id);
@@ -204,6 +329,13 @@ void HostLinks::on_handshake(uint64_t id) {
              MSG_NOSIGNAL | MSG_DONTWAIT) != static_cast<ssize_t>(accepted.proof.size()))
     return reject(id, "could not send the proof");
   loop_.unwatch(h.fd.get());
+  // A link cut off the network can't come back: its agent stops its workers after this long
+  // without a frame. The kernel always has a heartbeat in flight, so TCP says so after as long.
+  if (options_.kernel_silence.count() > 0) try {
+      set_user_timeout(h.fd.get(), options_.kernel_silence);
+    } catch (const std::system_error&) {
+      // Only then the loss is noticed later, by TCP's own retries.
+    }
   Channel ch(std::move(h.fd));
   handshakes_.erase(it);
   ch.seal(std::move(accepted.keys));
@@ -214,6 +346,13 @@ void HostLinks::on_handshake(uint64_t id) {
         if (how == Connection::End::kCorrupt)
           std::fprintf(stderr, "ddip: dropped the link to host %s: %s\n",
                        links_[link].host.name.c_str(), why.c_str());
+        if (how == Connection::End::kFailed && why.find("timed out") != std::string::npos)
+          return lose_link(
+              link, "it acknowledged nothing for " +
+                        std::to_string(options_.kernel_silence.count()) +
+                        " ms (the heartbeat timeout): the network to it is down or the host "
+                        "hung, and its agent stops its ranks after as long without the kernel (" +
+                        why + ")");
         lose_link(link, why);
       });
   l.ever_connected = true;
@@ -360,10 +499,25 @@ void HostLinks::on_launcher_exit(size_t link) {
   if (!status) return;  // woken early; the pidfd stays watched
   if (relaunch(link)) return;
   l.launcher_exited = true;
-  if (l.conn || l.ever_connected) return;  // the link speaks for its workers now
   std::string lines = launcher_tail(link);
+  if (l.ever_connected) {
+    if (!l.conn) return;  // the link ended first and spoke for its workers
+    // The host's agent lives no longer than its launcher: unless the link ends by itself within
+    // the grace (the agent's last frames), it is closed, so the agent stops its workers there.
+    std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
+                      status->describe() + " while host " + l.host.name + " was connected";
+    if (!lines.empty()) why += "; its last lines:\n" + lines;
+    launcher_grace_[link] = loop_.after(kLauncherGrace, [this, link, why] {
+      launcher_grace_.erase(link);
+      if (links_[link].conn) lose_link(link, why);
+    });
+    return;
+  }
   std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
                     status->describe() + " before host " + l.host.name + " connected";
+  if (made_room_ > 0)
+    why += " (meanwhile the kernel's listener closed " + std::to_string(made_room_) +
+           " unauthenticated connection(s): " + made_room_why_ + ")";
   if (!lines.empty()) why += "; its last lines:\n" + lines;
   for (int slot : l.host.slots) lose_slot(slot, why);
 }
@@ -388,6 +542,9 @@ void HostLinks::signal_launchers(int sig) {
 }
 
 void HostLinks::close() {
+  for (auto& [link, timer] : launcher_grace_) loop_.cancel(timer);
+  launcher_grace_.clear();
+  flush_rejection_log("before the group closed");
   for (auto& l : links_) return_lease(l);
   for (auto& l : links_) l.conn.reset();
   for (auto& [id, h] : handshakes_) loop_.unwatch(h.fd.get());

@@ -94,6 +94,18 @@ class HostLinks {
   // Thread-safe: connections refused because they failed to authenticate, and the last why.
   size_t rejected() const;
   std::string last_rejection() const;
+  // On the loop's thread: accept() calls that found this process out of fds (after each, the
+  // listener rests kAcceptPause instead of spinning on a connection it can't take).
+  uint64_t starved_accepts() const { return tcp_->starved_count(); }
+
+  // Connections still authenticating, at most: from one peer address (plus one per host), and
+  // from all.
+  static constexpr size_t kHandshakesPerPeer = 8;
+  static constexpr size_t kMaxHandshakes = 64;
+  static constexpr std::chrono::milliseconds kAcceptPause{100};
+  // The kernel's log shows this many refusals in full per kLogWindow, then a count.
+  static constexpr int kLoggedRefusals = 5;
+  static constexpr std::chrono::seconds kLogWindow{60};
 
  private:
   struct Slot {
@@ -121,6 +133,7 @@ class HostLinks {
     KernelHandshake hs;
     std::string response;
     std::chrono::steady_clock::time_point deadline;
+    std::string from;  // the peer's address, without its port
   };
 
   EventLoop& loop_;
@@ -138,10 +151,26 @@ class HostLinks {
   mutable std::mutex mu_;
   size_t rejected_ = 0;
   std::string last_rejection_;
+  // Defence of the listener (on the loop's thread): its pause while out of fds, the refusals'
+  // log and the handshakes closed to make room, and the launchers that ended while their host
+  // was connected (lost after a grace, when the link did not end first).
+  EventLoop::TimerId accept_timer_ = 0;
+  std::chrono::steady_clock::time_point log_window_end_{};
+  int logged_ = 0;
+  size_t unlogged_ = 0;
+  std::string unlogged_last_;
+  size_t made_room_ = 0;  // handshakes closed for a newcomer
+  std::string made_room_why_;
+  std::map<size_t, EventLoop::TimerId> launcher_grace_;
 
   void on_accept();
+  void pause_accepting();
+  void make_room(const std::string& from);
   void on_handshake(uint64_t id);
-  void reject(uint64_t id, const std::string& why);
+  // `tell`: why, in words for the peer (an agent reports it), written before the close.
+  void reject(uint64_t id, const std::string& why, const std::string& tell = "");
+  void log_rejection(const std::string& text);
+  void flush_rejection_log(const char* when);
   void on_frame(size_t link, Frame f);
   void send_link(size_t link, Frame f);
   void lose_link(size_t link, const std::string& why);

@@ -326,21 +326,88 @@ int HostAgent::serve(int input, std::optional<SpawnSpec> template_spec) {
   }
 }
 
+namespace {
+
+// One connect and handshake; std::runtime_error saying why it failed, with what the kernel's
+// listener said when it refused the connection (too many strangers holding the port busy).
+Channel handshake_once(const LinkTicket& t, detail::Clock::time_point deadline,
+                       std::chrono::milliseconds user_timeout) {
+  auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
+  Fd sock = connect_tcp(t.address, t.port, std::max(left, std::chrono::milliseconds(1)));
+  // Each read: a refusal in place of what was expected is the listener's word on why.
+  auto read = [&](size_t n) {
+    std::string got = read_upto(sock.get(), n, deadline);
+    if (std::string why = refusal_in(got); !why.empty()) {
+      // The rest of its line, which ends with the connection.
+      try {
+        got += read_upto(sock.get(), 512,
+                         std::min(deadline, detail::Clock::now() + std::chrono::seconds(1)));
+      } catch (const std::exception&) {
+      }
+      throw std::runtime_error(refusal_in(got));
+    }
+    if (got.size() < n)
+      throw std::runtime_error("the kernel closed the connection after " +
+                               std::to_string(got.size()) + " of " + std::to_string(n) +
+                               " bytes of the handshake");
+    return got;
+  };
+  HostHandshake hs(t.key, t.host);
+  write_all(sock.get(), hs.respond(read(KernelHandshake::kChallengeBytes)), deadline);
+  // Throws AuthError when whoever answered does not know the key: not our kernel.
+  LinkKeys keys = hs.verify(read(KernelHandshake::kProofBytes));
+  if (user_timeout.count() > 0) try {
+      set_user_timeout(sock.get(), user_timeout);  // a cut link ends, as the kernel's end does
+    } catch (const std::system_error&) {
+    }
+  Channel channel(std::move(sock));
+  channel.seal(std::move(keys));
+  return channel;
+}
+
+}  // namespace
+
+// The agent's link to the kernel, authenticated. Strangers may hold the kernel's port busy (its
+// listener then closes the oldest handshakes, maybe ours): tried again with a growing pause
+// until `connect_timeout`; throws with the last cause (and the listener's refusal, if any).
+// Only a kernel that does not know the key (AuthError) is not tried again: it never will.
+Channel connect_to_kernel(const LinkTicket& t, std::chrono::milliseconds connect_timeout,
+                          std::chrono::milliseconds user_timeout) {
+  using detail::Clock;
+  auto deadline = Clock::now() + connect_timeout;
+  auto pause = std::chrono::milliseconds(50);
+  std::string last, refused;
+  int tries = 0;
+  while (true) {
+    ++tries;
+    try {
+      return handshake_once(t, deadline, user_timeout);
+    } catch (const AuthError&) {
+      throw;
+    } catch (const std::exception& e) {
+      last = e.what();
+      if (last.starts_with("the kernel's listener refused")) refused = last;
+    }
+    auto now = Clock::now();
+    if (now + pause >= deadline) break;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+  }
+  std::string why = "could not connect to the kernel at " + t.address + ":" +
+                    std::to_string(t.port) + " within " + std::to_string(connect_timeout.count()) +
+                    " ms (" + std::to_string(tries) + " tries): " + last;
+  if (!refused.empty() && refused != last) why += "; earlier, " + refused;
+  throw std::runtime_error(why);
+}
+
 int HostAgent::run() {
   using detail::Clock;
   if (options_.ticket.timeout_ms > 0)
     options_.kernel_timeout = std::chrono::milliseconds(options_.ticket.timeout_ms);
-  const LinkTicket& t = options_.ticket;
-  auto deadline = Clock::now() + options_.connect_timeout;
-  Fd sock = connect_tcp(t.address, t.port, options_.connect_timeout);
-  HostHandshake hs(t.key, t.host);
-  write_all(sock.get(),
-            hs.respond(read_exact(sock.get(), KernelHandshake::kChallengeBytes, deadline)),
-            deadline);
-  // Throws AuthError when whoever answered does not know the key: not our kernel.
-  LinkKeys keys = hs.verify(read_exact(sock.get(), KernelHandshake::kProofBytes, deadline));
-  Channel channel(std::move(sock));
-  channel.seal(std::move(keys));
+  Channel channel = connect_to_kernel(
+      options_.ticket, options_.connect_timeout,
+      options_.ticket.timeout_ms > 0 ? options_.kernel_timeout : std::chrono::milliseconds(0));
 
   // One thread, one event loop: the link to the kernel, a timer for a silent kernel, and the
   // workers' events, which the Coordinator's IO thread announces with a posted command.

@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddip/channel.hpp"
 #include "ddip/supervisor.hpp"
 
 namespace ddip {
@@ -56,6 +57,13 @@ struct LinkTicket {
   // Throws std::invalid_argument for anything else.
   static LinkTicket decode(const std::string& line);
 };
+
+// The agent's authenticated link to the kernel named by the ticket. Tried again with a growing
+// pause until `connect_timeout` when the connection fails or the kernel's listener refuses it
+// (strangers holding its port busy); throws std::runtime_error with the last cause, AuthError at
+// once for a kernel that does not know the key. user_timeout > 0: TCP_USER_TIMEOUT of the link.
+Channel connect_to_kernel(const LinkTicket& ticket, std::chrono::milliseconds connect_timeout,
+                          std::chrono::milliseconds user_timeout);
 
 struct AgentOptions {
   LinkTicket ticket;

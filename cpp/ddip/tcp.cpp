@@ -75,6 +75,35 @@ void tune_tcp(int fd) {
         "tuning a TCP connection");
 }
 
+void set_user_timeout(int fd, std::chrono::milliseconds timeout) {
+  unsigned int ms = static_cast<unsigned int>(std::clamp<long long>(timeout.count(), 1, 1LL << 31));
+  check(::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms),
+        "setsockopt(TCP_USER_TIMEOUT)", "tuning a TCP connection");
+}
+
+std::string address_of(const std::string& peer) {
+  if (peer.starts_with("[")) {
+    auto end = peer.find(']');
+    return end == std::string::npos ? peer : peer.substr(1, end - 1);
+  }
+  auto colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
+std::string refusal_line(const std::string& why) { return std::string(kRefusalMagic) + why + "\n"; }
+
+std::string refusal_in(std::string_view got) {
+  if (!got.starts_with(kRefusalMagic)) return "";
+  got.remove_prefix(kRefusalMagic.size());
+  std::string out;
+  // Shown to the user: printable text only, and not much of it.
+  for (char c : got.substr(0, 300)) {
+    if (c == '\n') break;
+    out += (c >= 0x20 && c < 0x7f) ? c : '?';
+  }
+  return out.empty() ? "no reason given" : out;
+}
+
 TcpListener::TcpListener(const std::string& address, uint16_t port) {
   auto ai = detail::resolve(address, port, AI_NUMERICHOST | AI_PASSIVE);
   sock_ = Fd(check(::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), "socket",
@@ -101,6 +130,7 @@ Fd TcpListener::accept(std::string* peer) {
       ::accept4(sock_.get(), reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
   // Out of fds: the connection stays in the backlog for a later try, as for the Unix listener.
   starved_ = fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM);
+  if (starved_) ++starved_count_;
   if (fd < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
         starved_)
@@ -151,7 +181,7 @@ Fd connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds
   throw std::runtime_error("cannot connect to " + host + ":" + std::to_string(port) + ": " + last);
 }
 
-std::string read_exact(int fd, size_t n, Deadline deadline) {
+std::string read_upto(int fd, size_t n, Deadline deadline) {
   std::string out(n, '\0');
   size_t done = 0;
   while (done < n) {
@@ -161,11 +191,18 @@ std::string read_exact(int fd, size_t n, Deadline deadline) {
     ssize_t r = ::recv(fd, out.data() + done, n - done, MSG_DONTWAIT);
     if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (r < 0) throw_errno("recv", "reading a handshake");
-    if (r == 0)
-      throw std::runtime_error("connection closed after " + std::to_string(done) + " of " +
-                               std::to_string(n) + " bytes");
+    if (r == 0) break;
     done += static_cast<size_t>(r);
   }
+  out.resize(done);
+  return out;
+}
+
+std::string read_exact(int fd, size_t n, Deadline deadline) {
+  std::string out = read_upto(fd, n, deadline);
+  if (out.size() < n)
+    throw std::runtime_error("connection closed after " + std::to_string(out.size()) + " of " +
+                             std::to_string(n) + " bytes");
   return out;
 }
 

@@ -1,9 +1,13 @@
 // HostLinks against a "host" played by this test: the launcher (/bin/sh) writes the ticket it
 // got on its stdin to a file, and a thread here connects with it, as an agent would, over TCP on
 // loopback.
-#include "ddip/links.hpp"
-
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ddip/links.hpp"
 #include "ddip/remote.hpp"
 #include "helpers.hpp"
 
@@ -102,6 +107,59 @@ Channel connect_as_host(const LinkTicket& t, const std::string& key) {
   Channel ch(std::move(sock));
   ch.seal(std::move(keys));
   return ch;
+}
+
+// While alive, this process can open no more fds: a notebook that ran out of them.
+class FdStarvation {
+ public:
+  // The sanitizers need fds of their own to report; these tests run in the plain build only.
+  static bool sanitized() {
+#if defined(__SANITIZE_ADDRESS__)
+    return true;
+#else
+    return false;
+#endif
+  }
+  FdStarvation() {
+    ::getrlimit(RLIMIT_NOFILE, &old_);
+    filler_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);  // the lowest free fd: all below are used
+    rlimit low = old_;
+    low.rlim_cur = static_cast<rlim_t>(filler_ + 1);
+    ::setrlimit(RLIMIT_NOFILE, &low);
+  }
+  ~FdStarvation() {
+    ::setrlimit(RLIMIT_NOFILE, &old_);
+    ::close(filler_);
+  }
+
+ private:
+  rlimit old_{};
+  int filler_ = -1;
+};
+
+// An idle connection to the ticket's listener from `source` (any loopback address is this
+// machine's): a stranger holding the port busy.
+Fd stranger(const LinkTicket& t, const std::string& source = "127.0.0.1") {
+  Fd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &a.sin_addr);
+  if (::bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    throw std::runtime_error("bind " + source);
+  a.sin_port = htons(t.port);
+  ::inet_pton(AF_INET, t.address.c_str(), &a.sin_addr);
+  if (::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    throw std::runtime_error("connect from " + source);
+  return s;
+}
+
+// Everything the kernel wrote to `fd` until it closed it.
+std::string until_closed(int fd) { return read_upto(fd, 4096, Clock::now() + 5s); }
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
 }
 
 }  // namespace
@@ -203,4 +261,214 @@ TEST(HostLinks, ALinkThatClosesLosesEveryWorkerOfItsHost) {
   EXPECT_EQ(k.seen.log, (std::vector<std::string>{"lost:1", "lost:2"}));
   EXPECT_NE(k.seen.lost_why->find("lost the link to its host far"), std::string::npos)
       << *k.seen.lost_why;
+}
+
+TEST(HostLinks, ALauncherThatExitsAfterItsHostConnectedLosesTheHost) {
+  // ssh that ends while the link is up (killed, or its connection dropped): the host is lost,
+  // and the link closed, so that its agent stops the workers.
+  Kernel k;
+  LinkTicket t = k.ticket();
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_as_host(t, t.key));
+    connected = true;
+  });
+  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
+  agent.join();
+  EXPECT_TRUE(k.seen.log.empty());  // connected, the launcher still running: nothing lost
+  k.links->signal_launchers(SIGKILL);
+  ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
+  EXPECT_EQ(k.seen.log, (std::vector<std::string>{"lost:1", "lost:2"}));
+  EXPECT_NE(k.seen.lost_why->find("lost the link to its host far: its launcher (/bin/sh) ended "
+                                  "with killed by SIGKILL while host far was connected"),
+            std::string::npos)
+      << *k.seen.lost_why;
+  set_nonblocking(host->fd());
+  Channel::ReadResult r;
+  ASSERT_TRUE(k.run_until([&] {
+    while ((r = host->read_some()) == Channel::ReadResult::kProgress)
+      while (host->next()) {
+      }
+    return r == Channel::ReadResult::kEof;
+  }));
+}
+
+TEST(HostLinks, OutOfFdsTheListenerRestsInsteadOfSpinning) {
+  if (FdStarvation::sanitized()) GTEST_SKIP() << "needs fds the sanitizers would lack";
+  Kernel k;
+  LinkTicket t = k.ticket();
+  Fd client = connect_tcp(t.address, t.port, 5s);  // waits in the backlog, to be accepted
+  uint64_t tries = 0;
+  {
+    FdStarvation starved;
+    for (int i = 0; i < 50; ++i) k.loop.run_once(Clock::now());  // 50 rounds that never wait
+    tries = k.links->starved_accepts();
+  }
+  EXPECT_GE(tries, 1u);
+  // A listener still watched would be tried (and fail) on every round: 50 times.
+  EXPECT_LE(tries, 5u) << "the listener was tried on every round of the loop: it spins";
+  // With fds again, the waiting connection is taken: it gets its challenge.
+  std::string got;
+  set_nonblocking(client.get());
+  ASSERT_TRUE(k.run_until([&] {
+    char buf[64];
+    ssize_t n = ::recv(client.get(), buf, sizeof buf, 0);
+    if (n > 0) got.append(buf, static_cast<size_t>(n));
+    return got.size() >= KernelHandshake::kChallengeBytes;
+  }));
+  EXPECT_EQ(k.links->rejected(), 0u);
+}
+
+TEST(HostLinks, StrangersFromOneAddressCantCrowdOutTheHostsAgent) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  const size_t cap = HostLinks::kHandshakesPerPeer + 1;  // one host here
+  testing::internal::CaptureStderr();
+  std::vector<Fd> idle;
+  for (int i = 0; i < 70; ++i) idle.push_back(stranger(t));
+  ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 70 - cap; }));
+  // The oldest were closed for the newer ones, each told why after its challenge.
+  std::string first = until_closed(idle[0].get());
+  ASSERT_GE(first.size(), KernelHandshake::kChallengeBytes);
+  EXPECT_EQ(refusal_in(first.substr(KernelHandshake::kChallengeBytes)),
+            "the kernel's listener refused the connection: too many unauthenticated connections "
+            "at once from 127.0.0.1 (" +
+                std::to_string(cap) + "; the oldest is closed for each new one)");
+  // The host's agent, from that same address, gets in and authenticates.
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_to_kernel(t, 5s, 0ms));
+    connected = true;
+  });
+  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
+  agent.join();
+  // The kernel's log: a few refusals in full, the rest counted once the group closes.
+  k.links->close();
+  std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(log, "ddip: refused a connection from"), size_t(HostLinks::kLoggedRefusals))
+      << log;
+  EXPECT_NE(
+      log.find("ddip: refused " + std::to_string(k.links->rejected() - HostLinks::kLoggedRefusals) +
+               " more connection(s) before the group closed; the last: refused a connection "
+               "from 127.0.0.1:"),
+      std::string::npos)
+      << log;
+}
+
+TEST(HostLinks, StrangersFromManyAddressesAreHeldToTheCapAndTheAgentStillGetsIn) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  // 8 from each of 10 addresses: none over its own cap, 80 over the cap of all.
+  std::vector<Fd> idle;
+  for (int a = 2; a < 12; ++a)
+    for (int i = 0; i < 8; ++i) idle.push_back(stranger(t, "127.0.0." + std::to_string(a)));
+  testing::internal::CaptureStderr();
+  ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 80 - HostLinks::kMaxHandshakes; }));
+  EXPECT_NE(
+      k.links->last_rejection().find("too many unauthenticated connections at once (64, from 10 "
+                                     "addresses"),
+      std::string::npos)
+      << k.links->last_rejection();
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_to_kernel(t, 5s, 0ms));
+    connected = true;
+  });
+  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
+  agent.join();
+  EXPECT_EQ(k.links->rejected(), 80 - HostLinks::kMaxHandshakes + 1);  // one more made room
+  testing::internal::GetCapturedStderr();
+}
+
+// A kernel's listener played by a thread: refuses the first `refusals` connections after the
+// challenge (as one closed to make room), then authenticates the next one.
+struct FakeListener {
+  TcpListener tcp{"127.0.0.1", 0};
+  std::string key = random_bytes(kKeyBytes);
+  std::atomic<int> connections{0};
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  explicit FakeListener(int refusals) {
+    thread = std::thread([this, refusals] {
+      for (int i = 0; i <= refusals && !stop;) {
+        pollfd p{tcp.fd(), POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        Fd fd = tcp.accept(nullptr);
+        if (!fd) continue;
+        ++i;
+        ++connections;
+        KernelHandshake hs(key);
+        auto deadline = Clock::now() + 5s;
+        try {
+          write_all(fd.get(), hs.challenge(), deadline);
+          std::string response = read_exact(fd.get(), KernelHandshake::kResponseBytes, deadline);
+          if (i <= refusals) {
+            write_all(fd.get(),
+                      refusal_line("the kernel's listener refused the connection: too "
+                                   "many unauthenticated connections at once from "
+                                   "127.0.0.1"),
+                      deadline);
+            continue;
+          }
+          write_all(fd.get(), hs.accept(response).proof, deadline);
+          read_upto(fd.get(), 1, deadline);  // until the agent's side closes
+        } catch (const std::exception&) {
+        }
+      }
+    });
+  }
+  ~FakeListener() {
+    stop = true;
+    thread.join();
+  }
+  LinkTicket ticket() const { return LinkTicket{"127.0.0.1", tcp.port(), 0, key}; }
+};
+
+TEST(ConnectToKernel, AnAgentRefusedToMakeRoomTriesAgain) {
+  FakeListener kernel(2);
+  { Channel ch = connect_to_kernel(kernel.ticket(), 10s, 0ms); }
+  EXPECT_EQ(kernel.connections.load(), 3);
+}
+
+TEST(ConnectToKernel, AnAgentThatNeverGetsInSaysWhatTheListenerSaid) {
+  FakeListener kernel(1000);
+  try {
+    connect_to_kernel(kernel.ticket(), 1500ms, 0ms);
+    FAIL() << "connected";
+  } catch (const std::runtime_error& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("could not connect to the kernel at 127.0.0.1:"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("the kernel's listener refused the connection: too many unauthenticated "
+                        "connections at once from 127.0.0.1"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_GT(kernel.connections.load(), 1);
+}
+
+TEST(HostLinks, AStartThatFailsWhileStrangersHeldThePortSaysSo) {
+  // The agent never got in (its launcher ends): the loss names what the listener closed.
+  fs::path go = fs::temp_directory_path() / ("ddip-test-links-go-" + std::to_string(::getpid()));
+  Kernel k("while [ ! -e " + go.string() +
+           " ]; do sleep 0.02; done; echo 'no way in' >&2; exit 1");
+  LinkTicket t = k.ticket();
+  testing::internal::CaptureStderr();
+  std::vector<Fd> idle;
+  for (int i = 0; i < 20; ++i) idle.push_back(stranger(t));
+  ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 20 - HostLinks::kHandshakesPerPeer - 1; }));
+  { std::ofstream(go.string()) << "go"; }
+  ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
+  fs::remove(go);
+  testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(k.seen.lost_why);
+  EXPECT_NE(k.seen.lost_why->find("ended with exit code 1 before host far connected (meanwhile the "
+                                  "kernel's listener closed 11 unauthenticated connection(s): too "
+                                  "many unauthenticated connections at once from 127.0.0.1"),
+            std::string::npos)
+      << *k.seen.lost_why;
+  EXPECT_NE(k.seen.lost_why->find("no way in"), std::string::npos) << *k.seen.lost_why;
 }

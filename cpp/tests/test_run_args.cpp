@@ -143,6 +143,14 @@ TEST(Hosts, CommandLine) {
             std::string::npos);
   EXPECT_NE(error_of({"run", "--master-port", "0", "true"}).find("--master-port"),
             std::string::npos);
+  // --ship: files for the other hosts, as given (each host's copy replaces the argument).
+  o = parse(
+      {"run", "--hosts", "a:1,b:1", "--ship", "t.py", "--ship", "/x/cfg.yaml", "python", "t.py"});
+  EXPECT_EQ(o.ship, (std::vector<std::string>{"t.py", "/x/cfg.yaml"}));
+  EXPECT_NE(error_of({"run", "--ship", "t.py", "python", "t.py"}).find("requires --hosts"),
+            std::string::npos);
+  o = parse({"run", "--node", "1,2,1,2", "--node-files", "2", "-n", "1", "true"});
+  EXPECT_EQ(o.node->files, 2);
 }
 
 TEST(Hosts, NodeOptionsPlaceTheHostsRanks) {

@@ -146,3 +146,27 @@ TEST(RunChannel, DownstreamTellsPingsAndKillsLaunchers) {
   down.tell(proto::Stop{});
   down.tell(proto::Stop{});
 }
+
+TEST(RunChannel, DownstreamShipsFilesWithoutBlockingAndMessagesQueueBehind) {
+  ::signal(SIGPIPE, SIG_IGN);
+  EventLoop loop;
+  Downstream down(loop, milliseconds(30000), [](size_t) {});
+  auto a = ddip::make_pipe(true);
+  down.add(0, std::move(a.write));
+  std::string files(1 << 20, '\0');  // far more than a pipe holds
+  for (size_t i = 0; i < files.size(); ++i) files[i] = static_cast<char>(i * 7 + i / 4096);
+  down.ship(0, files);  // returns at once: the rest goes as the reader takes it
+  down.tell(proto::Stop{});
+  const std::string want = files + proto::encode(proto::Control{proto::Stop{}});
+  std::string got;
+  loop.run_until([&] {
+    got += read_ready(a.read.get());
+    return got.size() >= want.size();
+  });
+  EXPECT_TRUE(got == want) << "the files, then the message told meanwhile, in order";
+  // A host whose reader is gone while files are queued is told no more.
+  down.ship(0, files);
+  a.read.reset();
+  loop.run_once(Clock::now() + milliseconds(50));
+  down.tell(proto::Stop{});
+}

@@ -40,6 +40,7 @@
 #include "run_policy.hpp"
 #include "run_protocol.hpp"
 #include "run_report.hpp"
+#include "run_ship.hpp"
 
 extern char** environ;
 
@@ -66,6 +67,7 @@ struct UnitPlan {
   int first_rank = 0, nranks = 1;
   bool shown = true;  // rank units: reaches the terminal (--tee)
   SpawnSpec spec;
+  std::string ship;  // host units: the shipped files, sent on its channel first
 };
 
 
@@ -175,7 +177,10 @@ void Launcher::start_units() {
     Child& c = sup_.child(u);
     streams_.attach(u, std::move(c.stdout_pipe()), std::move(c.stderr_pipe()));
     loop_.watch(c.pidfd(), EPOLLIN, [this, u](uint32_t) { on_exit(u); });
-    if (p.host) downstream_.add(u, std::move(c.stdin_pipe()));
+    if (p.host) {
+      downstream_.add(u, std::move(c.stdin_pipe()));
+      if (!p.ship.empty()) downstream_.ship(u, p.ship);
+    }
   }
 }
 
@@ -436,6 +441,28 @@ int main(int argc, char** argv) {
   std::vector<UnitPlan> plans;
   std::vector<bool> shown;
   const std::string prog = opts.node ? "ddip run on " + opts.node->name : "ddip run";
+  // Outlives the launch: the copies go once every rank here has ended.
+  ShippedFiles shipped;
+  if (opts.node && opts.node->files > 0) {
+    try {
+      shipped.receive(0, static_cast<size_t>(opts.node->files),
+                      std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::duration<double>(opts.link_timeout_s)));
+    } catch (const std::exception& e) {
+      std::cerr << prog << ": could not receive the files shipped with the launch: " << e.what()
+                << "\n";
+      return 1;
+    }
+    opts.command = shipped.rewrite(opts.command);
+  }
+  std::string payload;
+  if (!opts.node && !opts.ship.empty()) {
+    try {
+      payload = ship_payload(opts.ship);
+    } catch (const std::invalid_argument& e) {
+      return cl.exit(CLI::ValidationError("--ship", e.what()));
+    }
+  }
   try {
     if (opts.node) {
       // On another host, for the ddip run that started it: in that one's directory when it
@@ -504,6 +531,8 @@ int main(int argc, char** argv) {
               "--node-name", h.name, "--master-addr", addr, "--master-port", std::to_string(port),
               "--tee", opts.tee};
           if (!cwd.empty()) remote_cmd.insert(remote_cmd.end(), {"--node-cwd", cwd});
+          if (!payload.empty())
+            remote_cmd.insert(remote_cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
           {
             std::ostringstream t;
             t << opts.link_timeout_s;
@@ -530,6 +559,7 @@ int main(int argc, char** argv) {
                                       opts.link_timeout_s);
           for (char** e = environ; *e; ++e) p.spec.env.emplace_back(*e);
           p.spec.stdin_pipe = true;
+          p.ship = payload;
           plans.push_back(std::move(p));
         }
       }

@@ -86,6 +86,13 @@ CommandLine::CommandLine()
                    "The ddip program on the other hosts (default: this one's path, as for a "
                    "shared or identical environment)")
       ->type_name("PATH");
+  run_->add_option("--ship", opts_.ship,
+                   "With --hosts: send FILE to every other host with the launch, into a private "
+                   "directory there (removed when its ranks are gone); COMMAND's arguments equal "
+                   "to FILE name that copy there. For a script that exists only here. Repeat for "
+                   "more")
+      ->type_name("FILE")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   run_->add_option("--link-timeout", opts_.link_timeout_s,
                    "With --hosts: how long another host's ddip run goes on without hearing from "
                    "this one (or without being able to send its output) before it stops its ranks; "
@@ -106,6 +113,7 @@ CommandLine::CommandLine()
   run_->add_option("--node", node_spec_, "RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES")->group("");
   run_->add_option("--node-name", node_.name)->group("");
   run_->add_option("--node-cwd", node_.cwd)->group("");
+  run_->add_option("--node-files", node_.files)->group("")->check(CLI::Range(0, 1024));
   run_->add_flag("--die-with-parent", opts_.die_with_parent,
                  "Exit, and so stop every rank, when the process that started ddip run dies "
                  "(for programs that drive it, such as %%diprun)");
@@ -182,7 +190,7 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
         throw CLI::ValidationError("--gpus", "an entry is empty; give GPUs like 0,3 or all");
   }
   if (!across) {
-    for (const char* flag : {"--launcher", "--ddip"})
+    for (const char* flag : {"--launcher", "--ddip", "--ship"})
       if (run_->count(flag))
         throw CLI::ValidationError(flag, std::string(flag) + " requires --hosts");
   }

@@ -27,6 +27,7 @@ struct NodeOptions {
   int nnodes = 1;       // GROUP_WORLD_SIZE
   std::string name;     // its host's name, for messages
   std::string cwd;      // the launching side's directory, if it exists here too
+  int files = 0;        // files shipped on the channel before anything else (--ship there)
 };
 
 struct RunOptions {
@@ -44,6 +45,7 @@ struct RunOptions {
   std::string master_addr;  // empty: chosen (127.0.0.1, or the address rank 0's host has)
   int master_port = 0;      // 0: chosen
   double link_timeout_s = 30;  // --link-timeout: how long a host may be silent, with --hosts
+  std::vector<std::string> ship;  // --ship: files sent to every other host with the launch
   std::optional<NodeOptions> node;
   std::vector<std::string> command;
 

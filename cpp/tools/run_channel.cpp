@@ -74,7 +74,10 @@ void Upstream::send(const protocol::Report& report) { terminal_.write(2, protoco
 
 Downstream::Downstream(EventLoop& loop, milliseconds link_timeout,
                        std::function<void(size_t unit)> kill_launcher, milliseconds kill_after)
-    : link_timeout_(link_timeout), kill_after_(kill_after), kill_launcher_(std::move(kill_launcher)) {
+    : loop_(loop),
+      link_timeout_(link_timeout),
+      kill_after_(kill_after),
+      kill_launcher_(std::move(kill_launcher)) {
   next_ping_ = Clock::now() + ping_every(link_timeout_);
   loop.deadline(
       [this]() -> std::optional<Clock::time_point> {
@@ -93,13 +96,56 @@ Downstream::Downstream(EventLoop& loop, milliseconds link_timeout,
                 });
 }
 
-void Downstream::add(size_t unit, Fd stdin_pipe) { hosts_.push_back({unit, std::move(stdin_pipe)}); }
+void Downstream::add(size_t unit, Fd stdin_pipe) {
+  hosts_.push_back({unit, std::move(stdin_pipe), true, {}});
+}
+
+void Downstream::ship(size_t unit, std::string bytes) {
+  for (auto& h : hosts_)
+    if (h.unit == unit && h.in && !bytes.empty()) {
+      set_nonblocking(h.in.get());
+      h.queued += bytes;
+      flush(h);
+    }
+}
+
+void Downstream::flush(Host& h) {
+  size_t done = 0;
+  while (done < h.queued.size()) {
+    ssize_t n = ::write(h.in.get(), h.queued.data() + done, h.queued.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EAGAIN) {
+      h.queued.erase(0, done);
+      if (!loop_.watching(h.in.get())) {
+        size_t unit = h.unit;
+        loop_.watch(h.in.get(), EPOLLOUT, [this, unit](uint32_t) {
+          for (auto& x : hosts_)
+            if (x.unit == unit && x.in) flush(x);
+        });
+      }
+      return;
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return drop(h);  // its launcher is gone: its exit says the rest
+    }
+  }
+  h.queued.clear();
+  if (loop_.watching(h.in.get())) loop_.unwatch(h.in.get());
+}
+
+void Downstream::drop(Host& h) {
+  if (h.in && loop_.watching(h.in.get())) loop_.unwatch(h.in.get());
+  h.in.reset();
+  h.queued.clear();
+}
 
 void Downstream::ended(size_t unit) {
   for (auto& h : hosts_)
     if (h.unit == unit) {
       h.running = false;
-      h.in.reset();
+      drop(h);
     }
 }
 
@@ -111,7 +157,11 @@ void Downstream::tell(const protocol::Control& message) {
   const std::string line = protocol::encode(message);
   for (auto& h : hosts_) {
     if (!h.in || !h.running) continue;
-    if (!write_all(h.in.get(), line)) h.in.reset();
+    if (!h.queued.empty()) {
+      h.queued += line;  // behind the files still being shipped
+      continue;
+    }
+    if (!write_all(h.in.get(), line)) drop(h);
   }
 }
 

@@ -65,6 +65,9 @@ class Downstream {
              milliseconds kill_after = milliseconds(3000));
 
   void add(size_t unit, Fd stdin_pipe);
+  // Sends `bytes` (the shipped files, run_ship.hpp) to a host before any message: written as
+  // its launcher takes them, never blocking the loop; messages told meanwhile queue behind.
+  void ship(size_t unit, std::string bytes);
   // The host's launcher has exited: its channel closes.
   void ended(size_t unit);
   // To every host whose launcher still runs; a host that can't take it is told no more.
@@ -79,8 +82,13 @@ class Downstream {
     size_t unit;
     Fd in;
     bool running = true;
+    std::string queued;  // not yet written (shipped files, then what was told meanwhile)
   };
   bool any_running() const;
+  void flush(Host& h);
+  void drop(Host& h);
+
+  EventLoop& loop_;
 
   milliseconds link_timeout_, kill_after_;
   std::function<void(size_t)> kill_launcher_;

@@ -207,6 +207,24 @@ std::optional<Control> ControlReader::next() {
   return decode_control(line);
 }
 
+std::string encode(const FileHeader& h) {
+  return std::string(kPrefix) + "file " + escape(h.path) + " " + std::to_string(h.size) + " " +
+         std::to_string(h.mode) + "\n";
+}
+
+FileHeader decode_file_header(std::string_view line) {
+  Fields f(line, "file");
+  if (f.kind() != "file") f.unknown("file");
+  f.skip_kind();
+  FileHeader h;
+  h.path = f.text("path");
+  if (h.path.empty()) f.fail("its path is empty");
+  h.size = f.number<uint64_t>("size", 0, kMaxShipBytes);
+  h.mode = f.number<uint32_t>("mode", 0, 0777);
+  f.end();
+  return h;
+}
+
 Report decode_report(std::string_view line) {
   Fields f(line, "report");
   std::string_view kind = f.kind();

@@ -75,6 +75,23 @@ struct NodeDone {
 };
 using Report = std::variant<RankFailed, NodeDone>;
 
+// -- files shipped to a host's ddip run (--ship) -------------------------------------------------
+
+// Before any control record, the channel carries the files to ship: for each, this header as
+// one record, then exactly `size` bytes of content. A file travels with the launch this way
+// (not on a command line), whatever its size; the host's ddip run writes it into a private
+// directory of its own.
+struct FileHeader {
+  std::string path;   // as given to --ship here: the command's arguments equal to it name the copy
+  uint64_t size = 0;  // bytes of content that follow the header
+  uint32_t mode = 0600;  // its permission bits here (rwx of its owner)
+  bool operator==(const FileHeader&) const = default;
+};
+// The largest file that may be shipped: a bound a garbled header can't exceed.
+inline constexpr uint64_t kMaxShipBytes = uint64_t(1) << 32;
+std::string encode(const FileHeader& header);
+FileHeader decode_file_header(std::string_view line);
+
 // One record: kPrefix, the fields, '\n'.
 std::string encode(const Control& message);
 std::string encode(const Report& message);

@@ -187,17 +187,30 @@ class RankBusyError(RankError):
 
 class RankUnresponsiveError(RankError):
     """Ranks whose heartbeats stopped (the process is stopped or swapped out, or its host is
-    unreachable); `seconds`: rank -> seconds since its last heartbeat. They may answer again."""
+    unreachable); `seconds`: rank -> seconds since its last heartbeat; `hosts`: rank -> the other
+    host it runs on (ranks of this machine are not in it). They may answer again; a rank on
+    another host whose link stays cut is reported dead once the kernel closes that link."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], hosts: dict[int, str] | None = None):
         self.seconds = dict(sorted(seconds.items()))
+        self.hosts = {r: h for r, h in (hosts or {}).items() if r in self.seconds and h}
         longest = max(self.seconds.values())
-        super().__init__(self.seconds, f"no heartbeat for {longest:.1f} s (stopped, swapped out, or its host is "
-                                       f"unreachable)")
+        super().__init__(self.seconds, f"no heartbeat for {longest:.1f} s ("
+                                       + unresponsive_cause(sorted(set(self.hosts.values()))) + ")")
 
     def describe(self, restart: str = "call restart()") -> str:
-        return (f"rank(s) {_ranks_text(self.ranks)} stopped answering: {self.cause}; wait for them to "
-                f"answer again, or {restart} to replace them")
+        ranks = ", ".join(f"{r} (on {self.hosts[r]})" if r in self.hosts else str(r) for r in self.ranks)
+        return (f"rank(s) {ranks} stopped answering: {self.cause}; wait for them to answer again, or "
+                f"{restart} to replace them")
+
+
+def unresponsive_cause(hosts: list[str]) -> str:
+    """Why a rank may have stopped answering heartbeats, naming the other hosts it runs on."""
+    if hosts:
+        return (f"host {', '.join(hosts)} unreachable (its link is closed, and its ranks reported dead, "
+                f"once it acknowledges nothing for the heartbeat timeout), or the process stopped or "
+                f"swapped out")
+    return "stopped, swapped out, or its host is unreachable"
 
 
 class GroupClosedError(RuntimeError):

@@ -105,6 +105,8 @@ class Group:
                                  "leave out n=, rank_ids= and world_size=")
             self._layout = _hosts.layout(hosts, launcher, python, bind)
             n = self._layout.size
+            # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
+            rank_ids, world_size = self._layout.rank_ids, self._layout.world_size
             master_addr = self._layout.master_addr
         elif launcher is not None or python is not None or bind is not None:
             raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
@@ -229,7 +231,8 @@ class Group:
         _template.after_start(tmpl, refusals)
         self._generation += 1
         self._broken = None
-        rt = Runtime(coord, self.rank_ids)
+        rt = Runtime(coord, self.rank_ids, None if layout is None else
+                     [layout.host(s).name if layout.remote(s) else None for s in range(size)])
         try:
             rt.wait_ready(self.timeout)
         except BaseException:

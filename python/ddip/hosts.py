@@ -121,6 +121,17 @@ class Layout:
     plan: object  # _core.plan.Layout
     launcher: str | None
     python: str
+    # Ranks of the plan that no process is started for: the notebook plays them (ranch). The
+    # group's slots are the other ranks, in order; each keeps its place on its host.
+    played_here: tuple = ()
+
+    @property
+    def rank_ids(self) -> list[int]:
+        return [r for r in range(self.plan.size) if r not in self.played_here]
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.size
 
     @property
     def hosts(self) -> list:
@@ -128,7 +139,7 @@ class Layout:
 
     @property
     def size(self) -> int:
-        return self.plan.size
+        return self.plan.size - len(self.played_here)
 
     @property
     def bind(self) -> str:
@@ -140,17 +151,17 @@ class Layout:
 
     @property
     def local_rank(self) -> list[int]:
-        return self.plan.local_rank
+        return [self.plan.local_rank[r] for r in self.rank_ids]
 
     @property
     def slot_host(self) -> list[int]:
-        return self.plan.slot_host
+        return [self.plan.slot_host[r] for r in self.rank_ids]
 
     def host(self, slot: int):
-        return self.plan.hosts[self.plan.slot_host[slot]]
+        return self.plan.hosts[self.slot_host[slot]]
 
     def slots_of(self, h: int) -> list[int]:
-        return [s for s, hh in enumerate(self.plan.slot_host) if hh == h]
+        return [s for s, hh in enumerate(self.slot_host) if hh == h]
 
     def remote(self, slot: int) -> bool:
         return not self.host(slot).local
@@ -160,21 +171,26 @@ class Layout:
 
     def launch_env(self, slot: int) -> dict:
         """The plan's per-host part of rank `slot`'s environment (rank_environment's arguments)."""
-        h = self.plan.slot_host[slot]
+        h = self.slot_host[slot]
         return dict(local_world_size=self.plan.hosts[h].ranks, rank_offset=self.plan.first_rank[h],
                     group_rank=h, group_world_size=len(self.plan.hosts))
 
     def launchers(self) -> list[tuple[str, list[str], list[int]]]:
-        """(host name, launcher argv, slots) for each remote host."""
+        """(host name, launcher argv, slots) for each remote host that has ranks to start."""
         return [(h.name, launcher_argv(self.launcher, h.name, self.python), self.slots_of(i))
-                for i, h in enumerate(self.plan.hosts) if not h.local]
+                for i, h in enumerate(self.plan.hosts) if not h.local and self.slots_of(i)]
 
     def master_port(self) -> int:
         return _plan.master_port(self.plan.hosts[0].local, self.plan.bind)
 
 
 def layout(hosts, launcher=None, python=None, bind=None) -> Layout:
-    """Checks everything (bad input changes nothing) and lays the ranks out host by host."""
+    """Checks everything (bad input changes nothing) and lays the ranks out host by host.
+    A Layout already made (ranch's, without the notebook's rank) is taken as it is."""
+    if isinstance(hosts, Layout):
+        if launcher is not None or python is not None or bind is not None:
+            raise ValueError("a laid-out host list already says its launcher, python and bind")
+        return hosts
     if launcher is not None and not isinstance(launcher, str):
         raise ValueError(f"launcher must be 'ssh', 'slurm' or a template string, got {launcher!r}")
     if hosts is None and launcher is not None and launcher.split()[:1] in (["slurm"], ["srun"]):

@@ -25,7 +25,7 @@ import time
 import traceback as _traceback
 from typing import Callable
 
-from . import _core, gpus as _gpus, torchdist
+from . import _core, gpus as _gpus, hosts as _hosts, torchdist
 from .displays import RankDisplays, notebook_env
 from .errors import RankFailure, RemoteError
 from .group import Group, free_port
@@ -57,8 +57,10 @@ _IMPORT_SYSTEM = frozenset({"importlib._bootstrap", "importlib._bootstrap_extern
 # -- the public API -----------------------------------------------------------------------------
 
 
-def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather: bool = True,
-          ctx=None, need="", imports: str = "", gpus=None, warm: bool | None = None, **kwargs):
+def ranch(nprocs: int | None, fn: Callable, *args, caller_rank: int | None = 0, gather: bool = True,
+          ctx=None, need="", imports: str = "", gpus=None, warm: bool | None = None, hosts=None,
+          launcher: str | None = None, python: str | None = None, bind: str | None = None,
+          env: dict | None = None, **kwargs):
     """Runs fn(*args, **kwargs) on `nprocs` ranked processes and returns the results.
 
     caller_rank: the rank the notebook itself plays (0 by default), or None for all children.
@@ -71,6 +73,11 @@ def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather:
         environment before Python starts. Taken from ctx when it is a TorchDDPCtx with gpus.
     warm: None/True forks the children from the kernel's rank template (ddip.prewarm());
         False starts them cold.
+    hosts: ranks across hosts, as Group(hosts=...) takes them ("localhost:2,node2:2", a dict,
+        GPU lists). The notebook plays caller_rank (0), so this machine comes first and its count
+        includes the notebook; nprocs is then the list's total (or None). launcher=, python=,
+        bind= as for Group (docs/multihost.md).
+    env: variables for the child ranks (on every host), on top of the ones they inherit.
 
     The notebook's process is left as it was found, also on error: its environment, the
     process groups fn created there (HF Trainer, Accelerator() and Lightning leave theirs),
@@ -79,7 +86,7 @@ def ranch(nprocs: int, fn: Callable, *args, caller_rank: int | None = 0, gather:
     Raises RemoteError naming the first failing rank (the root cause), then the others."""
     return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
                   need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals,
-                  warm=warm)
+                  warm=warm, hosts=hosts, launcher=launcher, python=python, bind=bind, env=env)
 
 
 def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
@@ -88,8 +95,13 @@ def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
     for reserved in ("ctx", "gather"):
         if reserved in kwargs:
             raise TypeError(f"torchddp_launch sets {reserved}= itself; call ranch() to choose it")
-    opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports", "warm") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports", "warm", "hosts", "launcher",
+                                       "python", "bind", "env") if k in kwargs}
     gpus = kwargs.pop("gpus", None)
+    if opts.get("hosts") is not None:
+        # Across hosts the GPUs belong to the host list (the launch refuses them: see _lay_out).
+        opts["gpus"] = gpus
+        gpus = None
     return _ranch(nprocs, fn, args, kwargs, ctx=TorchDDPCtx(gpus=gpus), gather=False,
                   caller_globals=sys._getframe(1).f_globals, **opts)
 
@@ -259,11 +271,56 @@ def _select_gpus(nprocs, gpus, ctx):
     return sel
 
 
+def _check_env(env):
+    if env is not None and not (isinstance(env, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ValueError("env must be a dict of strings to strings, e.g. env={'GLOO_SOCKET_IFNAME': 'eth0'}")
+    return dict(env or {})
+
+
+def _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx):
+    """hosts= as Group takes it, laid out with the notebook playing `caller_rank` on this machine.
+    Returns (layout, nprocs)."""
+    if gpus is not None and (hosts is not None or _hosts.host_qualified(gpus)):
+        # As Group: hosts='node1,node2' with gpus='0,1' (every host), or gpus='node1:0,1 node2:2,3'.
+        hosts = _hosts.with_gpus(hosts, gpus)
+    if hosts is None:
+        if launcher is not None or python is not None or bind is not None:
+            raise ValueError("launcher=, python= and bind= are for launches across hosts: give hosts= too")
+        return None, nprocs
+    if isinstance(ctx, TorchDDPCtx) and ctx.gpus:
+        raise ValueError("across hosts, GPUs are given in hosts= (each host's own ids: "
+                         "hosts='localhost[0,1] node2[0,1]'), not in TorchDDPCtx(gpus=...)")
+    layout = _hosts.layout(hosts, launcher, python, bind)
+    if isinstance(ctx, TorchDDPCtx) and any(h.gpus for h in layout.hosts):
+        raise ValueError("TorchDDPCtx across hosts runs on CPU with gloo: with GPU lists in hosts=, set up "
+                         "torch.distributed in fn yourself (each rank's GPU is device LOCAL_RANK)")
+    total = layout.plan.size
+    if nprocs is not None and nprocs != total:
+        raise ValueError(f"nprocs={nprocs!r}, but hosts= lists {total} ranks "
+                         f"({' '.join(f'{h.name}:{h.ranks}' for h in layout.hosts)}); "
+                         f"give nprocs={total} or None (the notebook's rank is one of them)")
+    if caller_rank is not None:
+        if isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < total:
+            raise ValueError(f"caller_rank must be None or a rank from 0 to {total - 1}, got {caller_rank!r}")
+        host = layout.hosts[layout.plan.slot_host[caller_rank]]
+        if not host.local:
+            raise ValueError(f"the notebook is rank {caller_rank} (caller_rank) and runs on this machine, but "
+                             f"hosts= puts rank {caller_rank} on {host.name}: list this machine first, its "
+                             f"count including the notebook (hosts='localhost:1,{host.name}:...'), or pass "
+                             f"caller_rank=None to run every rank as a child process")
+        layout.played_here = (caller_rank,)
+    return layout, total
+
+
 def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, need="", imports="",
-           gpus=None, caller_globals=None, warm=None):
+           gpus=None, caller_globals=None, warm=None, hosts=None, launcher=None, python=None, bind=None,
+           env=None):
     # Everything is checked, and everything that travels is pickled, before anything starts.
+    child_env = _check_env(env)
+    layout, nprocs = _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx)
     needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
-    selected = _select_gpus(nprocs, gpus, ctx)
+    selected = _select_gpus(nprocs, gpus, ctx) if layout is None else None
     child_ranks = [r for r in range(nprocs) if r != caller_rank]
     if child_ranks:
         _check_picklable("fn, its arguments or ctx", (fn, args, kwargs, ctx))
@@ -272,6 +329,8 @@ def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, ne
             _check_picklable(f"need={name!r}", value)
     launch = _Launch(nprocs, caller_rank, child_ranks, selected)
     launch.warm = warm
+    launch.layout = layout
+    launch.env = child_env
     try:
         return launch.run(fn, args, kwargs, ctx, needed, imports, gather)
     finally:
@@ -305,6 +364,8 @@ class _Launch:
         self._stopper: threading.Thread | None = None
         self.saved_env: dict[str, str] | None = None
         self.warm = None  # Group(warm=...) for the children
+        self.layout = None  # ddip.hosts.Layout across hosts (without the notebook's rank), or None
+        self.env = {}  # env= for the children
         self.displays = RankDisplays()  # the children's display() calls, shown in the notebook
         self.notebook = NotebookRank()  # what fn changes in the notebook's process, undone after
 
@@ -313,9 +374,21 @@ class _Launch:
         """The notebook, as rank `rank`, gets the variable set its children get (the launch
         plan's), on top of its own environment; OMP_NUM_THREADS is not its to change now."""
         self.saved_env = dict(os.environ)
-        env = _core.plan.rank_environment(
-            [f"{k}={v}" for k, v in os.environ.items()], rank, world_size=self.nprocs,
-            master_port=port, cpu_ranks=self.selected is None)
+        base = [f"{k}={v}" for k, v in os.environ.items()]
+        if self.layout is None:
+            env = _core.plan.rank_environment(base, rank, world_size=self.nprocs, master_port=port,
+                                              cpu_ranks=self.selected is None)
+        else:
+            # Its place on this host among the host list's ranks; MASTER_ADDR is the address the
+            # other hosts reach this machine at (the plan's), as for every child.
+            plan = self.layout.plan
+            h = plan.slot_host[rank]
+            host = plan.hosts[h]
+            env = _core.plan.rank_environment(
+                base + [f"DDIP_HOST={host.name}"], plan.local_rank[rank], world_size=self.nprocs,
+                local_world_size=host.ranks, rank_offset=plan.first_rank[h], group_rank=h,
+                group_world_size=len(plan.hosts), master_addr=plan.master_addr, master_port=port,
+                cpu_ranks=not host.gpus)
         new = dict(e.split("=", 1) for e in env)
         for k in [k for k in os.environ if k not in new]:
             del os.environ[k]
@@ -334,13 +407,17 @@ class _Launch:
     def run(self, fn, args, kwargs, ctx, needed, imports, gather):
         port = None
         if self.child_ranks:
-            if self.selected is not None:
+            env = {**notebook_env(), **self.env} or None
+            if self.layout is not None:
+                # The children on every host, numbered as in the host list (the notebook's left out).
+                self.group = Group(hosts=self.layout, backend=None, warm=self.warm, env=env)
+            elif self.selected is not None:
                 gpus = [s.position if s.position is not None else s.entry for s in self.selected]
                 self.group = Group(gpus=gpus, backend=None, world_size=self.nprocs, rank_ids=self.child_ranks,
-                                   warm=self.warm, env=notebook_env() or None)
+                                   warm=self.warm, env=env)
             else:
                 self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
-                                   rank_ids=self.child_ranks, warm=self.warm, env=notebook_env() or None)
+                                   rank_ids=self.child_ranks, warm=self.warm, env=env)
             port = self.group.master_port
             out = LabelledOutput()
             if imports.strip():
@@ -632,6 +709,10 @@ class _Launch:
             for f in failures[1:]:
                 if f.ename == "Stopped":
                     f.evalue = f"{f.evalue} after rank {root.rank} failed"
+            for f in failures:
+                where = self._remote_host(f.rank)
+                if where is not None:  # a rank on another host is named with its host
+                    f.evalue = f"{f.evalue} (on {where})" if f.evalue else f"(on {where})"
             err = RemoteError(failures, results, "ranch")
             if root.rank == self.caller_rank and own is not None and own[0] == "error":
                 raise err from own[1]
@@ -642,6 +723,13 @@ class _Launch:
         if gather:
             return [values[r] for r in range(self.nprocs)]
         return values[self.caller_rank if self.caller_rank is not None else 0]
+
+    def _remote_host(self, rank: int) -> str | None:
+        """The host a rank runs on, when that is not this machine."""
+        if self.layout is None:
+            return None
+        host = self.layout.hosts[self.layout.plan.slot_host[rank]]
+        return None if host.local else host.name
 
     def _failure_order(self, f: RankFailure):
         # Deaths first (a dead peer is what the others then trip over), then by when the launch

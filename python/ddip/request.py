@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import healing as _healing
-from .errors import GroupClosedError, HealReport, RankFailure, RemoteError
+from .errors import GroupClosedError, HealReport, RankFailure, RemoteError, unresponsive_cause
 from .messages import loads, loads_framed
 
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
@@ -161,7 +161,7 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
             r = req.results[s]
             r.stacks = stacks.get(s)
             if s in rt.unresponsive:
-                r.error = unresponsive_failure(r.rank, rt.unresponsive[s])
+                r.error = unresponsive_failure(r.rank, rt.unresponsive[s], rt.hosts[s])
             else:
                 r.error = RankFailure(
                     rank=r.rank, ename="StillRunning",
@@ -196,10 +196,10 @@ def ranks_text(rt, slots) -> str:
     return ", ".join(str(rt.rank_ids[s]) for s in sorted(slots))
 
 
-def unresponsive_failure(rank, age) -> RankFailure:
+def unresponsive_failure(rank, age, host=None) -> RankFailure:
     return RankFailure(rank=rank, ename="Unresponsive",
-                       evalue=f"no heartbeat for {age:.1f} s (stopped, swapped out, or its host is "
-                              f"unreachable); %makedip -r / g.restart() replaces it")
+                       evalue=f"no heartbeat for {age:.1f} s ({unresponsive_cause([host] if host else [])}); "
+                              f"%makedip -r / g.restart() replaces it")
 
 
 def drain(rt, req: Request, cb: Callbacks):
@@ -279,7 +279,7 @@ def _handle(req: Request, item, cb: Callbacks):
         req.died_at = req.died_at or time.monotonic()
         _finish(req, slot, cb)
     elif tag == "unresponsive":
-        r.error = unresponsive_failure(r.rank, item[2])
+        r.error = unresponsive_failure(r.rank, item[2], item[3])
         req.died_at = req.died_at or time.monotonic()
         _finish(req, slot, cb)
     elif tag == "broken":

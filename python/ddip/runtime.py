@@ -33,10 +33,11 @@ BACKGROUND_KEEP_BYTES = 64 * 1024
 class Runtime:
     """A started group's Coordinator and the state its events change."""
 
-    def __init__(self, coord, rank_ids: list[int]):
+    def __init__(self, coord, rank_ids: list[int], hosts: list[str | None] | None = None):
         size = len(rank_ids)
         self.coord = coord
         self.rank_ids = rank_ids
+        self.hosts = hosts or [None] * size  # slot -> the other host it runs on (None: this machine)
         self.mu = threading.RLock()  # guards the state below; never held while waiting
         self.cv = threading.Condition(self.mu)
         self.pumping = False  # one thread at a time takes events from the runtime
@@ -163,7 +164,7 @@ class Runtime:
         elif kind == "unresponsive":
             self.unresponsive[slot] = ev.age
             if req is not None:
-                req.mailbox.append(("unresponsive", slot, ev.age))
+                req.mailbox.append(("unresponsive", slot, ev.age, self.hosts[slot]))
         elif kind == "responsive":
             self.unresponsive.pop(slot, None)
         elif kind == "failed":
@@ -216,7 +217,7 @@ class Runtime:
             stopped = {self.rank_ids[s]: max(self.unresponsive[s], self.coord.heartbeat_age_ms(s) / 1000)
                        for s in slots if s in self.unresponsive}
             if stopped:
-                raise RankUnresponsiveError(stopped)
+                raise RankUnresponsiveError(stopped, {self.rank_ids[s]: self.hosts[s] for s in slots})
             busy = [self.rank_ids[s] for s in slots if s in self.running]
             if busy:
                 raise RankBusyError(busy)

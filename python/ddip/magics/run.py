@@ -7,7 +7,8 @@
     print(dist.get_rank())
 
 The cell is written to a temporary file and each rank runs `python that_file.py` with torchrun's
-environment. Unlike %%dip there is no persistent group: every cell starts its ranks from scratch
+environment. With --hosts, the file travels with the launch to every other host (`ddip run
+--ship`): those hosts need not share this machine's filesystem. Unlike %%dip there is no persistent group: every cell starts its ranks from scratch
 and they end with it. Labelled output ([rank] ...) reaches the notebook as it is printed;
 interrupting the kernel forwards SIGINT to the ranks (a second interrupt kills them).
 """
@@ -47,6 +48,14 @@ class DipRunMagics(Magics):
               help="also keep each rank's full stdout/stderr in DIR/rank<i>.stdout|stderr")
     @argument("--timeout", default=None, metavar="SECONDS",  # a string: ddip run judges it
               help="stop every rank after this many seconds")
+    @argument("--hosts", default=None, metavar="HOSTS",
+              help="ranks on several hosts, numbered host by host: node1:4,node2:4, 'node1[0,1] node2[2,3]', "
+                   "or node1,node2 with -g 0,1; localhost runs here; the cell travels with the launch")
+    @argument("--launcher", default=None, metavar="LAUNCHER",
+              help="how --hosts are reached: ssh (default; 'ssh -F cfg' adds ssh options), slurm, or a "
+                   "template with {host} and {command}")
+    @argument("--ddip", default=None, metavar="PATH",
+              help="the ddip program on the other hosts (default: this one's path)")
     @cell_magic
     def diprun(self, line, cell):
         """Run the cell as a script on N ranks with `ddip run` (torchrun's environment)."""
@@ -55,15 +64,19 @@ class DipRunMagics(Magics):
         args = parse(fn, line)
         flags = []
         for flag, value in (("-n", args.nprocs), ("--gpus", args.gpus), ("--tee", args.tee),
-                            ("--log-dir", args.log_dir), ("--timeout", args.timeout)):
+                            ("--log-dir", args.log_dir), ("--timeout", args.timeout), ("--hosts", args.hosts),
+                            ("--launcher", args.launcher), ("--ddip", args.ddip)):
             if value is not None:
                 flags += [flag, unquote(str(value))]
+        # Across hosts (--hosts, or -g naming hosts as 'node1:0,1'), other hosts can't see this
+        # machine's temporary file: the script always travels with the launch.
+        across = args.hosts is not None or (args.gpus is not None and ":" in unquote(str(args.gpus)))
         workdir = tempfile.mkdtemp(prefix="ddip-diprun-")
         try:
             script = os.path.join(workdir, "cell.py")
             with open(script, "w") as f:
                 f.write(cell)  # a plain script, as the ranks run plain Python
-            command = [*flags, "--", sys.executable, script]
+            command = [*flags, *(["--ship", script] if across else []), "--", sys.executable, script]
             _check(fn, command)
             code = _stream([binary(), "run", "--die-with-parent", *command])
         finally:
