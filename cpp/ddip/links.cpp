@@ -434,9 +434,23 @@ void HostLinks::lose_slot(int slot, const std::string& why) {
 
 void HostLinks::lose_link(size_t link, const std::string& why) {
   Link& l = links_[link];
+  // A standing agent closes its link itself once its launcher is gone (end of file on its
+  // stdin), before that exit reaches this loop: the launcher's end is the cause then.
+  std::optional<ExitStatus> gone;
+  if (l.standing && l.lease && l.conn) gone = l.lease->exit_status();
   l.conn.reset();  // closed: the agent stops its workers when it sees that
+  std::string cause = gone ? launcher_gone(link, *gone) : why;
   for (int slot : l.host.slots)
-    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
+    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + cause);
+}
+
+std::string HostLinks::launcher_gone(size_t link, const ExitStatus& status) {
+  Link& l = links_[link];
+  std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
+                    status.describe() + " while host " + l.host.name + " was connected";
+  std::string lines = launcher_tail(link);
+  if (!lines.empty()) why += "; its last lines:\n" + lines;
+  return why;
 }
 
 void HostLinks::on_launcher(size_t link, int stream) {
@@ -499,20 +513,18 @@ void HostLinks::on_launcher_exit(size_t link) {
   if (!status) return;  // woken early; the pidfd stays watched
   if (relaunch(link)) return;
   l.launcher_exited = true;
-  std::string lines = launcher_tail(link);
   if (l.ever_connected) {
     if (!l.conn) return;  // the link ended first and spoke for its workers
     // The host's agent lives no longer than its launcher: unless the link ends by itself within
     // the grace (the agent's last frames), it is closed, so the agent stops its workers there.
-    std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
-                      status->describe() + " while host " + l.host.name + " was connected";
-    if (!lines.empty()) why += "; its last lines:\n" + lines;
+    std::string why = launcher_gone(link, *status);
     launcher_grace_[link] = loop_.after(kLauncherGrace, [this, link, why] {
       launcher_grace_.erase(link);
       if (links_[link].conn) lose_link(link, why);
     });
     return;
   }
+  std::string lines = launcher_tail(link);
   std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
                     status->describe() + " before host " + l.host.name + " connected";
   if (made_room_ > 0)

@@ -179,6 +179,7 @@ class HostLinks {
   void on_launcher_exit(size_t link);
   std::optional<ExitStatus> launcher_status(size_t link);  // once it has exited
   std::string launcher_tail(size_t link);
+  std::string launcher_gone(size_t link, const ExitStatus& status);  // while it was connected
   // Every worker of the host is gone: its standing agent is free for the next group.
   bool host_done(const Link& l) const;
   void return_lease(Link& l);
