@@ -30,138 +30,11 @@ from ddip.errors import RemoteError, StartError
 
 from conftest import alive, wait_until
 
-SSHD = "/usr/sbin/sshd"
-
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"needs {tool} (make setup installs iproute2 and openssh-client)"
-    if not os.path.exists(SSHD):
-        return "needs sshd (make setup installs openssh-server)"
-    probe = f"ddipprobe{os.getpid() % 100000}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
-        return "can't create network namespaces here"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
+from netns_hosts import SSHD, Hosts, _missing, _port_open, _run  # noqa: F401  (shared with bench/)
 
 
 _why_not = _missing()
 needs_netns = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
-
-
-def _run(*argv, ns=None):
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + [str(a) for a in argv]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
-    return out.stdout
-
-
-class Hosts:
-    """Two hosts (namespaces A and B) with sshd each; the notebook at .1 of the same subnet."""
-
-    def __init__(self):
-        self.id = os.getpid() % 100000
-        self.net = f"10.213.{20 + self.id % 200}"
-        self.ns = {"A": f"ddipA{self.id}", "B": f"ddipB{self.id}"}
-        self.hub = f"ddipHub{self.id}"
-        self.addr = {"A": f"{self.net}.2", "B": f"{self.net}.3"}
-        self.me = f"{self.net}.1"
-        self.root_if = f"ddr{self.id}"
-        self.sshd: list[subprocess.Popen] = []
-        self.dir = tempfile.mkdtemp(prefix="ddip-hosts-")
-        try:
-            self._network()
-            self._ssh()
-        except BaseException:
-            self.close()
-            raise
-
-    def _network(self):
-        _run("ip", "netns", "add", self.hub)
-        _run("ip", "link", "add", "br0", "type", "bridge", ns=self.hub)
-        _run("ip", "link", "set", "br0", "up", ns=self.hub)
-        for name, ns in self.ns.items():
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "set", "lo", "up", ns=ns)
-            outer, inner = f"ddh{name}{self.id}", f"ddn{name}{self.id}"
-            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-            _run("ip", "link", "set", outer, "netns", self.hub)
-            _run("ip", "link", "set", outer, "master", "br0", "up", ns=self.hub)
-            _run("ip", "link", "set", inner, "netns", ns)
-            # The same interface name on every host, so GLOO_SOCKET_IFNAME fits them all.
-            _run("ip", "link", "set", inner, "name", "ddip0", ns=ns)
-            _run("ip", "addr", "add", f"{self.addr[name]}/24", "dev", "ddip0", ns=ns)
-            _run("ip", "link", "set", "ddip0", "up", ns=ns)
-        peer = f"ddhR{self.id}"
-        _run("ip", "link", "add", self.root_if, "type", "veth", "peer", "name", peer)
-        _run("ip", "link", "set", peer, "netns", self.hub)
-        _run("ip", "link", "set", peer, "master", "br0", "up", ns=self.hub)
-        _run("ip", "addr", "add", f"{self.me}/24", "dev", self.root_if)
-        _run("ip", "link", "set", self.root_if, "up")
-
-    def _ssh(self):
-        d = self.dir
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{d}/host_key")
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{d}/user_key")
-        shutil.copy(f"{d}/user_key.pub", f"{d}/authorized_keys")
-        with open(f"{d}/host_key.pub") as f:
-            host_pub = " ".join(f.read().split()[:2])
-        with open(f"{d}/known_hosts", "w") as f:
-            for a in self.addr.values():
-                f.write(f"{a} {host_pub}\n")
-        with open(f"{d}/ssh_config", "w") as f:
-            f.write(textwrap.dedent(f"""\
-                Host *
-                  User root
-                  IdentityFile {d}/user_key
-                  IdentitiesOnly yes
-                  UserKnownHostsFile {d}/known_hosts
-                  StrictHostKeyChecking yes
-                  ConnectTimeout 5
-                """))
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
-        for name, ns in self.ns.items():
-            self.sshd.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", "/dev/null",
-                 "-o", f"ListenAddress={self.addr[name]}", "-o", f"HostKey={d}/host_key",
-                 "-o", f"AuthorizedKeysFile={d}/authorized_keys", "-o", "StrictModes=no",
-                 "-o", "UsePAM=no", "-o", "PidFile=none", "-o", "PermitRootLogin=prohibit-password"],
-                stdout=subprocess.DEVNULL, stderr=open(f"{d}/sshd-{name}.log", "w")))
-        for a in self.addr.values():
-            assert wait_until(lambda: _port_open(a, 22), 10), f"sshd on {a} did not come up"
-
-    @property
-    def launcher(self) -> str:
-        return f"ssh -F {self.dir}/ssh_config"
-
-    def set_link(self, name: str, up: bool):
-        _run("ip", "link", "set", "ddip0", "up" if up else "down", ns=self.ns[name])
-
-    def close(self):
-        for p in self.sshd:
-            p.terminate()
-        for p in self.sshd:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for ns in [*self.ns.values(), self.hub]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.root_if], capture_output=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _port_open(addr, port) -> bool:
-    try:
-        with socket.create_connection((addr, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -524,6 +397,192 @@ def test_a_hosts_agent_and_template_outlive_a_closed_group_but_not_the_notebooks
         p.wait()
     for pid in (agent0, agent1, *templates):
         assert wait_until(lambda x=pid: not alive(x), 15), f"{pid} outlived the notebook's SIGKILL"
+
+
+def _rx_bytes(hosts, name: str) -> int:
+    """Bytes that arrived on host `name`'s only link (its ddip0 veth) so far."""
+    return int(_run("cat", "/sys/class/net/ddip0/statistics/rx_bytes", ns=hosts.ns[name]))
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+CHECKSUM = "import hashlib; hashlib.sha256(x.tobytes()).hexdigest()"
+
+
+@needs_netns
+def test_a_push_crosses_each_hosts_link_once_and_reaches_every_rank_there(hosts):
+    np = pytest.importorskip("numpy")
+    import hashlib
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:2,{b}:2", launcher=hosts.launcher, backend=None, timeout=120)
+    try:
+        x = np.random.default_rng(19).integers(0, 256, size=32 << 20, dtype=np.uint8)
+        want = hashlib.sha256(x.tobytes()).hexdigest()
+        before = {n: _rx_bytes(hosts, n) for n in hosts.ns}
+        g.push(x=x)
+        crossed = {n: _rx_bytes(hosts, n) - before[n] for n in hosts.ns}
+        assert [r.value for r in g.run(CHECKSUM)] == [want] * 4
+        for n, got in crossed.items():
+            # Once per host (plus framing and heartbeats), not once per rank (2x).
+            assert x.nbytes <= got < 1.1 * x.nbytes, f"{got} bytes crossed host {n}'s link for {x.nbytes}"
+        # The host's copy is its ranks': a second push with other content reaches them as well.
+        y = x[::-1].copy()
+        g.push(x=y)
+        assert [r.value for r in g.run(CHECKSUM)] == [hashlib.sha256(y.tobytes()).hexdigest()] * 4
+    finally:
+        g.close()
+
+
+@needs_netns
+def test_the_notebooks_memory_during_a_push_holds_one_copy_whatever_the_rank_count(hosts):
+    np = pytest.importorskip("numpy")
+    import hashlib
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    g = ddip.Group(hosts=f"{a}:4,{b}:4", launcher=hosts.launcher, backend=None, timeout=180)
+    try:
+        x = np.random.default_rng(20).integers(0, 256, size=32 << 20, dtype=np.uint8)
+        want = hashlib.sha256(x.tobytes()).hexdigest()
+        _reset_peak_rss()
+        start = _rss_kb("VmRSS")
+        g.push(x=x)
+        grew = (_rss_kb("VmHWM") - start) * 1024
+        assert [r.value for r in g.run(CHECKSUM)] == [want] * 8
+        # The segment (one copy) and bounded buffers; one copy per remote rank was 8x.
+        assert grew < 2 * x.nbytes, f"the notebook's peak RSS grew by {grew} bytes for {x.nbytes} pushed to 8 ranks"
+    finally:
+        g.close()
+
+
+class _Tap:
+    """A relay between host A's agent and the kernel that can write a forged frame header into
+    the agent -> kernel stream, at a frame boundary (it follows the sealed framing, see
+    channel.hpp), as an attacker on the path could."""
+
+    RESPONSE = 8 + 32 + 4 + 32  # the agent's handshake response, before the first frame
+
+    def __init__(self, addr: str, real: str):
+        import threading
+        self.real = real  # a file where the launcher wrapper writes the kernel's address
+        self.server = socket.create_server((addr, 0))
+        self.port = self.server.getsockname()[1]
+        self.inject = threading.Event()
+        self.injected = threading.Event()
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
+
+    def _serve(self):
+        import threading
+        agent, _ = self.server.accept()
+        with open(self.real) as f:
+            host, port = f.read().split()
+        kernel = socket.create_connection((host, int(port)))
+        self.socks = (agent, kernel)
+        for target in (self._to_agent, self._to_kernel):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _to_agent(self):
+        agent, kernel = self.socks
+        while data := _recv(kernel):
+            agent.sendall(data)
+        agent.close()
+
+    def _to_kernel(self):
+        import select
+        import struct
+        agent, kernel = self.socks
+        buf, skip = b"", self.RESPONSE
+        while True:
+            if not buf and skip == 0 and self.inject.is_set() and not self.injected.is_set():
+                # A header announcing 1 GiB (within what a link accepts), and junk for its MAC.
+                kernel.sendall(struct.pack("<QQHHi", 1 << 30, 7, 3, 0, 0) + b"\x00" * 32)
+                self.injected.set()
+            if not select.select([agent], [], [], 0.05)[0]:
+                continue
+            data = _recv(agent)
+            if not data:
+                break
+            buf += data
+            while True:  # forward whole frames (and the handshake) only
+                if skip:
+                    n = min(skip, len(buf))
+                    kernel.sendall(buf[:n])
+                    buf, skip = buf[n:], skip - n
+                    if skip:
+                        break
+                if len(buf) < 24:
+                    break
+                length, nfds = struct.unpack_from("<Q", buf)[0], struct.unpack_from("<H", buf, 18)[0]
+                skip = 24 + 8 * nfds + 32 + length + 32
+        kernel.close()
+
+    def close(self):
+        self.server.close()
+        for s in getattr(self, "socks", ()):
+            s.close()
+
+
+def _recv(s) -> bytes:
+    try:
+        return s.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+@needs_netns
+def test_a_forged_header_on_a_live_link_drops_that_host_only_and_allocates_nothing(hosts, tmp_path):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    real = tmp_path / "kernel-address"
+    tap = _Tap(hosts.me, str(real))
+    # The launcher: ssh, with host A's ticket pointed at the tap (and the real address noted).
+    wrapper = tmp_path / "launch.py"
+    wrapper.write_text(textwrap.dedent(f"""\
+        import os, sys
+        host, command = sys.argv[1], " ".join(sys.argv[2:])
+        ticket = sys.stdin.readline().split()
+        if host == {a!r}:
+            with open({str(real)!r}, "w") as f:
+                f.write(ticket[1] + " " + ticket[2])
+            ticket[1], ticket[2] = {hosts.me!r}, {str(tap.port)!r}
+        r, w = os.pipe()
+        os.write(w, (" ".join(ticket) + "\\n").encode())
+        os.close(w)
+        os.dup2(r, 0)
+        os.execvp("ssh", ["ssh", "-F", {hosts.dir + "/ssh_config"!r}, "-T", "-o", "BatchMode=yes", host,
+                          "exec " + command])
+        """))
+    g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=f"{sys.executable} {wrapper} {{host}} {{command}}",
+                   backend=None, timeout=60)
+    try:
+        assert [r.value for r in g.run("1 + 1")] == [2, 2]
+        _reset_peak_rss()
+        start = _rss_kb("VmRSS")
+        tap.inject.set()
+        assert tap.injected.wait(30), "the tap never found a frame boundary to inject at"
+        assert wait_until(lambda: g.status()[0]["state"] == "dead", 30), g.status()
+        with pytest.raises(ddip.RankDeadError) as err:
+            g.run("1 + 1", ranks=[0])
+        assert "frame header failed authentication" in str(err.value), str(err.value)
+        # The other host's link is untouched, and the kernel allocated nothing for the 1 GiB.
+        assert [r.value for r in g.run("1 + 1", ranks=[1])] == [2]
+        assert g.status()[1]["state"] == "idle"
+        grew = (_rss_kb("VmHWM") - start) * 1024
+        assert grew < 64 << 20, f"the notebook's peak RSS grew by {grew} bytes for a forged header"
+    finally:
+        g.close()
+        tap.close()
 
 
 @needs_netns

@@ -138,6 +138,75 @@ bool same_mac(std::string_view a, std::string_view b) {
   return a.size() == b.size() && detail::libcrypto().memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
+HmacStream::HmacStream(std::string_view key) {
+  const detail::Libcrypto& c = detail::libcrypto();
+  HMAC_CTX* ctx = c.hmac_ctx_new();
+  if (!ctx) detail::throw_openssl("HMAC_CTX_new");
+  if (c.hmac_init(ctx, key.data(), static_cast<int>(key.size()), c.sha256(), nullptr) != 1) {
+    c.hmac_ctx_free(ctx);
+    detail::throw_openssl("HMAC_Init_ex");
+  }
+  ctx_ = ctx;
+}
+
+HmacStream::HmacStream(HmacStream&& o) noexcept : ctx_(o.ctx_) { o.ctx_ = nullptr; }
+
+HmacStream& HmacStream::operator=(HmacStream&& o) noexcept {
+  if (this != &o) {
+    if (ctx_) detail::libcrypto().hmac_ctx_free(static_cast<HMAC_CTX*>(ctx_));
+    ctx_ = o.ctx_;
+    o.ctx_ = nullptr;
+  }
+  return *this;
+}
+
+HmacStream::~HmacStream() {
+  if (ctx_) detail::libcrypto().hmac_ctx_free(static_cast<HMAC_CTX*>(ctx_));
+}
+
+void HmacStream::update(std::string_view bytes) {
+  if (!ctx_) throw std::logic_error("HmacStream used after final()");
+  if (!bytes.empty() &&
+      detail::libcrypto().hmac_update(static_cast<HMAC_CTX*>(ctx_),
+                                      reinterpret_cast<const unsigned char*>(bytes.data()),
+                                      bytes.size()) != 1)
+    detail::throw_openssl("HMAC_Update");
+}
+
+std::string HmacStream::final() {
+  if (!ctx_) throw std::logic_error("HmacStream::final() twice");
+  std::string out(kMacBytes, '\0');
+  unsigned int len = 0;
+  int ok = detail::libcrypto().hmac_final(static_cast<HMAC_CTX*>(ctx_),
+                                          reinterpret_cast<unsigned char*>(out.data()), &len);
+  detail::libcrypto().hmac_ctx_free(static_cast<HMAC_CTX*>(ctx_));
+  ctx_ = nullptr;
+  if (ok != 1 || len != kMacBytes) detail::throw_openssl("HMAC_Final");
+  return out;
+}
+
+std::string FrameMac::header_mac(std::string_view header) const {
+  char count[sizeof count_];
+  std::memcpy(count, &count_, sizeof count_);
+  return hmac_sha256(key_, {"ddip frame header", std::string_view(count, sizeof count), header});
+}
+
+void FrameMac::verify_header(std::string_view header, std::string_view mac) const {
+  if (!same_mac(header_mac(header), mac))
+    throw AuthError(
+        "a frame header failed authentication (forged, tampered, replayed or reordered), before "
+        "anything was allocated for the length it announced");
+}
+
+HmacStream FrameMac::body_mac(std::string_view header) const {
+  char count[sizeof count_];
+  std::memcpy(count, &count_, sizeof count_);
+  HmacStream s(key_);
+  s.update(std::string_view(count, sizeof count));
+  s.update(header);
+  return s;
+}
+
 std::string FrameMac::compute(std::string_view header, std::string_view body) const {
   char count[sizeof count_];
   std::memcpy(count, &count_, sizeof count_);

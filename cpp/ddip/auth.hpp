@@ -39,6 +39,20 @@ std::string hmac_sha256(std::string_view key, std::initializer_list<std::string_
 // Constant-time comparison (CRYPTO_memcmp); false when the sizes differ.
 bool same_mac(std::string_view a, std::string_view b);
 
+// HMAC-SHA256 fed piece by piece (a sealed frame's body is authenticated as it streams).
+class HmacStream {
+ public:
+  explicit HmacStream(std::string_view key);
+  HmacStream(HmacStream&&) noexcept;
+  HmacStream& operator=(HmacStream&&) noexcept;
+  ~HmacStream();
+  void update(std::string_view bytes);
+  std::string final();  // once
+
+ private:
+  void* ctx_ = nullptr;  // HMAC_CTX, opaque here so that no OpenSSL header leaks
+};
+
 // The frame keys of one authenticated connection.
 struct LinkKeys {
   std::string send;
@@ -56,6 +70,17 @@ class FrameMac {
   std::string sign(std::string_view header, std::string_view body);
   // Throws AuthError unless `mac` is that of the next frame.
   void verify(std::string_view header, std::string_view body, std::string_view mac);
+
+  // A sealed channel's frame in two parts, so that a receiver trusts the header (and the length
+  // it announces) before it allocates anything for the body: the header's own MAC, then the
+  // body's, made with the same count (domain-separated), after which the count moves on.
+  std::string header_mac(std::string_view header) const;
+  // Throws AuthError (naming the header) unless `mac` is header_mac(header).
+  void verify_header(std::string_view header, std::string_view mac) const;
+  // The MAC of the next frame's body (what sign() would give for it), fed as it streams; then
+  // advance() to the next frame.
+  HmacStream body_mac(std::string_view header) const;
+  void advance() { ++count_; }
 
  private:
   std::string key_;

@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -37,43 +38,11 @@ sockaddr_un unix_address(const std::string& path) {
   return addr;
 }
 
-// The bytes of an fd that a sealed channel sends in its frame's place.
-void append_contents(std::string& out, int fd, std::optional<size_t> bytes) {
-  size_t n;
-  if (bytes) {
-    n = *bytes;
-  } else {
-    struct stat st {};
-    check(::fstat(fd, &st), "fstat", "sizing an fd to send over TCP");
-    n = static_cast<size_t>(st.st_size);
-  }
-  size_t start = out.size();
-  out.resize(start + n);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t r = ::pread(fd, out.data() + start + done, n - done, static_cast<off_t>(done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw_errno("pread", "copying an fd's contents into a TCP frame");
-    if (r == 0) throw std::runtime_error("an fd sent over TCP was shorter than announced");
-    done += static_cast<size_t>(r);
-  }
-}
-
-// A sealed memfd holding `data`: what arrives where a frame's fd was sent over TCP.
-Fd memfd_holding(std::string_view data) {
+// A fresh memfd of `n` bytes: where a buffer sent over TCP is received, straight off the socket.
+Fd memfd_sized(size_t n) {
   Fd fd(check(::memfd_create("ddip-link", MFD_CLOEXEC | MFD_ALLOW_SEALING), "memfd_create",
               "receiving a buffer over TCP"));
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t r =
-        ::pwrite(fd.get(), data.data() + done, data.size() - done, static_cast<off_t>(done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw_errno("pwrite", "receiving a buffer over TCP");
-    done += static_cast<size_t>(r);
-  }
-  // Its size is final, as a rank's reply memfd's is: no mapping of it can be cut short.
-  check(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), "fcntl(F_ADD_SEALS)",
-        "sealing a buffer received over TCP");
+  check(::ftruncate(fd.get(), static_cast<off_t>(n)), "ftruncate", "receiving a buffer over TCP");
   return fd;
 }
 
@@ -93,65 +62,230 @@ const std::string& Frame::data() const {
   return payload ? *payload : empty;
 }
 
+
+// The bytes of an fd that a sealed frame sends are written from a moving window onto it (mapped
+// read-only, never copied): its pages count in this process's RSS a window at a time, not whole.
+struct Channel::Mapping {
+  static constexpr size_t kWindow = size_t(4) << 20;
+  int fd;  // the frame's own, open until it is written
+  size_t len;
+  void* addr = nullptr;
+  size_t off = 0, size = 0;  // the window
+  Mapping(int f, size_t n) : fd(f), len(n) {}
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() { unmap(); }
+  void unmap() {
+    if (addr) ::munmap(addr, size);
+    addr = nullptr;
+  }
+  // The bytes from `pos` on that the window holds (mapping it there first if it must).
+  std::pair<const char*, size_t> at(size_t pos) {
+    if (!addr || pos < off || pos >= off + size) {
+      unmap();
+      static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+      off = pos / page * page;
+      size = std::min(kWindow, len - off);
+      void* a = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(off));
+      if (a == MAP_FAILED) throw_errno("mmap", "mapping a buffer to send over TCP");
+      addr = a;
+    }
+    return {static_cast<const char*>(addr) + (pos - off), off + size - pos};
+  }
+};
+
+// A sealed frame being read: header and its MAC, then the body piece by piece, then its MAC.
+struct Channel::Incoming {
+  // kHead: the 24-byte header; kHeadRest: the fd table and the MAC of both.
+  enum Stage { kHead, kHeadRest, kFd, kPayload, kMac } stage = kHead;
+  char head[sizeof(detail::WireHeader) + kMaxFdsPerFrame * sizeof(uint64_t) + kMacBytes];
+  size_t head_size = sizeof(detail::WireHeader);  // of what is in `head` when it is complete
+  size_t filled = 0;  // of the current stage's piece
+  detail::WireHeader h{};
+  std::optional<HmacStream> mac;
+  std::vector<uint64_t> entries;
+  size_t entry = 0;  // the fd being received
+  struct Received {
+    Fd fd;
+    char* addr = nullptr;
+    size_t size = 0;
+  };
+  std::vector<Received> fds;  // one per entry; empty fd for a ref
+  std::shared_ptr<std::string> payload;
+  char body_mac[kMacBytes];
+
+  // Where the next bytes go, and how many the current piece still wants there.
+  std::pair<char*, size_t> target() {
+    switch (stage) {
+      case kHead:
+      case kHeadRest:
+        return {head + filled, head_size - filled};
+      case kFd:
+        return {fds[entry].addr + filled, fds[entry].size - filled};
+      case kPayload:
+        return {payload->data() + filled, payload->size() - filled};
+      case kMac:
+        return {body_mac + filled, kMacBytes - filled};
+    }
+    return {nullptr, 0};
+  }
+  ~Incoming() {
+    for (auto& r : fds)
+      if (r.addr) ::munmap(r.addr, r.size);
+  }
+  size_t allocated() const {
+    size_t n = payload ? payload->size() : 0;
+    for (auto& r : fds) n += r.size;
+    return n;
+  }
+};
+
 Channel::Channel(Fd sock) : sock_(std::move(sock)) {}
+Channel::Channel(Channel&&) noexcept = default;
+Channel& Channel::operator=(Channel&&) noexcept = default;
+Channel::~Channel() = default;
 
 void Channel::queue(Frame f) {
   size_t nfds = f.fds ? f.fds->size() : 0;
-  if (nfds > kMaxFdsPerFrame) throw std::invalid_argument("too many fds in one frame");
-  Outgoing o;
+  if (nfds > kMaxFdsPerFrame || f.refs.size() > kMaxFdsPerFrame)
+    throw std::invalid_argument("too many fds in one frame");
   if (sealed()) {
-    o.frame = inline_fds(std::move(f), o.header);
-  } else {
-    detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind,
-                         static_cast<uint16_t>(nfds), f.rank};
-    std::memcpy(o.header, &h, sizeof h);
-    o.frame = std::move(f);
+    out_.emplace_back();  // built in place: its pieces point into it
+    try {
+      seal_into(out_.back(), std::move(f));
+    } catch (...) {
+      out_.pop_back();
+      throw;
+    }
+    return;
   }
+  if (!f.refs.empty()) throw std::logic_error("segment refs on a channel that is not sealed");
+  Outgoing o;
+  detail::WireHeader h{f.payload ? f.payload->size() : 0, f.seq, f.kind,
+                       static_cast<uint16_t>(nfds), f.rank};
+  std::memcpy(o.header, &h, sizeof h);
+  o.frame = std::move(f);
   out_.push_back(std::move(o));
 }
 
-// Sealed: [u32 count, u64 length each, the fds' bytes] when there are fds, the payload, the MAC.
-// The copy is made now, so a pooled segment may be reused as soon as this returns.
-Frame Channel::inline_fds(Frame f, char* header) {
+// The fds' bytes are mapped, not copied: they are written from the mapping, and the frame's
+// `hold` keeps a pooled segment from being reused until they are.
+void Channel::seal_into(Outgoing& o, Frame f) {
   size_t nfds = f.fds ? f.fds->size() : 0;
-  std::string body;
-  if (nfds > 0) {
-    uint32_t count = static_cast<uint32_t>(nfds);
-    body.append(reinterpret_cast<const char*>(&count), sizeof count);
-    std::vector<size_t> at(nfds);
-    for (size_t i = 0; i < nfds; ++i) {
-      at[i] = body.size();
-      body.append(sizeof(uint64_t), '\0');
+  size_t entries = std::max(nfds, f.refs.size());
+  std::string table;
+  uint64_t length = 0;
+  for (size_t i = 0; i < entries; ++i) {
+    uint64_t word;
+    if (i < f.refs.size() && f.refs[i] != 0) {
+      if (f.refs[i] & kRefBit) throw std::invalid_argument("a segment id too large for a ref");
+      word = kRefBit | f.refs[i];
+    } else {
+      if (i >= nfds || !(*f.fds)[i]) throw std::invalid_argument("a frame's fd is missing");
+      int fd = (*f.fds)[i].get();
+      struct stat st {};
+      check(::fstat(fd, &st), "fstat", "sizing an fd to send over TCP");
+      size_t n = i < f.fd_bytes.size() ? f.fd_bytes[i] : static_cast<size_t>(st.st_size);
+      // Reading past the file's end through a mapping is a SIGBUS, not an error.
+      if (n > static_cast<size_t>(st.st_size))
+        throw std::runtime_error("an fd sent over TCP was shorter than announced");
+      o.maps.push_back(std::make_shared<Mapping>(fd, n));
+      word = n;
+      length += n;
     }
-    for (size_t i = 0; i < nfds; ++i) {
-      size_t before = body.size();
-      std::optional<size_t> bytes;
-      if (i < f.fd_bytes.size()) bytes = f.fd_bytes[i];
-      detail::append_contents(body, (*f.fds)[i].get(), bytes);
-      uint64_t n = body.size() - before;
-      std::memcpy(body.data() + at[i], &n, sizeof n);
+    table.append(reinterpret_cast<const char*>(&word), sizeof word);
+  }
+  length += f.data().size();
+  detail::WireHeader h{length, f.seq, f.kind, static_cast<uint16_t>(entries), f.rank};
+  o.head.reserve(sizeof h + table.size() + kMacBytes);
+  o.head.append(reinterpret_cast<const char*>(&h), sizeof h);
+  o.head += table;
+  o.body_mac = std::make_shared<HmacStream>(send_mac_.body_mac(o.head));
+  o.head += send_mac_.header_mac(o.head);
+  send_mac_.advance();
+  o.pieces.push_back({o.head.data(), o.head.size(), false});
+  for (auto& m : o.maps)
+    if (m->len) o.pieces.push_back({nullptr, m->len, true, m.get()});
+  if (!f.data().empty()) o.pieces.push_back({f.payload->data(), f.payload->size(), true});
+  o.pieces.push_back({nullptr, kMacBytes, false, nullptr, true});
+  f.fd_bytes.clear();
+  o.frame = std::move(f);  // with its fds, which the windows map
+}
+
+bool Channel::flush_sealed(Outgoing& o) {
+  while (o.piece < o.pieces.size()) {
+    iovec iov[8];
+    int niov = 0;
+    for (size_t k = o.piece; k < o.pieces.size() && niov < 8; ++k) {
+      Piece& p = o.pieces[k];
+      if (p.mac && !p.data) {  // made once everything before it was written
+        if (k != o.piece) break;
+        o.mac = o.body_mac->final();
+        p.data = o.mac.data();
+      }
+      size_t skip = k == o.piece ? o.piece_offset : 0;
+      if (p.map) {
+        auto [at, n] = p.map->at(skip);
+        iov[niov++] = {const_cast<char*>(at), std::min(n, p.size - skip)};
+        if (n < p.size - skip) break;  // the rest of it after this window is written
+        continue;
+      }
+      iov[niov++] = {const_cast<char*>(p.data) + skip, p.size - skip};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = niov;
+    ssize_t n = ::sendmsg(sock_.get(), &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      throw_errno("sendmsg", "writing a frame");
+    }
+    // The body's MAC takes exactly what was written, as it was written.
+    size_t left = static_cast<size_t>(n);
+    while (left > 0) {
+      Piece& p = o.pieces[o.piece];
+      size_t k = std::min(left, p.size - o.piece_offset);
+      if (p.body)
+        o.body_mac->update(std::string_view(
+            p.map ? p.map->at(o.piece_offset).first : p.data + o.piece_offset, k));
+      o.piece_offset += k;
+      left -= k;
+      if (o.piece_offset == p.size) {
+        ++o.piece;
+        o.piece_offset = 0;
+      }
     }
   }
-  body += f.data();
-  detail::WireHeader h{body.size() + kMacBytes, f.seq, f.kind, static_cast<uint16_t>(nfds), f.rank};
-  std::memcpy(header, &h, sizeof h);
-  body += send_mac_.sign(std::string_view(header, sizeof h), body);
-  f.payload = std::make_shared<const std::string>(std::move(body));
-  f.fds.reset();
-  f.fd_bytes.clear();
-  return f;
+  return true;
 }
 
 void Channel::seal(LinkKeys keys) {
-  if (!out_.empty() || header_filled_ || reading_payload_ || !complete_.empty())
+  if (!out_.empty() || header_filled_ || reading_payload_ || !complete_.empty() || in_)
     throw std::logic_error("Channel::seal with frames in flight");
   send_mac_ = FrameMac(std::move(keys.send));
   recv_mac_ = FrameMac(std::move(keys.recv));
 }
 
+size_t Channel::buffered_bytes() const {
+  size_t n = stage_ ? kStageBytes : 0;
+  for (auto& o : out_) n += o.head.size() + o.mac.size();
+  return n;
+}
+
+size_t Channel::reading_allocated() const {
+  if (in_) return in_->allocated();
+  return reading_payload_ ? reading_payload_->size() : 0;
+}
+
 bool Channel::flush() {
   while (!out_.empty()) {
     Outgoing& o = out_.front();
+    if (!o.pieces.empty()) {
+      if (!flush_sealed(o)) return false;
+      out_.pop_front();  // its mappings and its hold go with it
+      continue;
+    }
     const std::string& payload = o.frame.data();
     size_t total = sizeof o.header + payload.size();
     iovec iov[2];
@@ -190,7 +324,158 @@ bool Channel::flush() {
   return true;
 }
 
+Channel::ReadResult Channel::read_sealed() {
+  if (!in_) in_ = std::make_unique<Incoming>();
+  auto [dst, want] = in_->target();
+  ssize_t n;
+  if (want >= kStageBytes) {
+    // A large piece (a buffer, a payload): straight where it belongs.
+    do {
+      n = ::recv(sock_.get(), dst, want, 0);
+    } while (n < 0 && errno == EINTR);
+  } else {
+    if (!stage_) stage_ = std::make_unique<char[]>(kStageBytes);
+    do {
+      n = ::recv(sock_.get(), stage_.get(), kStageBytes, 0);
+    } while (n < 0 && errno == EINTR);
+  }
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return ReadResult::kWouldBlock;
+    if (errno == ECONNRESET) return ReadResult::kEof;
+    throw_errno("recv", "reading a frame");
+  }
+  if (n == 0) return ReadResult::kEof;
+  if (want >= kStageBytes) {
+    sealed_advance(static_cast<size_t>(n));
+    return ReadResult::kProgress;
+  }
+  // Staged: consumed at once, piece by piece (many small frames may have come in one read).
+  size_t at = 0;
+  while (at < static_cast<size_t>(n)) {
+    if (!in_) in_ = std::make_unique<Incoming>();
+    auto [d, w] = in_->target();
+    size_t k = std::min(w, static_cast<size_t>(n) - at);
+    std::memcpy(d, stage_.get() + at, k);
+    at += k;
+    sealed_advance(k);
+  }
+  return ReadResult::kProgress;
+}
+
+// `n` more bytes of the current piece arrived; moves to the next piece when it is complete.
+void Channel::sealed_advance(size_t n) {
+  Incoming& in = *in_;
+  if (in.stage == Incoming::kFd || in.stage == Incoming::kPayload)
+    in.mac->update(std::string_view(in.target().first, n));
+  in.filled += n;
+  // Moves on through pieces that are complete (or empty).
+  auto start_payload = [&] {
+    uint64_t used = 0;
+    for (auto& r : in.fds) used += r.size;
+    in.payload = std::make_shared<std::string>(in.h.length - used, '\0');
+    in.stage = Incoming::kPayload;
+    in.filled = 0;
+  };
+  auto next_fd = [&](size_t from) {
+    for (in.entry = from; in.entry < in.fds.size(); ++in.entry) {
+      auto& r = in.fds[in.entry];
+      if (r.fd && r.size > 0) {
+        in.stage = Incoming::kFd;
+        in.filled = 0;
+        return;
+      }
+    }
+    start_payload();
+  };
+  while (true) {
+    if (in.target().second > 0) return;
+    switch (in.stage) {
+      case Incoming::kHead: {
+        std::memcpy(&in.h, in.head, sizeof in.h);
+        // Not authenticated yet: only bounds what is read next (at most 16 table entries).
+        if (in.h.nfds > kMaxFdsPerFrame)
+          throw AuthError("a frame header failed authentication (impossible fd count)");
+        in.head_size = sizeof in.h + in.h.nfds * sizeof(uint64_t) + kMacBytes;
+        in.stage = Incoming::kHeadRest;
+        break;
+      }
+      case Incoming::kHeadRest: {
+        // Nothing is allocated for the frame before its header and fd table are authenticated.
+        std::string_view head(in.head, in.head_size - kMacBytes);
+        recv_mac_.verify_header(head, std::string_view(in.head + head.size(), kMacBytes));
+        in.mac.emplace(recv_mac_.body_mac(head));
+        in.entries.resize(in.h.nfds);
+        if (in.h.nfds > 0)
+          std::memcpy(in.entries.data(), in.head + sizeof in.h, in.h.nfds * sizeof(uint64_t));
+        // Authenticated: what is wrong now is a bug on the other end; still, never trust lengths.
+        if (in.h.length > kMaxSealedFrame) throw std::runtime_error("corrupt TCP frame (length)");
+        uint64_t left = in.h.length;
+        in.fds.resize(in.entries.size());
+        for (size_t i = 0; i < in.entries.size(); ++i) {
+          uint64_t e = in.entries[i];
+          if (e & kRefBit) {
+            if ((e & ~kRefBit) == 0) throw std::runtime_error("corrupt TCP frame (segment ref)");
+            continue;
+          }
+          if (e > left) throw std::runtime_error("corrupt TCP frame (fd length)");
+          left -= e;
+          auto& r = in.fds[i];
+          r.fd = detail::memfd_sized(e);
+          r.size = e;
+          if (e > 0) {
+            void* a = ::mmap(nullptr, e, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd.get(), 0);
+            if (a == MAP_FAILED) throw_errno("mmap", "receiving a buffer over TCP");
+            r.addr = static_cast<char*>(a);
+          }
+        }
+        in.filled = 0;
+        next_fd(0);
+        break;
+      }
+      case Incoming::kFd:
+        next_fd(in.entry + 1);
+        break;
+      case Incoming::kPayload:
+        in.stage = Incoming::kMac;
+        in.filled = 0;
+        break;
+      case Incoming::kMac: {
+        if (!same_mac(in.mac->final(), std::string_view(in.body_mac, kMacBytes)))
+          throw AuthError(
+              "a frame failed authentication (wrong key, tampered, replayed or reordered)");
+        recv_mac_.advance();
+        Frame f;
+        f.kind = in.h.kind;
+        f.rank = in.h.rank;
+        f.seq = in.h.seq;
+        f.payload = std::move(in.payload);
+        if (!in.fds.empty()) {
+          f.fds = std::make_shared<std::vector<Fd>>();
+          for (size_t i = 0; i < in.fds.size(); ++i) {
+            auto& r = in.fds[i];
+            if (in.entries[i] & kRefBit) {
+              if (f.refs.empty()) f.refs.assign(in.fds.size(), 0);
+              f.refs[i] = in.entries[i] & ~kRefBit;
+            } else {
+              if (r.addr) ::munmap(r.addr, r.size);
+              r.addr = nullptr;
+              // Its size is final, as a rank's reply memfd's is: no mapping of it can be cut short.
+              check(::fcntl(r.fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW),
+                    "fcntl(F_ADD_SEALS)", "sealing a buffer received over TCP");
+            }
+            f.fds->push_back(std::move(r.fd));
+          }
+        }
+        in_.reset();
+        complete_.push_back(std::move(f));
+        return;
+      }
+    }
+  }
+}
+
 Channel::ReadResult Channel::read_some() {
+  if (sealed()) return read_sealed();
   char* dst;
   size_t want;
   if (reading_payload_) {
@@ -235,9 +520,6 @@ Channel::ReadResult Channel::read_some() {
       detail::WireHeader h;
       std::memcpy(&h, header_, sizeof h);
       if (h.nfds > kMaxFdsPerFrame) throw std::runtime_error("corrupt frame header (fd count)");
-      if (sealed() && (h.length < kMacBytes || h.length > kMaxSealedFrame))
-        throw AuthError("a frame header failed authentication (impossible length)");
-      std::memcpy(reading_header_, header_, sizeof header_);
       reading_.emplace();
       reading_->kind = h.kind;
       reading_->rank = h.rank;
@@ -254,9 +536,8 @@ Channel::ReadResult Channel::read_some() {
 
 void Channel::finish_frame() {
   Frame f = std::move(*reading_);
-  if (sealed()) open_sealed(f);
   f.payload = std::move(reading_payload_);
-  size_t nfds = sealed() ? 0 : reading_nfds_;
+  size_t nfds = reading_nfds_;
   if (received_fds_.size() < nfds) {
     if (!reading_truncated_) throw std::runtime_error("frame announced fds that did not arrive");
     nfds = received_fds_.size();
@@ -273,33 +554,6 @@ void Channel::finish_frame() {
   reading_.reset();
   reading_payload_.reset();
   complete_.push_back(std::move(f));
-}
-
-// Checks the MAC, then turns the fds' contents back into fds.
-void Channel::open_sealed(Frame& f) {
-  std::string& p = *reading_payload_;
-  size_t body = p.size() - kMacBytes;
-  recv_mac_.verify(std::string_view(reading_header_, sizeof reading_header_),
-                   std::string_view(p.data(), body), std::string_view(p.data() + body, kMacBytes));
-  p.resize(body);
-  if (reading_nfds_ == 0) return;
-  // Authenticated, so a bad table is a bug on the other end, not an attack; still, never trust
-  // lengths without checking them.
-  uint32_t count = 0;
-  size_t table = sizeof count + reading_nfds_ * sizeof(uint64_t);
-  if (p.size() < table) throw std::runtime_error("corrupt TCP frame (fd table)");
-  std::memcpy(&count, p.data(), sizeof count);
-  if (count != reading_nfds_) throw std::runtime_error("corrupt TCP frame (fd count)");
-  size_t off = table;
-  f.fds = std::make_shared<std::vector<Fd>>();
-  for (size_t i = 0; i < count; ++i) {
-    uint64_t n;
-    std::memcpy(&n, p.data() + sizeof count + i * sizeof n, sizeof n);
-    if (n > p.size() - off) throw std::runtime_error("corrupt TCP frame (fd length)");
-    f.fds->push_back(detail::memfd_holding(std::string_view(p.data() + off, n)));
-    off += n;
-  }
-  p.erase(0, off);
 }
 
 std::optional<Frame> Channel::next() {

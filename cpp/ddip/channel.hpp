@@ -3,10 +3,17 @@
 //
 // A frame on the wire is a fixed 24-byte header (payload length, sequence number, kind, number of
 // fds, rank) followed by the payload. On a Unix socket the fds of a frame ride on the sendmsg that
-// carries its header. On a sealed channel (TCP, after the link's handshake) no fd can travel: the
-// payload is preceded by the fds' contents (u32 count, u64 length each, the bytes) and followed
-// by an HMAC of the header and everything before it; the receiver gets the contents back as
-// fresh sealed memfds, so a frame looks the same to both ends either way.
+// carries its header. On a sealed channel (TCP, after the link's handshake) no fd can travel:
+//
+//   header (24; its length: the body's) | fd table (u64 per fd: its length, or kRefBit | a
+//   segment id) | MAC of header and table | body (the fds' bytes, the payload) | MAC of it all
+//
+// The first MAC is checked before anything is allocated for the lengths announced, so a forged
+// header costs the receiver at most 208 bytes and the link, never memory. The fds' bytes are
+// written straight from the fds (mapped, never copied into a buffer) and received straight into
+// fresh sealed memfds, the MAC fed as they stream, so a frame looks the same to both ends either
+// way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
+// those, and the frame's refs name them (HostLinks sends a buffer once per host).
 #pragma once
 
 #include <sys/types.h>
@@ -41,6 +48,8 @@ enum FrameKind : uint16_t {
   kSignal = 13,  // kernel -> host: signal a worker (payload: i32 signal, u8 whole group)
   kOutput = 14,  // host -> kernel: a worker's output (seq: the stream, 1 or 2; payload: text)
   kExit = 15,    // host -> kernel: a worker exited (payload: encode_exit)
+  kSegment = 16,  // kernel -> host: a buffer its workers' frames refer to (seq: its id; one fd)
+  kForget = 17,   // kernel -> host: no later frame refers to segment `seq`; drop it
 };
 
 inline constexpr size_t kMaxFdsPerFrame = 16;
@@ -58,6 +67,13 @@ struct Frame {
   // On a sealed channel, how many bytes of each fd travel (a pooled segment is larger than what
   // it holds); empty: each fd's whole size.
   std::vector<size_t> fd_bytes;
+  // On a sealed channel: where refs[i] != 0, the frame's i-th fd is the segment of that id, sent
+  // before on the same channel (kSegment) and kept by the receiver, which fills it in; fds[i] is
+  // then empty. Empty: every fd travels with the frame.
+  std::vector<uint64_t> refs;
+  // Whatever must live until the frame is written (a pooled segment's reference, so that the
+  // pool does not reuse it while its bytes stream out of it).
+  std::shared_ptr<void> hold;
 
   static Frame make(uint16_t kind, int32_t rank, uint64_t seq, std::string payload = {});
   const std::string& data() const;
@@ -68,8 +84,9 @@ class Channel {
   enum class ReadResult { kProgress, kWouldBlock, kEof };
 
   explicit Channel(Fd sock);
-  Channel(Channel&&) noexcept = default;
-  Channel& operator=(Channel&&) noexcept = default;
+  Channel(Channel&&) noexcept;
+  Channel& operator=(Channel&&) noexcept;
+  ~Channel();
 
   int fd() const { return sock_.get(); }
 
@@ -79,6 +96,12 @@ class Channel {
   // writes everything. Throws on a broken peer.
   bool flush();
   bool wants_write() const { return !out_.empty(); }
+  // Bytes held for frames being read or written beyond their fds and payloads (which are the
+  // frames' own): bounded, whatever the frames' sizes. For tests.
+  size_t buffered_bytes() const;
+  // Bytes allocated so far for the frame being read (its payload and memfds). For tests: a
+  // header that failed to authenticate allocated nothing.
+  size_t reading_allocated() const;
   void send(Frame f) {
     queue(std::move(f));
     flush();
@@ -100,13 +123,37 @@ class Channel {
   // The largest frame a sealed channel accepts: a length beyond it is corruption, and must not
   // make us allocate before the frame's MAC is checked.
   static constexpr uint64_t kMaxSealedFrame = uint64_t(1) << 36;
+  static constexpr uint64_t kRefBit = uint64_t(1) << 63;
+  // What a sealed channel receives into its own buffer: small pieces (headers, MACs, tables) come
+  // through it, large ones go straight to where they belong.
+  static constexpr size_t kStageBytes = 64 * 1024;
 
  private:
+  struct Mapping;  // a window onto an fd being sent
+  struct Piece {
+    const char* data;  // or, for an fd's bytes, `map`
+    size_t size;
+    bool body;  // fed to the body's MAC
+    Mapping* map = nullptr;
+    bool mac = false;  // the body's MAC, made once everything before it was written
+  };
   struct Outgoing {
     char header[24];
     Frame frame;
     size_t offset = 0;  // bytes of header + payload already written
+    // Sealed: the pieces in order (the last is the body's MAC, made once the body is written).
+    std::vector<Piece> pieces;
+    size_t piece = 0, piece_offset = 0;
+    std::string head;  // header, its MAC, the fd table
+    std::string mac;
+    std::shared_ptr<HmacStream> body_mac;
+    std::vector<std::shared_ptr<Mapping>> maps;
   };
+  struct Incoming;  // a sealed frame being read
+
+  bool flush_sealed(Outgoing& o);
+  ReadResult read_sealed();
+  void sealed_advance(size_t n);
 
   Fd sock_;
   std::deque<Outgoing> out_;
@@ -118,14 +165,14 @@ class Channel {
   size_t payload_filled_ = 0;
   uint16_t reading_nfds_ = 0;
   bool reading_truncated_ = false;
-  char reading_header_[24];
   std::deque<Fd> received_fds_;
   std::deque<Frame> complete_;
   FrameMac send_mac_, recv_mac_;
+  std::unique_ptr<Incoming> in_;
+  std::unique_ptr<char[]> stage_;  // sealed: what one read brought (kStageBytes)
 
   void finish_frame();
-  Frame inline_fds(Frame f, char* header);
-  void open_sealed(Frame& f);
+  void seal_into(Outgoing& o, Frame f);
 };
 
 // A connected pair, for tests and in-process use.

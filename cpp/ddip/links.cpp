@@ -59,6 +59,7 @@ HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
 }
 
 HostLinks::~HostLinks() {
+  *alive_ = false;
   close();
   if (accept_timer_) loop_.cancel(accept_timer_);
   for (auto& l : links_) {
@@ -373,8 +374,41 @@ void HostLinks::send(int slot, Frame f, std::vector<uint64_t> segments) {
     s.waiting.emplace_back(std::move(f), std::move(segments));
     return;
   }
-  if (!s.gone) send_link(s.link, std::move(f));
+  if (!s.gone) {
+    if (!segments.empty() && links_[s.link].conn) {
+      for (uint64_t id : segments) ship(s.link, id);
+      f.refs = segments;  // the agent fills in its own copies
+      f.fds.reset();
+      f.fd_bytes.clear();
+    }
+    send_link(s.link, std::move(f));
+  }
   for (uint64_t id : segments) pool_.release(id);
+}
+
+void HostLinks::ship(size_t link, uint64_t id) {
+  Link& l = links_[link];
+  if (!l.shipped.insert(id).second) return;  // that host has it already
+  Frame seg = Frame::make(kSegment, l.host.slots.front(), id);
+  seg.fds = std::make_shared<std::vector<Fd>>();
+  seg.fds->push_back(pool_.dup_fd(id));
+  seg.fd_bytes.push_back(pool_.length(id));
+  pool_.retain(id);
+  SegmentPool* pool = &pool_;
+  seg.hold = std::shared_ptr<void>(nullptr, [pool, id](void*) { pool->release(id); });
+  send_link(link, std::move(seg));
+  // Every frame of one Coordinator::send is queued by the command that ships the segment, and
+  // ids are never reused: once that command is done, no later frame refers to it.
+  try {
+    loop_.post([this, alive = alive_, link, id] {
+      if (!*alive) return;
+      Link& l = links_[link];
+      if (l.shipped.erase(id) && l.conn)
+        send_link(link, Frame::make(kForget, l.host.slots.front(), id));
+    });
+  } catch (const std::runtime_error&) {
+    // The loop is closing: the link and the agent's copies go with it.
+  }
 }
 
 void HostLinks::send_link(size_t link, Frame f) {
@@ -439,6 +473,7 @@ void HostLinks::lose_link(size_t link, const std::string& why) {
   std::optional<ExitStatus> gone;
   if (l.standing && l.lease && l.conn) gone = l.lease->exit_status();
   l.conn.reset();  // closed: the agent stops its workers when it sees that
+  l.shipped.clear();
   std::string cause = gone ? launcher_gone(link, *gone) : why;
   for (int slot : l.host.slots)
     lose_slot(slot, "lost the link to its host " + l.host.name + ": " + cause);

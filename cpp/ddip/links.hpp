@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,8 +79,11 @@ class HostLinks {
   std::string address() const;
   bool remote(int slot) const { return slots_.count(slot) != 0; }
 
-  // Queued on the link when it is up (the sealed channel copies the segments' bytes at once, so
-  // they are released then), else kept until it is; dropped for a worker that is gone.
+  // Queued on the link when it is up, else kept until it is; dropped for a worker that is gone.
+  // Its segments cross each host's link once: the first frame for that host that holds one sends
+  // it ahead (kSegment, streamed from the segment, which it keeps from reuse until written); the
+  // frames refer to it by id, and once the command that sent them is done the host is told to
+  // drop its copy (kForget).
   void send(int slot, Frame f, std::vector<uint64_t> segments);
   void signal(int slot, int sig, bool whole_group);
   // Heartbeats to every live worker of a connected host (its agent takes a silent link for a
@@ -124,6 +128,7 @@ class HostLinks {
     bool launcher_exited = false;
     std::unique_ptr<Connection> conn;
     bool ever_connected = false;
+    std::set<uint64_t> shipped;         // segments its agent holds
     bool standing = false;              // its launcher is the keeper's (`child` is unused)
     std::unique_ptr<AgentLease> lease;  // until the group ends there
   };
@@ -173,6 +178,8 @@ class HostLinks {
   void flush_rejection_log(const char* when);
   void on_frame(size_t link, Frame f);
   void send_link(size_t link, Frame f);
+  void ship(size_t link, uint64_t segment);
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // for what it posts to the loop
   void lose_link(size_t link, const std::string& why);
   void lose_slot(int slot, const std::string& why);
   void on_launcher(size_t link, int stream);

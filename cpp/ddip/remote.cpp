@@ -109,6 +109,42 @@ std::vector<std::string> merged_environment(const std::vector<std::string>& addi
   return out;
 }
 
+// The buffers the kernel sent this host once (kSegment) for several of its workers' frames:
+// each is one memfd, handed to every worker whose frame refers to it, as a local rank gets a
+// pooled segment; dropped when the kernel says no later frame refers to it (kForget).
+class HostSegments {
+ public:
+  // Keeps or drops a segment, or fills in the fds a worker's frame refers to. Empty, or why the
+  // frame can't be right (the link is then not to be trusted).
+  std::string take(Frame& f) {
+    if (f.kind == kSegment) {
+      if (!f.fds || f.fds->size() != 1 || !(*f.fds)[0])
+        return "the kernel sent a segment without its buffer";
+      kept_[f.seq] = std::move((*f.fds)[0]);
+      return {};
+    }
+    if (f.kind == kForget) {
+      kept_.erase(f.seq);
+      return {};
+    }
+    for (size_t i = 0; i < f.refs.size(); ++i) {
+      if (f.refs[i] == 0) continue;
+      auto it = kept_.find(f.refs[i]);
+      if (it == kept_.end() || !f.fds || i >= f.fds->size())
+        return "the kernel referred to segment " + std::to_string(f.refs[i]) +
+               ", which it never sent";
+      int fd = ::fcntl(it->second.get(), F_DUPFD_CLOEXEC, 0);
+      if (fd < 0) return std::string("could not keep a segment for a worker: ") + std::strerror(errno);
+      (*f.fds)[i] = Fd(fd);
+    }
+    f.refs.clear();
+    return {};
+  }
+
+ private:
+  std::map<uint64_t, Fd> kept_;
+};
+
 }  // namespace
 }  // namespace detail
 
@@ -416,6 +452,7 @@ int HostAgent::run() {
   std::optional<Coordinator> coord;
   std::vector<int> global;  // local worker index -> the kernel's slot
   std::map<int, int> local;
+  detail::HostSegments segments;
   std::vector<bool> exited;
   size_t alive = 0;
   bool link_lost = false, failed = false;
@@ -500,6 +537,11 @@ int HostAgent::run() {
       if (failed) return;
       if (f.kind != kSpawn) return lose("the kernel's first frame was not the list of workers");
       return start_workers(f);
+    }
+    if (f.kind == kSegment || f.kind == kForget || !f.refs.empty()) {
+      std::string bad = segments.take(f);
+      if (!bad.empty()) return lose(bad);
+      if (f.kind == kSegment || f.kind == kForget) return;
     }
     auto it = local.find(f.rank);
     if (it == local.end()) return;  // not one of ours: nothing to do with it

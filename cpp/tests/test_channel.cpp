@@ -4,9 +4,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/mman.h>
+#include <sys/socket.h>
+
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
+#include "ddip/auth.hpp"
 #include "ddip/channel.hpp"
 
 using namespace ddip;
@@ -241,4 +247,246 @@ TEST(Listener, OutOfFdsLeavesTheConnectionWaitingInsteadOfThrowing) {
   Fd fd = l.accept();  // still there once fds are free again
   EXPECT_TRUE(fd);
   EXPECT_FALSE(l.starved());
+}
+
+// ---- Sealed channels (TCP links between hosts): framing, streaming, authentication ----------
+
+namespace {
+
+const std::string kLinkKey = random_bytes(kKeyBytes);
+
+// Both ends' frame keys, as a link's handshake gives them.
+std::pair<LinkKeys, LinkKeys> link_keys() {
+  KernelHandshake kernel(kLinkKey);
+  HostHandshake host(kLinkKey, 0);
+  auto accepted = kernel.accept(host.respond(kernel.challenge()));
+  return {accepted.keys, host.verify(accepted.proof)};
+}
+
+std::pair<Channel, Channel> sealed_pair() {
+  auto [a, b] = channel_pair();
+  auto [ka, kb] = link_keys();
+  a.seal(ka);
+  b.seal(kb);
+  return {std::move(a), std::move(b)};
+}
+
+std::string pattern(size_t n, unsigned seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    s[i] = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
+Fd memfd_holding(const std::string& bytes, size_t padding = 0) {
+  Fd m(::memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  std::string all = bytes + std::string(padding, 'p');
+  size_t done = 0;
+  while (done < all.size()) {
+    ssize_t n = ::write(m.get(), all.data() + done, all.size() - done);
+    if (n <= 0) throw std::runtime_error("write to memfd");
+    done += static_cast<size_t>(n);
+  }
+  return m;
+}
+
+std::string contents(int fd) {
+  struct stat st {};
+  ::fstat(fd, &st);
+  std::string s(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < s.size()) {
+    ssize_t n = ::pread(fd, s.data() + done, s.size() - done, static_cast<off_t>(done));
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  s.resize(done);
+  return s;
+}
+
+// This process's peak resident memory (kB), after resetting it where the kernel lets us.
+long peak_rss_kb(bool reset = false) {
+  if (reset) {
+    std::ofstream clear("/proc/self/clear_refs");
+    clear << "5";
+  }
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+// Everything on a socket's far end so far.
+std::string drain(int fd) {
+  std::string out;
+  char buf[65536];
+  while (true) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// A frame with two buffers (one with padding past what counts) and a payload.
+Frame big_frame(size_t a, size_t b, size_t payload) {
+  Frame f = Frame::make(kRequest, 3, 9, pattern(payload, 3));
+  f.fds = std::make_shared<std::vector<Fd>>();
+  f.fds->push_back(memfd_holding(pattern(a, 1), 4096));
+  f.fd_bytes.push_back(a);
+  f.fds->push_back(memfd_holding(pattern(b, 2)));
+  f.fd_bytes.push_back(b);
+  return f;
+}
+
+}  // namespace
+
+TEST(SealedFrames, AForgedHeaderInALiveStreamFailsItWithoutAllocatingItsLength) {
+  auto [sender, receiver] = sealed_pair();
+  set_nonblocking(receiver.fd());
+  sender.send(Frame::make(kDone, 1, 1, "before the attack"));
+  // What an attacker on the path can write without the key: a header announcing 1 GiB (within
+  // what a link accepts), and anything where its MAC goes.
+  char forged[24 + kMacBytes];
+  std::memset(forged, 'x', sizeof forged);
+  uint64_t length = uint64_t(1) << 30, seq = 2;
+  uint16_t kind = kDone, nfds = 0;
+  int32_t rank = 1;
+  std::memcpy(forged, &length, 8);
+  std::memcpy(forged + 8, &seq, 8);
+  std::memcpy(forged + 16, &kind, 2);
+  std::memcpy(forged + 18, &nfds, 2);
+  std::memcpy(forged + 20, &rank, 4);
+  ASSERT_EQ(::write(sender.fd(), forged, sizeof forged), static_cast<ssize_t>(sizeof forged));
+  long before = peak_rss_kb(true);
+  std::vector<Frame> got;
+  std::string why;
+  try {
+    while (receiver.read_some() == Channel::ReadResult::kProgress)
+      while (auto f = receiver.next()) got.push_back(std::move(*f));
+  } catch (const AuthError& e) {
+    why = e.what();
+  }
+  while (auto f = receiver.next()) got.push_back(std::move(*f));
+  long after = peak_rss_kb();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].data(), "before the attack");
+  EXPECT_NE(why.find("frame header failed authentication"), std::string::npos)
+      << "the forged header must fail the link, not wait for its body; got: '" << why << "'";
+  EXPECT_EQ(receiver.reading_allocated(), 0u);
+  EXPECT_LT(after - before, 16 * 1024) << "kB of peak RSS grew while reading a forged header";
+}
+
+TEST(SealedFrames, LargeBuffersStreamFromTheirFdsAndArriveIntact) {
+  auto [sender, receiver] = sealed_pair();
+  const size_t a = (size_t(24) << 20) + 3, b = (size_t(5) << 20) + 17, payload = 300000;
+  sender.queue(big_frame(a, b, payload));
+  // Queued, not copied: the buffers are written from their fds.
+  EXPECT_LT(sender.buffered_bytes(), 1024u);
+  std::thread writer([&] { sender.flush(); });
+  auto f = receiver.recv();
+  writer.join();
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->kind, kRequest);
+  EXPECT_EQ(f->rank, 3);
+  EXPECT_EQ(f->seq, 9u);
+  EXPECT_EQ(f->data(), pattern(payload, 3));
+  ASSERT_TRUE(f->fds);
+  ASSERT_EQ(f->fds->size(), 2u);
+  EXPECT_TRUE(f->refs.empty());
+  EXPECT_EQ(contents((*f->fds)[0].get()), pattern(a, 1)) << "only the bytes that count travel";
+  EXPECT_EQ(contents((*f->fds)[1].get()), pattern(b, 2));
+  for (auto& fd : *f->fds) {
+    int seals = ::fcntl(fd.get(), F_GET_SEALS);
+    EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW), F_SEAL_SHRINK | F_SEAL_GROW);
+  }
+  EXPECT_LE(receiver.buffered_bytes(), Channel::kStageBytes);
+  // The next frame on the same link still verifies: both ends counted the same frames.
+  sender.send(Frame::make(kDone, 3, 10, "after"));
+  f = receiver.recv();
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->data(), "after");
+}
+
+TEST(SealedFrames, RefsTravelAsIdsBesideInlineBuffers) {
+  auto [sender, receiver] = sealed_pair();
+  Frame f = Frame::make(kRequest, 1, 4, "table");
+  f.fds = std::make_shared<std::vector<Fd>>();
+  f.fds->push_back(memfd_holding("inline bytes"));
+  f.fds->push_back(Fd());
+  f.refs = {0, 77};
+  sender.send(std::move(f));
+  auto got = receiver.recv();
+  ASSERT_TRUE(got);
+  ASSERT_TRUE(got->fds);
+  ASSERT_EQ(got->fds->size(), 2u);
+  EXPECT_EQ(contents((*got->fds)[0].get()), "inline bytes");
+  EXPECT_FALSE((*got->fds)[1]);
+  EXPECT_EQ(got->refs, (std::vector<uint64_t>{0, 77}));
+  // A ref is the receiver's to fill in: a plain channel has no segments to refer to.
+  auto [plain, far] = channel_pair();
+  Frame r = Frame::make(kRequest, 1, 5, "");
+  r.refs = {5};
+  EXPECT_THROW(plain.queue(std::move(r)), std::logic_error);
+}
+
+TEST(SealedFrames, TamperingWithAnyPartFailsTheFrame) {
+  // Offsets into the frame's bytes: header, fd table, their MAC, a buffer, payload, body MAC.
+  const size_t a = 200000, b = 10, payload = 5000;
+  const size_t head = 24 + 16 + kMacBytes;  // header, fd table, their MAC
+  const size_t total = head + a + b + payload + kMacBytes;
+  struct Case {
+    const char* part;
+    size_t offset;
+    bool header;
+  };
+  for (Case c : {Case{"length", 0, true}, Case{"kind", 16, true}, Case{"fd table", 24 + 3, true},
+                 Case{"header MAC", 24 + 16 + 5, true}, Case{"buffer", head + 150000, false},
+                 Case{"payload", total - kMacBytes - 7, false},
+                 Case{"body MAC", total - 5, false}}) {
+    SCOPED_TRACE(c.part);
+    auto [s, s_far] = channel_pair();
+    auto [r, r_far] = channel_pair();
+    auto [ks, kr] = link_keys();
+    s.seal(ks);
+    r.seal(kr);
+    std::string bytes;
+    std::thread reader([&, &s_far = s_far] {
+      while (bytes.size() < total) {
+        std::string more = drain(s_far.fd());
+        if (more.empty()) std::this_thread::yield();
+        bytes += more;
+      }
+    });
+    s.send(big_frame(a, b, payload));
+    reader.join();
+    ASSERT_EQ(bytes.size(), total);
+    bytes[c.offset] ^= 0x10;
+    std::thread writer([&, &r_far = r_far] {
+      size_t done = 0;
+      while (done < bytes.size()) {
+        ssize_t n = ::send(r_far.fd(), bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+        if (n <= 0) break;
+        done += static_cast<size_t>(n);
+      }
+      ::shutdown(r_far.fd(), SHUT_WR);
+    });
+    std::string why;
+    std::optional<Frame> got;
+    try {
+      got = r.recv();
+    } catch (const AuthError& e) {
+      why = e.what();
+    }
+    ::shutdown(r.fd(), SHUT_RDWR);  // the rest of the frame, if any, is not read
+    writer.join();
+    EXPECT_FALSE(got) << "a tampered frame was delivered";
+    EXPECT_NE(why.find(c.header ? "frame header failed authentication" : "frame failed authentication"),
+              std::string::npos)
+        << why;
+  }
 }

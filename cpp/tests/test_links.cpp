@@ -211,6 +211,57 @@ TEST(HostLinks, AnAuthenticatedHostGetsItsWorkersAndSpeaksForThem) {
   EXPECT_EQ(k.links->rejected(), 0u);
 }
 
+TEST(HostLinks, ASegmentForSeveralWorkersOfAHostCrossesItsLinkOnce) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_as_host(t, t.key));
+    connected = true;
+  });
+  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
+  agent.join();
+  set_nonblocking(host->fd());
+  // As Coordinator::send does for slots 1 and 2: each frame with its fd and its reference.
+  std::string bytes(3 << 20, 'b');
+  uint64_t id = k.pool.put(bytes.data(), bytes.size());
+  for (int slot : {1, 2}) {
+    Frame f = Frame::make(kRequest, slot, 5, "table");
+    f.fds = std::make_shared<std::vector<Fd>>();
+    f.fds->push_back(k.pool.dup_fd(id));
+    f.fd_bytes.push_back(bytes.size());
+    k.pool.retain(id);
+    k.links->send(slot, std::move(f), {id});
+  }
+  k.pool.release(id);  // the caller's own
+  std::vector<Frame> got;
+  ASSERT_TRUE(k.run_until([&] {
+    while (host->read_some() == Channel::ReadResult::kProgress)
+      while (auto f = host->next()) got.push_back(std::move(*f));
+    return got.size() >= 5;
+  }));
+  ASSERT_EQ(got.size(), 5u);
+  EXPECT_EQ(got[0].kind, kSpawn);
+  EXPECT_EQ(got[1].kind, kSegment);
+  EXPECT_EQ(got[1].seq, id);
+  ASSERT_TRUE(got[1].fds);
+  ASSERT_EQ(got[1].fds->size(), 1u);
+  char head[4] = {};
+  EXPECT_EQ(::pread((*got[1].fds)[0].get(), head, 4, 0), 4);
+  EXPECT_EQ(std::string(head, 4), "bbbb");
+  EXPECT_EQ(::lseek((*got[1].fds)[0].get(), 0, SEEK_END), static_cast<off_t>(bytes.size()));
+  for (int i : {2, 3}) {
+    EXPECT_EQ(got[i].kind, kRequest);
+    EXPECT_EQ(got[i].rank, i - 1);
+    EXPECT_EQ(got[i].refs, std::vector<uint64_t>{id}) << "refers to it instead of carrying it";
+    EXPECT_EQ(got[i].data(), "table");
+  }
+  EXPECT_EQ(got[4].kind, kForget);
+  EXPECT_EQ(got[4].seq, id);
+  EXPECT_EQ(k.pool.in_use(), 0u) << "written, so the pool has it back";
+}
+
 TEST(HostLinks, AWrongKeyIsRefusedAndCounted) {
   Kernel k;
   LinkTicket t = k.ticket();

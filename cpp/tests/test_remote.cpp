@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -177,6 +178,32 @@ TEST(Remote, BuffersTravelInBandBothWays) {
   char buf[32] = {};
   ssize_t n = ::pread((*done.last->frame.fds)[0].get(), buf, sizeof buf, 0);
   EXPECT_EQ(std::string(buf, n), "reply bytes");
+  c.close();
+}
+
+TEST(Remote, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
+  Coordinator c(options());
+  uint64_t id = c.pool().put("shared bytes", 12);
+  c.send(std::vector<int>{1, 2}, Frame::make(kRequest, 0, 3, "segment"), {id});
+  c.pool().release(id);
+  // Each worker's reply, in whichever order they come.
+  auto replies = [&c](uint64_t seq) {
+    std::map<int, std::string> got;
+    auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (got.size() < 2 && std::chrono::steady_clock::now() < deadline) {
+      auto e = c.next_event(100ms);
+      if (e && e->kind == Event::kFrame && e->frame.kind == kDone && e->frame.seq == seq)
+        got[e->slot] = e->frame.data();
+    }
+    return got;
+  };
+  EXPECT_EQ(replies(3), (std::map<int, std::string>{{1, "shared bytes"}, {2, "shared bytes"}}));
+  EXPECT_EQ(c.pool().in_use(), 0u);
+  // A later request with a new segment: the agent's copy of the first is gone, the new one used.
+  id = c.pool().put("later bytes", 11);
+  c.send(std::vector<int>{2, 1}, Frame::make(kRequest, 0, 4, "segment"), {id});
+  c.pool().release(id);
+  EXPECT_EQ(replies(4), (std::map<int, std::string>{{1, "later bytes"}, {2, "later bytes"}}));
   c.close();
 }
 
