@@ -549,19 +549,30 @@ def test_a_forged_header_on_a_live_link_drops_that_host_only_and_allocates_nothi
     # The launcher: ssh, with host A's ticket pointed at the tap (and the real address noted).
     wrapper = tmp_path / "launch.py"
     wrapper.write_text(textwrap.dedent(f"""\
-        import os, sys
+        import os, subprocess, sys
         host, command = sys.argv[1], " ".join(sys.argv[2:])
-        ticket = sys.stdin.readline().split()
+        line = b""
+        while not line.endswith(b"\\n") and (c := os.read(0, 1)):
+            line += c
+        ticket = line.decode().split()
         if host == {a!r}:
             with open({str(real)!r}, "w") as f:
                 f.write(ticket[1] + " " + ticket[2])
             ticket[1], ticket[2] = {hosts.me!r}, {str(tap.port)!r}
-        r, w = os.pipe()
-        os.write(w, (" ".join(ticket) + "\\n").encode())
-        os.close(w)
-        os.dup2(r, 0)
-        os.execvp("ssh", ["ssh", "-F", {hosts.dir + "/ssh_config"!r}, "-T", "-o", "BatchMode=yes", host,
-                          "exec " + command])
+        ssh = subprocess.Popen(["ssh", "-F", {hosts.dir + "/ssh_config"!r}, "-T", "-o", "BatchMode=yes", host,
+                                "exec " + command], stdin=subprocess.PIPE)
+        ssh.stdin.write((" ".join(ticket) + "\\n").encode())
+        ssh.stdin.flush()
+        # The rest of the agent's stdin as it comes (it stays open for a standing agent; its end
+        # of file lets the host go).
+        try:
+            while data := os.read(0, 4096):
+                ssh.stdin.write(data)
+                ssh.stdin.flush()
+            ssh.stdin.close()
+        except BrokenPipeError:
+            pass
+        sys.exit(ssh.wait())
         """))
     g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=f"{sys.executable} {wrapper} {{host}} {{command}}",
                    backend=None, timeout=60)
