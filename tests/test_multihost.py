@@ -282,6 +282,123 @@ def test_no_remote_worker_survives_the_sigkill_of_the_notebook(hosts):
     assert all(wait_until(lambda x=x: not alive(x), 10) for x in pids), "a remote worker outlived the notebook"
 
 
+# What a remote rank says about itself before it imports anything: its parent (the host's agent,
+# which forks it from its template), whether it was forked, whether torch is already there, and
+# whether CUDA was touched.
+PROBE = """
+import os, sys, ddip.template
+(os.environ["DDIP_HOST"], os.getpid(), os.getppid(), ddip.template.forked, "torch" in sys.modules,
+ sys.modules["torch"].cuda.is_initialized() if "torch" in sys.modules else None)
+"""
+
+
+def _templates_under(agent: int, ranks=()) -> list[int]:
+    """The rank templates whose parent is `agent` (one pid namespace here: the "hosts" share it);
+    `ranks` forked from them, whose command line is the template's, are left out."""
+    found = []
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == agent and b"ddip.template.main()" in cmd and int(pid) not in ranks:
+            found.append(int(pid))
+    return found
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            out.add(int(entry))
+    return out
+
+
+def _maps_cuda(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libcuda" in f.read()
+
+
+@needs_netns
+def test_later_groups_and_restarts_fork_remote_ranks_from_each_hosts_own_template(hosts):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    kw = dict(hosts=f"{a}:2,{b}:2", launcher=hosts.launcher, backend=None, warm=True, timeout=120)
+
+    def probe(g):
+        rows = [r.value for r in g.run(PROBE)]
+        assert [r[0] for r in rows] == [a, a, b, b]
+        # Forked, torch already imported before the rank imported anything, CUDA untouched.
+        assert [r[3:] for r in rows] == [(True, True, False)] * 4, rows
+        agents = [r[2] for r in rows]
+        assert agents[0] == agents[1] and agents[2] == agents[3] and agents[0] != agents[2]
+        return [r[1] for r in rows], (agents[0], agents[2])
+
+    g = ddip.Group(**kw)
+    try:
+        ranks, agents = probe(g)
+        templates = [_templates_under(x, ranks) for x in agents]
+        assert all(len(t) == 1 for t in templates), templates
+        templates = [t[0] for t in templates]
+        assert not any(_maps_cuda(t) for t in templates), "CUDA's driver library is loaded in a host's template"
+    finally:
+        g.close()
+    # A closed group leaves each host its agent and template, and nothing else under the agent.
+    assert all(wait_until(lambda p=p: not alive(p), 10) for p in ranks), "a remote rank outlived close()"
+    assert [_children(x) for x in agents] == [{templates[0]}, {templates[1]}]
+    assert all(alive(t) for t in templates) and not any(_children(t) for t in templates)
+
+    g = ddip.Group(**kw)
+    try:
+        ranks2, agents2 = probe(g)
+        assert agents2 == agents, "a later group's ranks come from the same standing agents"
+        assert [_templates_under(x, ranks2) for x in agents] == [[templates[0]], [templates[1]]]
+        assert set(ranks2).isdisjoint(ranks)
+        g.restart()
+        ranks3, agents3 = probe(g)
+        assert agents3 == agents and set(ranks3).isdisjoint(ranks2)
+        assert all(not alive(p) for p in ranks2)
+    finally:
+        g.close()
+    # Letting the hosts go ends their agents and templates.
+    assert ddip.hosts.release() == 2
+    for pid in [*ranks3, *agents, *templates]:
+        assert wait_until(lambda p=pid: not alive(p), 10), f"{pid} outlived ddip.hosts.release()"
+
+
+@needs_netns
+def test_a_hosts_agent_and_template_outlive_a_closed_group_but_not_the_notebooks_sigkill(hosts):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    script = textwrap.dedent(f"""
+        import ddip, os, sys
+        g = ddip.Group(hosts="{a}:1,{b}:1", launcher={hosts.launcher!r}, backend=None, warm=True)
+        print(*[v for r in g.run("import os; (os.getpid(), os.getppid())") for v in r.value], flush=True)
+        g.close()
+        print("closed", flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        r0, agent0, r1, agent1 = [int(x) for x in p.stdout.readline().split()]
+        assert p.stdout.readline() == "closed\n"
+        assert wait_until(lambda: not alive(r0) and not alive(r1), 10), "a rank outlived close()"
+        templates = _templates_under(agent0) + _templates_under(agent1)
+        assert len(templates) == 2 and all(alive(x) for x in [agent0, agent1, *templates])
+        assert [_children(agent0), _children(agent1)] == [{templates[0]}, {templates[1]}]
+    finally:
+        p.kill()
+        p.wait()
+    for pid in (agent0, agent1, *templates):
+        assert wait_until(lambda x=pid: not alive(x), 15), f"{pid} outlived the notebook's SIGKILL"
+
+
 def _rx_bytes(hosts, name: str) -> int:
     """Bytes that arrived on host `name`'s only link (its ddip0 veth) so far."""
     return int(_run("cat", "/sys/class/net/ddip0/statistics/rx_bytes", ns=hosts.ns[name]))
@@ -432,19 +549,30 @@ def test_a_forged_header_on_a_live_link_drops_that_host_only_and_allocates_nothi
     # The launcher: ssh, with host A's ticket pointed at the tap (and the real address noted).
     wrapper = tmp_path / "launch.py"
     wrapper.write_text(textwrap.dedent(f"""\
-        import os, sys
+        import os, subprocess, sys
         host, command = sys.argv[1], " ".join(sys.argv[2:])
-        ticket = sys.stdin.readline().split()
+        line = b""
+        while not line.endswith(b"\\n") and (c := os.read(0, 1)):
+            line += c
+        ticket = line.decode().split()
         if host == {a!r}:
             with open({str(real)!r}, "w") as f:
                 f.write(ticket[1] + " " + ticket[2])
             ticket[1], ticket[2] = {hosts.me!r}, {str(tap.port)!r}
-        r, w = os.pipe()
-        os.write(w, (" ".join(ticket) + "\\n").encode())
-        os.close(w)
-        os.dup2(r, 0)
-        os.execvp("ssh", ["ssh", "-F", {hosts.dir + "/ssh_config"!r}, "-T", "-o", "BatchMode=yes", host,
-                          "exec " + command])
+        ssh = subprocess.Popen(["ssh", "-F", {hosts.dir + "/ssh_config"!r}, "-T", "-o", "BatchMode=yes", host,
+                                "exec " + command], stdin=subprocess.PIPE)
+        ssh.stdin.write((" ".join(ticket) + "\\n").encode())
+        ssh.stdin.flush()
+        # The rest of the agent's stdin as it comes (it stays open for a standing agent; its end
+        # of file lets the host go).
+        try:
+            while data := os.read(0, 4096):
+                ssh.stdin.write(data)
+                ssh.stdin.flush()
+            ssh.stdin.close()
+        except BrokenPipeError:
+            pass
+        sys.exit(ssh.wait())
         """))
     g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=f"{sys.executable} {wrapper} {{host}} {{command}}",
                    backend=None, timeout=60)

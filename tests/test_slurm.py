@@ -277,9 +277,16 @@ def test_a_group_started_by_srun_inside_an_allocation(cluster, monkeypatch):
         assert all(what in running for what in ("srun", "slurmstepd", "ddip.remote", *map(str, pids))), running
     finally:
         g.close()
-    # No rank and no job step outlives close(); the allocation itself is still there.
+    # No rank outlives close(). The agent's job step stays for the kernel's next group (with the
+    # node's warm rank template), and that group runs in the same step.
     assert all(wait_until(lambda p=p: not alive(p), 10) for p in pids), "a rank outlived close()"
-    assert wait_until(lambda: cluster.steps() == [], 15), f"a job step outlived close(): {cluster.steps()}"
+    assert cluster.steps() == steps
+    with ddip.Group(hosts={NODE: 2}, launcher="slurm", backend=None, bind="127.0.0.1", timeout=60) as g:
+        assert [r.value for r in g.run("import os; os.environ['SLURM_STEP_ID']")] == [step_id, step_id]
+        assert cluster.steps() == steps
+    # Letting the host go ends the step; no job step outlives it; the allocation is still there.
+    assert ddip.hosts.release() == 1
+    assert wait_until(lambda: cluster.steps() == [], 15), f"a job step outlived release(): {cluster.steps()}"
     assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"
     assert wait_until(lambda: _children() == before, 10), f"children of the notebook left: {_children()}"
     out = cluster.slurm("squeue", "-h", "-j", job, "-o", "%T")

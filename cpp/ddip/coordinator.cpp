@@ -48,6 +48,8 @@ Coordinator::Coordinator(CoordinatorOptions options)
     lo.bind_address = options_.bind_address;
     lo.bind_port = options_.bind_port;
     lo.handshake_timeout = options_.handshake_timeout;
+    lo.keeper = options_.agent_keeper;
+    lo.warm = options_.remote_warm;
     // The agent gives up on a silent kernel as soon as the kernel gives up on a silent host; a
     // kernel that never does (0) still gets the agent's 10 s.
     if (options_.heartbeat_timeout.count() > 0)

@@ -63,6 +63,11 @@ struct CoordinatorOptions {
   uint16_t bind_port = 0;
   // A connection that has not authenticated within this long is closed.
   std::chrono::milliseconds handshake_timeout{10000};
+  // The kernel's standing agents (not owned; must outlive this object): each host's launcher is
+  // leased from it, so that agent and its rank template outlive the group (none: one-shot).
+  AgentKeeper* agent_keeper = nullptr;
+  // With agent_keeper: fork the workers there from the host's rank template (LinkOptions::warm).
+  uint32_t remote_warm = 0;
 };
 
 class Coordinator {

@@ -63,7 +63,7 @@ HostLinks::~HostLinks() {
   close();
   if (accept_timer_) loop_.cancel(accept_timer_);
   for (auto& l : links_) {
-    if (!l.launcher_exited) loop_.unwatch(supervisor_.child(l.child).pidfd());
+    if (!l.launcher_exited && !l.standing) loop_.unwatch(supervisor_.child(l.child).pidfd());
     for (Fd* fd : {&l.out, &l.err})
       if (*fd) loop_.unwatch(fd->get());
   }
@@ -94,6 +94,10 @@ void HostLinks::start() {
     l.host = options_.hosts[h];
     LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
     ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
+    if (options_.keeper) {
+      lease_agent(h);
+      continue;
+    }
     // The key goes on the launcher's stdin: ssh and srun forward it to the agent, and no
     // command line or environment shows it.
     l.host.launcher.stdin_data = ticket.encode();
@@ -108,6 +112,39 @@ void HostLinks::start() {
     if (l.err)
       loop_.watch(l.err.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
   }
+}
+
+void HostLinks::lease_agent(size_t h) {
+  // The host's standing agent (keeper.hpp): it outlives this group, and so does its rank
+  // template. Its launcher's exit reaches this loop as a posted command.
+  Link& l = links_[h];
+  LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
+  ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
+  ticket.standing = true;
+  ticket.warm = options_.warm;
+  l.standing = true;
+  l.lease = options_.keeper->lease(l.host.launcher, [this, h] {
+    try {
+      loop_.post([this, h] { on_launcher_exit(h); });
+    } catch (const std::runtime_error&) {
+      // The group has stopped: nobody waits for this host any more.
+    }
+  });
+  l.lease->send(ticket.encode());
+}
+
+bool HostLinks::relaunch(size_t h) {
+  // An agent kept from an earlier group that left before taking this group's ticket (it gave
+  // up on a silent kernel just then): one new agent, as a first group would start.
+  Link& l = links_[h];
+  if (!l.standing || !l.lease || !l.lease->reused() || l.ever_connected || l.conn) return false;
+  l.lease.reset();
+  try {
+    lease_agent(h);
+  } catch (const std::exception&) {
+    return false;  // the exit already seen is the cause to report
+  }
+  return true;
 }
 
 void HostLinks::on_accept() {
@@ -422,6 +459,7 @@ void HostLinks::lose_slot(int slot, const std::string& why) {
   Slot& s = slots_.at(slot);
   if (s.gone) return;
   s.gone = true;
+  s.lost = true;
   for (auto& [f, segments] : s.waiting)
     for (uint64_t id : segments) pool_.release(id);
   s.waiting.clear();
@@ -430,10 +468,24 @@ void HostLinks::lose_slot(int slot, const std::string& why) {
 
 void HostLinks::lose_link(size_t link, const std::string& why) {
   Link& l = links_[link];
+  // A standing agent closes its link itself once its launcher is gone (end of file on its
+  // stdin), before that exit reaches this loop: the launcher's end is the cause then.
+  std::optional<ExitStatus> gone;
+  if (l.standing && l.lease && l.conn) gone = l.lease->exit_status();
   l.conn.reset();  // closed: the agent stops its workers when it sees that
   l.shipped.clear();
+  std::string cause = gone ? launcher_gone(link, *gone) : why;
   for (int slot : l.host.slots)
-    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
+    lose_slot(slot, "lost the link to its host " + l.host.name + ": " + cause);
+}
+
+std::string HostLinks::launcher_gone(size_t link, const ExitStatus& status) {
+  Link& l = links_[link];
+  std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
+                    status.describe() + " while host " + l.host.name + " was connected";
+  std::string lines = launcher_tail(link);
+  if (!lines.empty()) why += "; its last lines:\n" + lines;
+  return why;
 }
 
 void HostLinks::on_launcher(size_t link, int stream) {
@@ -452,31 +504,62 @@ void HostLinks::on_launcher(size_t link, int stream) {
   }
 }
 
-void HostLinks::on_launcher_exit(size_t link) {
+std::optional<ExitStatus> HostLinks::launcher_status(size_t link) {
   Link& l = links_[link];
-  if (l.launcher_exited) return;
+  if (l.standing) return l.lease ? l.lease->exit_status() : std::nullopt;
   on_launcher(link, RankOutput::kStdout);
   on_launcher(link, RankOutput::kStderr);
   auto status = supervisor_.poll(l.child);
-  if (!status) return;  // woken early; the pidfd stays watched
-  l.launcher_exited = true;
-  loop_.unwatch(supervisor_.child(l.child).pidfd());
+  if (status) loop_.unwatch(supervisor_.child(l.child).pidfd());
+  return status;
+}
+
+std::string HostLinks::launcher_tail(size_t link) {
+  Link& l = links_[link];
+  if (l.standing) return l.lease ? l.lease->tail() : std::string();
   std::string tail = l.output.flush(RankOutput::kStderr, true);
   std::string lines = l.output.stderr_tail();
   if (!tail.empty()) lines += (lines.empty() ? "" : "\n") + tail;
+  return lines;
+}
+
+bool HostLinks::host_done(const Link& l) const {
+  return std::all_of(l.host.slots.begin(), l.host.slots.end(),
+                     [this](int slot) { return slots_.at(slot).gone; });
+}
+
+void HostLinks::return_lease(Link& l) {
+  if (!l.lease) return;
+  // Reused only where the group ended cleanly: every worker's exit reported over a link that
+  // held. Anything else (a lost link, a worker never heard of) and the agent is let go.
+  bool clean = l.ever_connected && !l.launcher_exited &&
+               std::all_of(l.host.slots.begin(), l.host.slots.end(), [this](int slot) {
+                 const Slot& s = slots_.at(slot);
+                 return s.gone && !s.lost;
+               });
+  if (!clean) l.lease->retire();
+  l.lease.reset();
+}
+
+void HostLinks::on_launcher_exit(size_t link) {
+  Link& l = links_[link];
+  if (l.launcher_exited) return;
+  auto status = launcher_status(link);
+  if (!status) return;  // woken early; the pidfd stays watched
+  if (relaunch(link)) return;
+  l.launcher_exited = true;
   if (l.ever_connected) {
     if (!l.conn) return;  // the link ended first and spoke for its workers
     // The host's agent lives no longer than its launcher: unless the link ends by itself within
     // the grace (the agent's last frames), it is closed, so the agent stops its workers there.
-    std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
-                      status->describe() + " while host " + l.host.name + " was connected";
-    if (!lines.empty()) why += "; its last lines:\n" + lines;
+    std::string why = launcher_gone(link, *status);
     launcher_grace_[link] = loop_.after(kLauncherGrace, [this, link, why] {
       launcher_grace_.erase(link);
       if (links_[link].conn) lose_link(link, why);
     });
     return;
   }
+  std::string lines = launcher_tail(link);
   std::string why = "its launcher (" + l.host.launcher.argv.front() + ") ended with " +
                     status->describe() + " before host " + l.host.name + " connected";
   if (made_room_ > 0)
@@ -487,13 +570,20 @@ void HostLinks::on_launcher_exit(size_t link) {
 }
 
 bool HostLinks::launchers_exited() const {
-  return std::all_of(links_.begin(), links_.end(), [](auto& l) { return l.launcher_exited; });
+  // A standing agent stays; it is done with this group once every worker there is gone.
+  return std::all_of(links_.begin(), links_.end(), [this](auto& l) {
+    return l.launcher_exited || (l.standing && (!l.lease || (!l.lease->retired() && host_done(l))));
+  });
 }
 
 void HostLinks::signal_launchers(int sig) {
-  // A launcher normally leaves with its agent; one still there after the grace is stopped.
+  // A launcher normally leaves with its agent; one still there after the grace is stopped. A
+  // standing agent whose workers are not all gone is let go instead: its stdin is closed, and
+  // it stops them and exits (SIGKILL after the keeper's grace).
   for (auto& l : links_) try {
-      if (!l.launcher_exited) supervisor_.signal(l.child, sig);
+      if (l.launcher_exited) continue;
+      if (l.standing && l.lease && !host_done(l)) l.lease->retire();
+      if (!l.standing) supervisor_.signal(l.child, sig);
     } catch (const std::exception&) {
     }
 }
@@ -502,6 +592,7 @@ void HostLinks::close() {
   for (auto& [link, timer] : launcher_grace_) loop_.cancel(timer);
   launcher_grace_.clear();
   flush_rejection_log("before the group closed");
+  for (auto& l : links_) return_lease(l);
   for (auto& l : links_) l.conn.reset();
   for (auto& [id, h] : handshakes_) loop_.unwatch(h.fd.get());
   handshakes_.clear();

@@ -22,6 +22,7 @@
 #include "ddip/auth.hpp"
 #include "ddip/connection.hpp"
 #include "ddip/event_loop.hpp"
+#include "ddip/keeper.hpp"
 #include "ddip/output.hpp"
 #include "ddip/shm.hpp"
 #include "ddip/supervisor.hpp"
@@ -47,6 +48,11 @@ struct LinkOptions {
   std::chrono::milliseconds handshake_timeout{10000};
   // The agent gives up on a kernel silent this long (0: the agent's own default).
   std::chrono::milliseconds kernel_silence{0};
+  // Standing agents, kept for the kernel's life (keeper.hpp): each host's launcher is leased
+  // from it instead of started for this group alone (none: one-shot launchers, as `ddip run`).
+  AgentKeeper* keeper = nullptr;
+  // With a keeper: the ticket's `warm` (remote.hpp): fork the workers from the host's template.
+  uint32_t warm = 0;
 };
 
 class HostLinks {
@@ -110,6 +116,7 @@ class HostLinks {
     size_t link = 0;
     bool said_hello = false;
     bool gone = false;
+    bool lost = false;  // gone without its exit reported by its host
     // Frames for it (with the segments they hold) waiting for the link to come up.
     std::vector<std::pair<Frame, std::vector<uint64_t>>> waiting;
   };
@@ -121,7 +128,9 @@ class HostLinks {
     bool launcher_exited = false;
     std::unique_ptr<Connection> conn;
     bool ever_connected = false;
-    std::set<uint64_t> shipped;  // segments its agent holds
+    std::set<uint64_t> shipped;         // segments its agent holds
+    bool standing = false;              // its launcher is the keeper's (`child` is unused)
+    std::unique_ptr<AgentLease> lease;  // until the group ends there
   };
   struct Handshake {
     Fd fd;
@@ -175,6 +184,14 @@ class HostLinks {
   void lose_slot(int slot, const std::string& why);
   void on_launcher(size_t link, int stream);
   void on_launcher_exit(size_t link);
+  std::optional<ExitStatus> launcher_status(size_t link);  // once it has exited
+  std::string launcher_tail(size_t link);
+  std::string launcher_gone(size_t link, const ExitStatus& status);  // while it was connected
+  // Every worker of the host is gone: its standing agent is free for the next group.
+  bool host_done(const Link& l) const;
+  void return_lease(Link& l);
+  void lease_agent(size_t link);
+  bool relaunch(size_t link);  // a kept agent gone before this group's ticket: a new one
 };
 
 }  // namespace ddip

@@ -1,11 +1,14 @@
 #include "ddip/remote.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -19,6 +22,7 @@
 #include "ddip/coordinator.hpp"
 #include "ddip/event_loop.hpp"
 #include "ddip/plan.hpp"
+#include "ddip/rank_template.hpp"
 #include "ddip/tcp.hpp"
 
 extern char** environ;
@@ -206,7 +210,8 @@ std::pair<int, bool> decode_signal(const std::string& payload) {
 
 std::string LinkTicket::encode() const {
   return "ddip-link " + address + " " + std::to_string(port) + " " + std::to_string(host) + " " +
-         to_hex(key) + " " + std::to_string(timeout_ms) + "\n";
+         to_hex(key) + " " + std::to_string(timeout_ms) + " " + (standing ? "1" : "0") + " " +
+         std::to_string(warm) + "\n";
 }
 
 LinkTicket LinkTicket::decode(const std::string& line) {
@@ -225,8 +230,136 @@ LinkTicket LinkTicket::decode(const std::string& line) {
   long long timeout = 0;
   if (in >> timeout && timeout > 0 && timeout <= 0xffffffffLL)
     t.timeout_ms = static_cast<uint32_t>(timeout);
+  int standing = 0, warm = 0;
+  if (in >> standing >> warm) {
+    t.standing = standing == 1;
+    t.warm = warm >= 0 && warm <= 2 ? static_cast<uint32_t>(warm) : 0;
+  }
   if (t.key.size() < 16) throw std::invalid_argument("the link key is too short");
   return t;
+}
+
+std::string unforkable(const SpawnSpec& tmpl, const SpawnSpec& rank) {
+  const std::string& python = tmpl.argv.empty() ? std::string() : tmpl.argv.front();
+  if (rank.argv.size() < 3 || rank.argv[0] != python || rank.argv[1] != "-c")
+    return "ranks run " + (rank.argv.empty() ? std::string("nothing") : rank.argv[0]) + ", not `" +
+           python + " -c ...`";
+  // Python reads these once at start-up; the ranks get PYTHONUNBUFFERED=1 either way.
+  auto startup = [](const std::vector<std::string>& env) {
+    std::map<std::string, std::string> vars;
+    for (const auto& kv : env)
+      if (kv.starts_with("PYTHON") && !kv.starts_with("PYTHONUNBUFFERED="))
+        if (auto eq = kv.find('='); eq != std::string::npos)
+          vars.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+    return vars;
+  };
+  auto ours = startup(tmpl.env), theirs = startup(rank.env);
+  for (const auto* side : {&ours, &theirs})
+    for (const auto& [k, v] : *side) {
+      auto a = ours.find(k), b = theirs.find(k);
+      if (a == ours.end() || b == theirs.end() || a->second != b->second)
+        return "the ranks' " + k + " differs from the rank template's, and Python reads it only " +
+               "at start-up";
+    }
+  return "";
+}
+
+HostAgent::HostAgent(AgentOptions options) : options_(std::move(options)) {}
+
+HostAgent::~HostAgent() = default;
+
+RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers) {
+  if (!template_ || !template_spec_ || options_.ticket.warm == 0) return nullptr;
+  for (const auto& w : workers)
+    if (std::string why = unforkable(*template_spec_, w); !why.empty()) {
+      std::fprintf(stderr, "ddip.remote: ranks start cold: %s\n", why.c_str());
+      return nullptr;
+    }
+  auto st = template_->status();
+  if (st.state == RankTemplate::State::kDead) {
+    // Killed or crashed since the last group: a new one, as the kernel replaces its own.
+    std::fprintf(stderr, "ddip.remote: the rank template had stopped (%s); started a new one\n",
+                 st.detail.c_str());
+    try {
+      template_->start(*template_spec_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ddip.remote: ranks start cold: %s\n", e.what());
+      return nullptr;
+    }
+    st = template_->status();
+  }
+  // One template importing torch costs the cores less than each rank importing it cold.
+  if (st.state == RankTemplate::State::kStarting && options_.ticket.warm == 2)
+    st = template_->wait_ready(options_.template_wait);
+  if (st.state == RankTemplate::State::kReady) return template_.get();
+  if (st.state != RankTemplate::State::kStarting)
+    std::fprintf(stderr, "ddip.remote: ranks start cold: the rank template failed: %s\n",
+                 st.detail.c_str());
+  return nullptr;
+}
+
+int HostAgent::serve(int input, std::optional<SpawnSpec> template_spec) {
+  template_spec_ = std::move(template_spec);
+  int rc = 0;
+  while (true) {
+    std::string line;
+    while (true) {
+      if (auto nl = input_.find('\n'); nl != std::string::npos) {
+        line = input_.substr(0, nl);
+        input_.erase(0, nl + 1);
+        break;
+      }
+      pollfd p{input, POLLIN, 0};
+      int idle_ms = static_cast<int>(options_.idle_timeout.count());
+      int ready = ::poll(&p, 1, idle_ms);
+      if (ready < 0 && errno != EINTR) throw_errno("poll", "waiting for a ticket");
+      if (ready == 0) {
+        why_ = "nothing from the kernel for " + std::to_string(idle_ms) +
+               " ms while no group ran: it is gone, or this host is cut off from it";
+        return 1;
+      }
+      char buf[4096];
+      ssize_t n = ::read(input, buf, sizeof buf);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (n > 0) {
+        input_.append(buf, static_cast<size_t>(n));
+        continue;
+      }
+      if (input_.empty()) return rc;  // end of file: the kernel died, or let this host go
+      line = std::move(input_);
+      input_.clear();
+      break;
+    }
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    options_.ticket = LinkTicket::decode(line);
+    if (!options_.ticket.standing) {
+      // One group: the key is in memory now, and stdin is left to nothing.
+      Fd null(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+      if (null) ::dup2(null.get(), input);
+      return run();
+    }
+    if (lifeline_ < 0) {
+      lifeline_ = input;  // watched during each group: its end of file ends everything
+      ::fcntl(input, F_SETFL, ::fcntl(input, F_GETFL) | O_NONBLOCK);
+    }
+    if (options_.ticket.warm && template_spec_ && !template_) {
+      // Imports while the link comes up; kept for every later group on this host.
+      template_ = std::make_unique<RankTemplate>();
+      try {
+        template_->start(*template_spec_);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr,
+                     "ddip.remote: ranks start cold: the rank template could not start: %s\n",
+                     e.what());
+        template_spec_.reset();
+      }
+    }
+    why_.clear();
+    clean_ = false;
+    rc = run();  // throws when it can't connect or authenticate
+    if (let_go_) return 0;
+    if (!clean_) return rc ? rc : 1;  // a group that did not end cleanly: this agent is done
+  }
 }
 
 namespace {
@@ -343,6 +476,8 @@ int HostAgent::run() {
       global.push_back(slot);
       co.workers.push_back(std::move(spec));
     }
+    co.rank_template = warm_template(co.workers);
+    last_frame = Clock::now();  // a wait for the template is no silence of the kernel's
     co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
     co.on_event = [&loop, &coord, &send, &exited, &alive, &global, &failed] {
       try {
@@ -427,8 +562,10 @@ int HostAgent::run() {
       // The worker is gone (its exit is on its way to the kernel) or the group is stopping.
     }
   };
+  bool kernel_closed = false;
   link = std::make_unique<Connection>(
       loop, std::move(channel), on_frame, [&](Connection::End how, const std::string& why) {
+        kernel_closed = how == Connection::End::kClosed;
         if (how == Connection::End::kClosed) lose("the kernel closed the connection");
         else if (how == Connection::End::kFailed && why.starts_with("could not write"))
           lose("could not write to the kernel");
@@ -443,12 +580,25 @@ int HostAgent::run() {
     lose("no frame from the kernel for " + std::to_string(options_.kernel_timeout.count()) + " ms");
   };
   loop.at(last_frame + options_.kernel_timeout, watch_kernel);
+  if (lifeline_ >= 0)
+    loop.try_watch(lifeline_, EPOLLIN, [&](uint32_t) {
+      char buf[4096];
+      auto end = read_available(lifeline_, buf, sizeof buf, [&](std::string_view piece) {
+        input_.append(piece);  // the next ticket, early: kept for serve()
+        return true;
+      });
+      if (end != ReadEnd::kEnded) return;
+      loop.unwatch(lifeline_);
+      let_go_ = true;
+      lose("the kernel let this host go (end of file on the agent's stdin)");
+    });
 
   while (!link_lost && !failed && (!coord || alive > 0)) loop.run_once();
   // What is still queued for the kernel (the last exits) is written before the link closes.
   auto flush_until = Clock::now() + options_.kernel_timeout;
   while (!link_lost && link->channel().wants_write() && Clock::now() < flush_until)
     loop.run_once(flush_until);
+  clean_ = alive == 0 && (!link_lost || kernel_closed) && !let_go_;
   if (!coord) return 1;
   // Gone with the link: every worker's process group, at once.
   coord->close(link_lost ? std::chrono::milliseconds(0) : std::chrono::milliseconds(2000));

@@ -6,10 +6,18 @@
 //
 // When the link drops or goes silent, the agent stops its workers (their whole process groups)
 // and exits: no worker outlives the notebook's group on any host.
+//
+// A standing agent (the kernel's AgentKeeper, keeper.hpp) serves one group per ticket line on
+// its stdin, which stays open to the kernel: after a group that ended cleanly it waits for the
+// next ticket; end of file there (the kernel died or let the host go) stops everything under it.
+// It keeps a rank template of its host's own (rank_template.hpp) across groups, started with the
+// first ticket that asks for warm ranks, and forks those groups' workers from it.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,6 +48,11 @@ struct LinkTicket {
   // The kernel's heartbeat timeout: the agent gives up on a kernel silent this long (0: the
   // agent's own default).
   uint32_t timeout_ms = 0;
+  // The agent stays for further tickets on the same stdin (end of file there ends it).
+  bool standing = false;
+  // Fork the workers from the host's rank template: 0 no (cold), 1 when it is ready, 2 waiting
+  // for it while it imports (the ranks will use what it preloads).
+  uint32_t warm = 0;
   std::string encode() const;
   // Throws std::invalid_argument for anything else.
   static LinkTicket decode(const std::string& line);
@@ -60,20 +73,49 @@ struct AgentOptions {
   // A worker whose own heartbeat is older than this is not vouched for to the kernel, which
   // then reports it unresponsive after its own timeout.
   std::chrono::milliseconds worker_stale{2500};
+  // How long a group that wants warm ranks waits for a template still importing.
+  std::chrono::milliseconds template_wait{60000};
+  // An agent waiting for a ticket that hears nothing on its stdin this long (the kernel's keeper
+  // writes an empty line every 5 s) takes the kernel for gone: its host was cut off between
+  // groups, and its launcher's connection may not report that for hours (TCP keepalive).
+  std::chrono::milliseconds idle_timeout{30000};
 };
+
+class RankTemplate;
 
 class HostAgent {
  public:
-  explicit HostAgent(AgentOptions options) : options_(std::move(options)) {}
+  explicit HostAgent(AgentOptions options);
+  ~HostAgent();
   // Connects, serves the link and returns once this host's workers are all gone: 0 when the
   // kernel ended the group, 1 when the link failed (why() says what happened). Throws when it
   // can't connect or authenticate.
   int run();
+  // `python -m ddip.remote`: reads ticket lines from `input` (its stdin) and serves them. A
+  // one-shot ticket: `input` is pointed at /dev/null (the key is read), one group, its code. A
+  // standing one: groups one after another until end of file on `input` (0), or a group that
+  // did not end cleanly (run()'s code). `template_spec`: this host's rank template, started for
+  // the first ticket that asks for warm ranks (none: always cold).
+  int serve(int input, std::optional<SpawnSpec> template_spec);
   const std::string& why() const { return why_; }
+  // The host's rank template (null until a ticket asked for one).
+  RankTemplate* rank_template() const { return template_.get(); }
 
  private:
   AgentOptions options_;
   std::string why_;
+  int lifeline_ = -1;    // a standing agent's stdin, watched during a group for end of file
+  std::string input_;    // read from it beyond the current ticket
+  bool let_go_ = false;  // end of file on it
+  bool clean_ = false;   // the last group ended with every worker reported and the link intact
+  std::optional<SpawnSpec> template_spec_;
+  std::unique_ptr<RankTemplate> template_;
+  RankTemplate* warm_template(const std::vector<SpawnSpec>& workers);
 };
+
+// Why `rank` can't be a fork of a rank template started by `tmpl` (it runs another program, or
+// Python reads a start-up variable of its differently), or "" when it can. The one rule for the
+// kernel's template (ddip.template) and a host's.
+std::string unforkable(const SpawnSpec& tmpl, const SpawnSpec& rank);
 
 }  // namespace ddip

@@ -17,6 +17,7 @@
 
 #include "ddip/coordinator.hpp"
 #include "ddip/endpoint.hpp"
+#include "ddip/keeper.hpp"
 #include "ddip/remote.hpp"
 #include "ddip/tcp.hpp"
 #include "helpers.hpp"
@@ -70,15 +71,26 @@ int worker_main() {
 }
 
 int agent_main() {
-  std::string line;
-  std::getline(std::cin, line);
   AgentOptions o;
-  o.ticket = LinkTicket::decode(line);
   o.kernel_timeout = 3000ms;
+  if (const char* idle = std::getenv("DDIP_TEST_IDLE_MS"))
+    o.idle_timeout = std::chrono::milliseconds(std::atoi(idle));
   HostAgent agent(o);
-  int rc = agent.run();
+  int rc = agent.serve(0, std::nullopt);  // as python -m ddip.remote does
   if (rc) std::cerr << "agent: " << agent.why() << "\n";
   return rc;
+}
+
+pid_t parent_of(pid_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return -1;
+  int self, ppid = -1;
+  char comm[256], state;
+  if (std::fscanf(f, "%d %255s %c %d", &self, comm, &state, &ppid) != 4) ppid = -1;
+  std::fclose(f);
+  return ppid;
 }
 
 SpawnSpec worker(int slot) {
@@ -296,6 +308,140 @@ TEST(Remote, CloseEndsEveryRemoteWorker) {
   EXPECT_FALSE(alive(worker));
 }
 
+// The remote worker of slot `slot` answers an echo with its pid.
+pid_t remote_pid(Coordinator& c, int slot, uint64_t seq) {
+  c.send(slot, Frame::make(kRequest, slot, seq, "echo:x"));
+  auto done = wait_for(c, Event::kFrame, slot, 10s, kDone);
+  return done.last ? std::stoi(done.last->frame.data()) : -1;
+}
+
+TEST(Remote, AStandingAgentServesOneGroupAfterAnotherUntilTheKernelLetsItGo) {
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  pid_t agent, first;
+  {
+    Coordinator c(o);
+    first = remote_pid(c, 1, 1);
+    ASSERT_GT(first, 0);
+    ASSERT_EQ(keeper.launchers().size(), 1u);
+    agent = keeper.launchers()[0];
+    EXPECT_EQ(parent_of(first), agent);
+    EXPECT_TRUE(c.close().empty());
+  }
+  // The group is over: its workers are gone, its agent stays for the next one.
+  for (int i = 0; i < 50 && alive(first); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(alive(first));
+  EXPECT_EQ(keeper.launchers(), std::vector<pid_t>{agent});
+  for (int round = 0; round < 2; ++round) {
+    Coordinator c(o);
+    pid_t w = remote_pid(c, 2, 2);
+    ASSERT_GT(w, 0);
+    EXPECT_EQ(parent_of(w), agent) << "a later group's workers are the same agent's";
+    EXPECT_EQ(keeper.launchers(), std::vector<pid_t>{agent});
+    c.close();
+  }
+  EXPECT_EQ(keeper.release(5000ms), 1u);
+  EXPECT_FALSE(alive(agent));
+  EXPECT_TRUE(keeper.launchers().empty());
+}
+
+TEST(Remote, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilent) {
+  AgentKeeper keeper(3000ms, 100ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  o.hosts[0].launcher.env.push_back("DDIP_TEST_IDLE_MS=600");
+  pid_t agent;
+  {
+    Coordinator c(o);
+    ASSERT_GT(remote_pid(c, 1, 1), 0);
+    agent = keeper.launchers().at(0);
+    c.close();
+  }
+  // Idle for several of its silence limits: the keeper's empty lines keep it.
+  std::this_thread::sleep_for(2000ms);
+  ASSERT_EQ(keeper.launchers(), std::vector<pid_t>{agent});
+  {
+    Coordinator c(o);
+    EXPECT_GT(remote_pid(c, 1, 2), 0);
+    EXPECT_EQ(keeper.launchers(), std::vector<pid_t>{agent});
+    c.close();
+  }
+  // An agent nobody speaks to (its kernel gone without closing its stdin) leaves on its own.
+  Pipe in = make_pipe();
+  AgentOptions ao;
+  ao.idle_timeout = 300ms;
+  HostAgent silent(ao);
+  EXPECT_EQ(silent.serve(in.read.get(), std::nullopt), 1);
+  EXPECT_NE(silent.why().find("nothing from the kernel for 300 ms"), std::string::npos)
+      << silent.why();
+}
+
+TEST(Remote, AKeptAgentThatDiesBeforeTheNextGroupsTicketIsReplacedByANewOne) {
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  pid_t agent;
+  {
+    Coordinator c(o);
+    ASSERT_GT(remote_pid(c, 1, 1), 0);
+    agent = keeper.launchers().at(0);
+    c.close();
+  }
+  ::kill(agent, SIGSTOP);  // leased by the next group, but it will never read that ticket
+  Coordinator c(o);
+  ::kill(agent, SIGKILL);
+  pid_t w = remote_pid(c, 1, 2);
+  ASSERT_GT(w, 0) << "the group did not start on a new agent";
+  ASSERT_EQ(keeper.launchers().size(), 1u);
+  EXPECT_NE(keeper.launchers()[0], agent);
+  EXPECT_EQ(parent_of(w), keeper.launchers()[0]);
+  c.close();
+}
+
+TEST(Remote, AStandingAgentWhoseGroupEndsUncleanlyIsLetGoWithItsWorkers) {
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  pid_t agent, worker;
+  {
+    Coordinator c(o);
+    worker = remote_pid(c, 1, 1);
+    ASSERT_GT(worker, 0);
+    agent = keeper.launchers().at(0);
+    c.close(0ms);  // no grace: the kernel closes the link while the workers may still run
+  }
+  for (int i = 0; i < 50 && (alive(worker) || alive(agent)); ++i)
+    std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(alive(worker));
+  // Whether the agent still had a worker to report when the kernel closed is a race; either
+  // way nothing is left but, at most, an idle agent ready for the next group.
+  auto left = keeper.launchers();
+  EXPECT_TRUE(left.empty() || (left == std::vector<pid_t>{agent} && alive(agent)));
+  Coordinator c(o);
+  EXPECT_GT(remote_pid(c, 2, 3), 0) << "the next group starts either way";
+  c.close();
+}
+
+TEST(Remote, TheEndOfTheKeeperEndsItsAgentsAndTheirWorkers) {
+  pid_t agent, worker;
+  auto keeper = std::make_unique<AgentKeeper>(3000ms);
+  auto o = options();
+  o.agent_keeper = keeper.get();
+  auto c = std::make_unique<Coordinator>(o);
+  worker = remote_pid(*c, 1, 1);
+  ASSERT_GT(worker, 0);
+  agent = keeper->launchers().at(0);
+  keeper.reset();  // the kernel lets its hosts go while a group runs: end of file for the agent
+  EXPECT_FALSE(alive(agent));
+  for (int i = 0; i < 50 && alive(worker); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(alive(worker));
+  auto lost = wait_for(*c, Event::kLost, 1, 10s);
+  ASSERT_TRUE(lost.last);
+  EXPECT_NE(lost.last->text.find("loopback-host"), std::string::npos) << lost.last->text;
+  c->close();
+}
+
 TEST(Remote, TicketsRoundTrip) {
   LinkTicket t{"10.0.0.1", 4242, 3, random_bytes(32)};
   LinkTicket back = LinkTicket::decode(t.encode());
@@ -303,6 +449,13 @@ TEST(Remote, TicketsRoundTrip) {
   EXPECT_EQ(back.port, 4242);
   EXPECT_EQ(back.host, 3u);
   EXPECT_EQ(back.key, t.key);
+  EXPECT_FALSE(back.standing);
+  EXPECT_EQ(back.warm, 0u);
+  t.standing = true;
+  t.warm = 2;
+  back = LinkTicket::decode(t.encode());
+  EXPECT_TRUE(back.standing);
+  EXPECT_EQ(back.warm, 2u);
   EXPECT_THROW(LinkTicket::decode("hello"), std::invalid_argument);
 }
 

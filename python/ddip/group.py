@@ -108,7 +108,6 @@ class Group:
             # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
             rank_ids, world_size = self._layout.rank_ids, self._layout.world_size
             master_addr = self._layout.master_addr
-            warm = False  # remote ranks can't fork from this kernel's template; keep all alike
         elif launcher is not None or python is not None or bind is not None:
             raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
         if n is not None and gpus is not None:
@@ -214,13 +213,19 @@ class Group:
         # Wait for a template still importing torch only where the ranks will use it: for
         # torch.distributed, when the notebook itself uses torch, or when warm=True asked for it.
         uses_torch = self._warm is True or self.backend is not None or "torch" in sys.modules
-        tmpl = _template.choose(specs, self._warm, self.timeout, wait=uses_torch)
+        # Ranks here fork from the kernel's template; ranks on another host from that host's own,
+        # kept by its standing agent (docs/warm.md, "Other hosts").
+        here = [spec for slot, spec in enumerate(specs) if layout is None or not layout.remote(slot)]
+        tmpl = _template.choose(here, self._warm, self.timeout, wait=uses_torch) if here else None
         refusals = tmpl.refusals if tmpl is not None else 0
         remote = {}
         if layout is not None:
             launcher_env = [f"{k}={v}" for k, v in os.environ.items()]
             remote = dict(hosts=[(name, argv, launcher_env, slots) for name, argv, slots in layout.launchers()],
                           bind_address=layout.bind)
+            if remote["hosts"]:
+                remote.update(agent_keeper=_template.agent_keeper(),
+                              remote_warm=_template.remote_warm(self._warm, uses_torch))
         coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
                                   rank_template=tmpl, **remote)
         _template.after_start(tmpl, refusals)

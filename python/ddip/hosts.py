@@ -206,3 +206,12 @@ def layout(hosts, launcher=None, python=None, bind=None) -> Layout:
     out = Layout(plan, launcher, python)
     out.launchers()  # fail now, not once ranks are starting
     return out
+
+
+def release(timeout: float = 5.0) -> int:
+    """Lets the other hosts go: their standing agents (kept between groups, with each host's warm
+    rank template) stop and exit; a group serving there lets its agent go when it ends. The next
+    group on a host starts a new one. Returns how many agents were idle (see docs/warm.md)."""
+    from . import template
+
+    return template.release_hosts(timeout)

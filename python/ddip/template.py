@@ -30,9 +30,6 @@ DEFAULT_MODULES = ("torch",) if importlib.util.find_spec("torch") is not None el
 # How long a group waits for a template that is still importing, at most: cold ranks would
 # import the same modules from scratch on the same cores, so waiting is rarely slower.
 MAX_WAIT_S = 60.0
-# Python reads these once at start-up: a rank whose environment sets them differently from the
-# template's can't be a fork of it, so it starts cold.
-_STARTUP_VARS_IGNORED = {"PYTHONUNBUFFERED"}
 
 forked = False  # True in a rank forked from a template (for tests and `%makedip -v`)
 serving = False  # True in the template once it waits for fork requests
@@ -189,6 +186,58 @@ def _start(modules) -> None:
 _started_at = 0.0
 
 
+# -- kernel side: other hosts' standing agents ----------------------------------------------------
+
+_keeper = None  # _core.AgentKeeper: each host's launcher + agent (and its template), kernel-long
+
+
+def agent_keeper():
+    """The kernel's standing host agents (created on first use): groups across hosts lease each
+    host's agent from it, so that host's rank template outlives the group."""
+    global _keeper
+    with _lock:
+        if _keeper is None:
+            _keeper = _core.AgentKeeper()
+        return _keeper
+
+
+def remote_warm(warm, uses_torch: bool) -> int:
+    """The tickets' `warm` for a group's other hosts: 0 cold, 1 fork when the host's template is
+    ready, 2 wait for it while it imports (the ranks will use torch)."""
+    if warm is False or not enabled():
+        return 0
+    return 2 if uses_torch else 1
+
+
+def release_hosts(timeout: float = 5.0) -> int:
+    """Lets every other host go: each idle standing agent stops its rank template and exits now,
+    one serving a group when that group ends. The next group there starts a new agent (and pays
+    its imports again). Returns how many were idle."""
+    with _lock:
+        keeper = _keeper
+    if keeper is None:
+        return 0
+    return keeper.release(int(timeout * 1000))
+
+
+def host_spec():
+    """On another host, in its standing agent (`python -m ddip.remote`): how to start that host's
+    rank template, as (argv, env, cwd), or None where DDIP_PREWARM=0 says cold ranks. The same
+    program as the kernel's, preloading what is installed there (torch by default); the agent's
+    C++ HostAgent starts it with the first group that wants warm ranks and keeps it."""
+    if not enabled():
+        return None
+    from . import _core
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDIP_")}
+    if "OMP_NUM_THREADS" not in env:
+        # Sized as the usual group's ranks there (2 per host): a fork that differs resizes.
+        env["OMP_NUM_THREADS"] = str(_core.plan.omp_threads(_core.plan.cpu_count(), 2))
+    env.update({"PYTHONUNBUFFERED": "1", "DDIP_TEMPLATE_MODULES": ",".join(DEFAULT_MODULES)})
+    argv = [sys.executable, "-c", "import ddip.template; ddip.template.main()"]
+    return argv, [f"{k}={v}" for k, v in env.items()], os.getcwd()
+
+
 def _usual_rank_threads() -> int:
     from . import _core
     from .group import omp_threads
@@ -220,16 +269,14 @@ def _say_once(text: str) -> None:
 
 
 def _unforkable(specs) -> str | None:
-    """Why these ranks can't be forks of the template, or None."""
-    for argv, env, _cwd in specs:
-        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-c":
-            return f"ranks run {argv[:2]!r}, not `{sys.executable} -c ...`"
-        ours = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
-        ours["PYTHONUNBUFFERED"] = "1"
-        theirs = dict(e.split("=", 1) for e in env if e.startswith("PYTHON"))
-        for k in sorted(set(ours) | set(theirs)):
-            if k not in _STARTUP_VARS_IGNORED and ours.get(k) != theirs.get(k):
-                return f"the ranks' {k} differs from the kernel's, and Python reads it only at start-up"
+    """Why these ranks can't be forks of the template, or None (the runtime's rule, which a
+    host's agent applies to its own template too)."""
+    argv = [sys.executable, "-c", ""]
+    env = [f"{k}={v}" for k, v in os.environ.items()] + ["PYTHONUNBUFFERED=1"]
+    for rank_argv, rank_env, _cwd in specs:
+        why = _core.unforkable(argv, env, list(rank_argv), list(rank_env))
+        if why:
+            return why
     return None
 
 

@@ -1,12 +1,13 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
-#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
 
 #include "ddip/coordinator.hpp"
+#include "ddip/keeper.hpp"
 #include "slices.hpp"
 
 namespace nb = nanobind;
@@ -174,7 +175,8 @@ void init_coordinator(nb::module_& m) {
           [](ddip::Coordinator* self, const std::vector<WorkerSpec>& workers, int heartbeat_ms,
              int partial_line_ms, int heartbeat_timeout_ms, int pool_idle_ms,
              ddip::RankTemplate* rank_template, const std::vector<HostSpec>& hosts,
-             const std::string& bind_address, int bind_port) {
+             const std::string& bind_address, int bind_port, ddip::AgentKeeper* agent_keeper,
+             int remote_warm) {
             ddip::CoordinatorOptions o;
             for (const auto& [argv, env, cwd] : workers) {
               ddip::SpawnSpec s;
@@ -200,6 +202,11 @@ void init_coordinator(nb::module_& m) {
             if (bind_port < 0 || bind_port > 65535)
               throw std::invalid_argument("bind_port must be 0..65535");
             o.bind_port = static_cast<uint16_t>(bind_port);
+            if (remote_warm < 0 || remote_warm > 2)
+              throw std::invalid_argument(
+                  "remote_warm must be 0 (cold), 1 (when ready) or 2 (wait)");
+            o.agent_keeper = agent_keeper;  // kept alive by this object (keep_alive below)
+            o.remote_warm = static_cast<uint32_t>(remote_warm);
             nb::gil_scoped_release release;
             new (self) ddip::Coordinator(std::move(o));
           },
@@ -207,11 +214,15 @@ void init_coordinator(nb::module_& m) {
           "heartbeat_timeout_ms"_a = 10000, "pool_idle_ms"_a = 5000,
           nb::arg("rank_template").none() = nb::none(), "hosts"_a = std::vector<HostSpec>{},
           "bind_address"_a = "127.0.0.1", "bind_port"_a = 0,
+          nb::arg("agent_keeper").none() = nb::none(), "remote_warm"_a = 0, nb::keep_alive<1, 11>(),
           "heartbeat_timeout_ms: a worker silent this long is reported unresponsive (0: never); "
           "pool_idle_ms: pooled shared memory unused this long is freed (0: kept); rank_template: "
           "fork workers from this warm template; hosts: (name, launcher argv, launcher env, "
           "slots) for workers on other hosts, whose agents connect back to bind_address:bind_port "
-          "(0: any free port) over authenticated TCP.")
+          "(0: any free port) over authenticated TCP; agent_keeper: lease each host's launcher "
+          "from "
+          "these standing agents (none: one-shot); remote_warm: fork there from the host's rank "
+          "template (0 no, 1 when ready, 2 waiting for it).")
       .def_prop_ro("pids",
                    [](const ddip::Coordinator& c) {
                      return std::vector<int>(c.pids().begin(), c.pids().end());

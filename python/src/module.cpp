@@ -14,6 +14,7 @@ void init_endpoint(nb::module_& m);
 void init_rank_template(nb::module_& m);
 void init_remote(nb::module_& m);
 void init_plan(nb::module_& m);
+void init_keeper(nb::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "ddip's C++ runtime: process supervision, framed messaging, output capture";
@@ -40,6 +41,7 @@ NB_MODULE(_core, m) {
   m.def("flush_stdio", [] { std::fflush(nullptr); }, "fflush(NULL): flushes every C stdio stream.");
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
   init_rank_template(m);
+  init_keeper(m);
   init_coordinator(m);
   init_endpoint(m);
   init_remote(m);
