@@ -410,6 +410,9 @@ def _bench_ddip(hosts, arr, res, left):
         res["push"], res["pull"], res["push_first_rss"] = _ddip_transfers(g, arr, hosts, pull_rank=PER_HOST_PUSH)
     finally:
         _closed(g)
+    import ddip
+
+    ddip.hosts.release()  # the hosts' standing agents and templates stay for later groups until let go
     left.sweep("ddip")
 
 
