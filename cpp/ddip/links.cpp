@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <set>
 #include <stdexcept>
 
 #include "ddip/remote.hpp"
@@ -289,8 +290,11 @@ void HostLinks::flush_rejection_log(const char* when) {
 }
 
 void HostLinks::tick() {
+  // One heartbeat per connected host with a live worker there; its agent answers for them all.
+  std::set<size_t> beating;
   for (auto& [slot, s] : slots_)
-    if (!s.gone && links_[s.link].conn) send_link(s.link, Frame::make(kHeartbeat, slot, 0));
+    if (!s.gone && links_[s.link].conn) beating.insert(s.link);
+  for (size_t link : beating) send_link(link, Frame::make(kHeartbeat, kHostRank, 0));
   auto now = Clock::now();
   if (unlogged_ > 0 && now >= log_window_end_) {
     flush_rejection_log("in the last minute");
@@ -428,6 +432,21 @@ void HostLinks::signal(int slot, int sig, bool whole_group) {
 
 void HostLinks::on_frame(size_t link, Frame f) {
   Link& l = links_[link];
+  if (f.kind == kHeartbeatAck && f.rank == kHostRank) {
+    std::vector<int> vouched;
+    try {
+      vouched = decode_slots(f.data());
+    } catch (const std::exception& e) {
+      return lose_link(link, e.what());
+    }
+    for (int slot : vouched) {
+      if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
+        return lose_link(link, "it vouched for rank slot " + std::to_string(slot) +
+                                   ", which is not on that host");
+      if (!slots_[slot].gone) cb_.frame(slot, Frame::make(kHeartbeatAck, slot, f.seq));
+    }
+    return;
+  }
   int slot = f.rank;
   if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
     return lose_link(link, "it sent a frame for rank slot " + std::to_string(slot) +

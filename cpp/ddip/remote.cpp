@@ -208,6 +208,22 @@ std::pair<int, bool> decode_signal(const std::string& payload) {
   return {sig, whole};
 }
 
+std::string encode_slots(const std::vector<int>& slots) {
+  detail::Writer w;
+  w.u32(static_cast<uint32_t>(slots.size()));
+  for (int s : slots) w.i32(s);
+  return w.take();
+}
+
+std::vector<int> decode_slots(const std::string& payload) {
+  detail::Reader r(payload);
+  uint32_t n = r.u32();
+  if (n > payload.size() / sizeof(int32_t)) throw std::runtime_error("corrupt link message");
+  std::vector<int> slots;
+  for (uint32_t i = 0; i < n; ++i) slots.push_back(r.i32());
+  return slots;
+}
+
 std::string LinkTicket::encode() const {
   return "ddip-link " + address + " " + std::to_string(port) + " " + std::to_string(host) + " " +
          to_hex(key) + " " + std::to_string(timeout_ms) + " " + (standing ? "1" : "0") + " " +
@@ -542,6 +558,15 @@ int HostAgent::run() {
       std::string bad = segments.take(f);
       if (!bad.empty()) return lose(bad);
       if (f.kind == kSegment || f.kind == kForget) return;
+    }
+    if (f.kind == kHeartbeat && f.rank == kHostRank) {
+      // One ack for the host: the workers that answer their own heartbeats here.
+      std::vector<int> fresh;
+      for (auto [slot, l] : local) {
+        long long age = coord->heartbeat_age_ms(l);
+        if (age >= 0 && age <= options_.worker_stale.count()) fresh.push_back(slot);
+      }
+      return send(Frame::make(kHeartbeatAck, kHostRank, f.seq, encode_slots(fresh)));
     }
     auto it = local.find(f.rank);
     if (it == local.end()) return;  // not one of ours: nothing to do with it

@@ -37,6 +37,11 @@ std::pair<ExitStatus, std::string> decode_exit(const std::string& payload);
 // kSignal's payload.
 std::string encode_signal(int sig, bool whole_group);
 std::pair<int, bool> decode_signal(const std::string& payload);
+// A host's heartbeat ack (kHeartbeatAck for kHostRank): the slots its agent vouches for. One
+// heartbeat and one ack per host and second, whatever its rank count.
+inline constexpr int32_t kHostRank = -1;
+std::string encode_slots(const std::vector<int>& slots);
+std::vector<int> decode_slots(const std::string& payload);
 
 // What a launcher writes to the agent's stdin: one line, never on a command line or in an
 // environment where a process listing could show it.

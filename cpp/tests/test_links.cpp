@@ -211,6 +211,61 @@ TEST(HostLinks, AnAuthenticatedHostGetsItsWorkersAndSpeaksForThem) {
   EXPECT_EQ(k.links->rejected(), 0u);
 }
 
+TEST(HostLinks, OneHeartbeatPerHostAndItsAckSpeaksForEveryWorkerItVouchesFor) {
+  Kernel k;
+  LinkTicket t = k.ticket();
+  std::optional<Channel> host;
+  std::atomic<bool> connected{false};
+  std::thread agent([&] {
+    host.emplace(connect_as_host(t, t.key));
+    connected = true;
+  });
+  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
+  agent.join();
+  set_nonblocking(host->fd());
+  std::vector<Frame> got;
+  auto read_host = [&] {
+    while (host->read_some() == Channel::ReadResult::kProgress)
+      while (auto f = host->next()) got.push_back(std::move(*f));
+  };
+  ASSERT_TRUE(k.run_until([&] {
+    read_host();
+    return !got.empty();
+  }));
+  ASSERT_EQ(got[0].kind, kSpawn);
+  got.clear();
+  // Two workers on the host: one heartbeat for the host, not one per worker.
+  k.links->tick();
+  ASSERT_TRUE(k.run_until([&] {
+    read_host();
+    return !got.empty();
+  }));
+  k.loop.run_once(Clock::now() + 50ms);
+  read_host();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].kind, kHeartbeat);
+  EXPECT_EQ(got[0].rank, kHostRank);
+
+  // The agent vouches for worker 2 only: only worker 2 is heard from.
+  host->send(Frame::make(kHeartbeatAck, kHostRank, 0, encode_slots({2})));
+  ASSERT_TRUE(k.run_until([&] { return !k.seen.log.empty(); }));
+  EXPECT_EQ(k.seen.log, std::vector<std::string>{"frame:2:" + std::to_string(kHeartbeatAck)});
+
+  // Vouching for a slot that is not on that host is corruption: the host is lost.
+  host->send(Frame::make(kHeartbeatAck, kHostRank, 0, encode_slots({1, 0})));
+  ASSERT_TRUE(k.run_until([&] { return k.seen.lost_why.has_value(); }));
+  EXPECT_NE(k.seen.lost_why->find("vouched for rank slot 0, which is not on that host"), std::string::npos)
+      << *k.seen.lost_why;
+}
+
+TEST(Remote, SlotListsRoundTripAndACorruptOneIsRefused) {
+  EXPECT_EQ(decode_slots(encode_slots({})), std::vector<int>{});
+  EXPECT_EQ(decode_slots(encode_slots({3, 1, 7})), (std::vector<int>{3, 1, 7}));
+  std::string lying = encode_slots({1}).substr(0, 4) + std::string(4, '\0');
+  lying[0] = 100;  // claims 100 slots, carries one
+  EXPECT_THROW(decode_slots(lying), std::runtime_error);
+}
+
 TEST(HostLinks, ASegmentForSeveralWorkersOfAHostCrossesItsLinkOnce) {
   Kernel k;
   LinkTicket t = k.ticket();
