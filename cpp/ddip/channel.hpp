@@ -10,9 +10,9 @@
 //
 // The first MAC is checked before anything is allocated for the lengths announced, so a forged
 // header costs the receiver at most 208 bytes and the link, never memory. The fds' bytes are
-// written straight from the fds (mapped, never copied into a buffer) and received straight into
-// fresh sealed memfds, the MAC fed as they stream, so a frame looks the same to both ends either
-// way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
+// written straight from the fds (mapped, never copied into a buffer) and received into fresh
+// sealed memfds (written in through the small stage), the MAC fed as they stream, so a frame
+// looks the same to both ends either way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
 // those, and the frame's refs name them (HostLinks sends a buffer once per host).
 #pragma once
 
@@ -153,6 +153,7 @@ class Channel {
 
   bool flush_sealed(Outgoing& o);
   ReadResult read_sealed();
+  void sealed_take(const char* src, size_t n);
   void sealed_advance(size_t n);
 
   Fd sock_;
