@@ -38,7 +38,7 @@ sockaddr_un unix_address(const std::string& path) {
   return addr;
 }
 
-// A fresh memfd of `n` bytes: where a buffer sent over TCP is received, straight off the socket.
+// A fresh memfd of `n` bytes: where a buffer sent over TCP is received (written in as it comes).
 Fd memfd_sized(size_t n) {
   Fd fd(check(::memfd_create("ddip-link", MFD_CLOEXEC | MFD_ALLOW_SEALING), "memfd_create",
               "receiving a buffer over TCP"));
@@ -86,7 +86,9 @@ struct Channel::Mapping {
       static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
       off = pos / page * page;
       size = std::min(kWindow, len - off);
-      void* a = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(off));
+      // Populated at once: one call maps the window's pages instead of a fault every few pages.
+      void* a = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd,
+                       static_cast<off_t>(off));
       if (a == MAP_FAILED) throw_errno("mmap", "mapping a buffer to send over TCP");
       addr = a;
     }
@@ -107,31 +109,27 @@ struct Channel::Incoming {
   size_t entry = 0;  // the fd being received
   struct Received {
     Fd fd;
-    char* addr = nullptr;
     size_t size = 0;
   };
   std::vector<Received> fds;  // one per entry; empty fd for a ref
   std::shared_ptr<std::string> payload;
   char body_mac[kMacBytes];
 
-  // Where the next bytes go, and how many the current piece still wants there.
+  // Where the next bytes go, and how many the current piece still wants there. An fd's bytes have
+  // no address: they are written into it (sealed_take).
   std::pair<char*, size_t> target() {
     switch (stage) {
       case kHead:
       case kHeadRest:
         return {head + filled, head_size - filled};
       case kFd:
-        return {fds[entry].addr + filled, fds[entry].size - filled};
+        return {nullptr, fds[entry].size - filled};
       case kPayload:
         return {payload->data() + filled, payload->size() - filled};
       case kMac:
         return {body_mac + filled, kMacBytes - filled};
     }
     return {nullptr, 0};
-  }
-  ~Incoming() {
-    for (auto& r : fds)
-      if (r.addr) ::munmap(r.addr, r.size);
   }
   size_t allocated() const {
     size_t n = payload ? payload->size() : 0;
@@ -327,9 +325,13 @@ bool Channel::flush() {
 Channel::ReadResult Channel::read_sealed() {
   if (!in_) in_ = std::make_unique<Incoming>();
   auto [dst, want] = in_->target();
+  // A large payload is read straight where it belongs. An fd's bytes come through the stage and
+  // are written into the fd: a fresh memfd's pages then need no zeroing (a write that covers a
+  // whole page skips it; a fault on a mapping clears each page first, which cost more than the
+  // copy), and the MAC reads them while they are in cache.
+  const bool direct = want >= kStageBytes && in_->stage != Incoming::kFd;
   ssize_t n;
-  if (want >= kStageBytes) {
-    // A large piece (a buffer, a payload): straight where it belongs.
+  if (direct) {
     do {
       n = ::recv(sock_.get(), dst, want, 0);
     } while (n < 0 && errno == EINTR);
@@ -345,28 +347,46 @@ Channel::ReadResult Channel::read_sealed() {
     throw_errno("recv", "reading a frame");
   }
   if (n == 0) return ReadResult::kEof;
-  if (want >= kStageBytes) {
-    sealed_advance(static_cast<size_t>(n));
+  if (direct) {
+    sealed_take(dst, static_cast<size_t>(n));
     return ReadResult::kProgress;
   }
   // Staged: consumed at once, piece by piece (many small frames may have come in one read).
   size_t at = 0;
   while (at < static_cast<size_t>(n)) {
     if (!in_) in_ = std::make_unique<Incoming>();
-    auto [d, w] = in_->target();
-    size_t k = std::min(w, static_cast<size_t>(n) - at);
-    std::memcpy(d, stage_.get() + at, k);
+    size_t k = std::min(in_->target().second, static_cast<size_t>(n) - at);
+    sealed_take(stage_.get() + at, k);
     at += k;
-    sealed_advance(k);
   }
   return ReadResult::kProgress;
+}
+
+// `n` more bytes of the current piece, at `src` (for a piece with an address, maybe already there):
+// put where they belong and fed to the body's MAC.
+void Channel::sealed_take(const char* src, size_t n) {
+  Incoming& in = *in_;
+  if (in.stage == Incoming::kFd) {
+    const int fd = in.fds[in.entry].fd.get();
+    for (size_t done = 0; done < n;) {
+      ssize_t w = ::pwrite(fd, src + done, n - done, static_cast<off_t>(in.filled + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w == 0) errno = ENOSPC;  // no progress: the memfd can't grow (out of shared memory)
+      if (w <= 0) throw_errno("pwrite", "receiving a buffer over TCP");
+      done += static_cast<size_t>(w);
+    }
+  } else if (n > 0) {
+    char* dst = in.target().first;
+    if (dst != src) std::memcpy(dst, src, n);
+  }
+  if (in.stage == Incoming::kFd || in.stage == Incoming::kPayload)
+    in.mac->update(std::string_view(src, n));
+  sealed_advance(n);
 }
 
 // `n` more bytes of the current piece arrived; moves to the next piece when it is complete.
 void Channel::sealed_advance(size_t n) {
   Incoming& in = *in_;
-  if (in.stage == Incoming::kFd || in.stage == Incoming::kPayload)
-    in.mac->update(std::string_view(in.target().first, n));
   in.filled += n;
   // Moves on through pieces that are complete (or empty).
   auto start_payload = [&] {
@@ -422,11 +442,6 @@ void Channel::sealed_advance(size_t n) {
           auto& r = in.fds[i];
           r.fd = detail::memfd_sized(e);
           r.size = e;
-          if (e > 0) {
-            void* a = ::mmap(nullptr, e, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd.get(), 0);
-            if (a == MAP_FAILED) throw_errno("mmap", "receiving a buffer over TCP");
-            r.addr = static_cast<char*>(a);
-          }
         }
         in.filled = 0;
         next_fd(0);
@@ -457,8 +472,6 @@ void Channel::sealed_advance(size_t n) {
               if (f.refs.empty()) f.refs.assign(in.fds.size(), 0);
               f.refs[i] = in.entries[i] & ~kRefBit;
             } else {
-              if (r.addr) ::munmap(r.addr, r.size);
-              r.addr = nullptr;
               // Its size is final, as a rank's reply memfd's is: no mapping of it can be cut short.
               check(::fcntl(r.fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW),
                     "fcntl(F_ADD_SEALS)", "sealing a buffer received over TCP");

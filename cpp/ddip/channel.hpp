@@ -10,9 +10,9 @@
 //
 // The first MAC is checked before anything is allocated for the lengths announced, so a forged
 // header costs the receiver at most 208 bytes and the link, never memory. The fds' bytes are
-// written straight from the fds (mapped, never copied into a buffer) and received straight into
-// fresh sealed memfds, the MAC fed as they stream, so a frame looks the same to both ends either
-// way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
+// written straight from the fds (mapped, never copied into a buffer) and received into fresh
+// sealed memfds (written in through the small stage), the MAC fed as they stream, so a frame
+// looks the same to both ends either way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
 // those, and the frame's refs name them (HostLinks sends a buffer once per host).
 #pragma once
 
@@ -124,9 +124,11 @@ class Channel {
   // make us allocate before the frame's MAC is checked.
   static constexpr uint64_t kMaxSealedFrame = uint64_t(1) << 36;
   static constexpr uint64_t kRefBit = uint64_t(1) << 63;
-  // What a sealed channel receives into its own buffer: small pieces (headers, MACs, tables) come
-  // through it, large ones go straight to where they belong.
-  static constexpr size_t kStageBytes = 64 * 1024;
+  // What a sealed channel receives into its own buffer: small pieces (headers, MACs, tables) and
+  // the fds' bytes (on their way into the fds) come through it, a large payload goes straight into
+  // its string. 256 KiB: a read per 256 KiB of a buffer, not per 64, and still within the cache
+  // the MAC and the write into the fd read it from.
+  static constexpr size_t kStageBytes = 256 * 1024;
 
  private:
   struct Mapping;  // a window onto an fd being sent
@@ -153,6 +155,7 @@ class Channel {
 
   bool flush_sealed(Outgoing& o);
   ReadResult read_sealed();
+  void sealed_take(const char* src, size_t n);
   void sealed_advance(size_t n);
 
   Fd sock_;

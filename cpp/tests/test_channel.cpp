@@ -412,6 +412,41 @@ TEST(SealedFrames, LargeBuffersStreamFromTheirFdsAndArriveIntact) {
   EXPECT_EQ(f->data(), "after");
 }
 
+TEST(SealedFrames, BuffersOfEverySizeAroundTheStageArriveIntactFrameAfterFrame) {
+  // An fd's bytes are written into their memfd from the stage, which a read may fill with the
+  // end of one buffer and the start of the next piece: every boundary case, back to back.
+  auto [sender, receiver] = sealed_pair();
+  const size_t k = Channel::kStageBytes;
+  const std::vector<size_t> sizes = {0, 1, k - 1, k, k + 1, 3 * k + 5};
+  const size_t payload = k + 7;  // read straight into its string
+  std::thread writer([&, &sender = sender] {
+    for (unsigned i = 0; i < 3; ++i) {
+      Frame f = Frame::make(kDone, 2, 20 + i, pattern(payload, 100 + i));
+      f.fds = std::make_shared<std::vector<Fd>>();
+      for (size_t j = 0; j < sizes.size(); ++j)
+        f.fds->push_back(memfd_holding(pattern(sizes[j], 10 * i + static_cast<unsigned>(j))));
+      sender.send(std::move(f));
+    }
+  });
+  for (unsigned i = 0; i < 3; ++i) {
+    SCOPED_TRACE("frame " + std::to_string(i));
+    auto f = receiver.recv();
+    ASSERT_TRUE(f);
+    EXPECT_EQ(f->seq, 20u + i);
+    EXPECT_EQ(f->data(), pattern(payload, 100 + i));
+    ASSERT_TRUE(f->fds);
+    ASSERT_EQ(f->fds->size(), sizes.size());
+    for (size_t j = 0; j < sizes.size(); ++j) {
+      SCOPED_TRACE("buffer of " + std::to_string(sizes[j]) + " bytes");
+      EXPECT_EQ(contents((*f->fds)[j].get()), pattern(sizes[j], 10 * i + static_cast<unsigned>(j)));
+      int seals = ::fcntl((*f->fds)[j].get(), F_GET_SEALS);
+      EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW), F_SEAL_SHRINK | F_SEAL_GROW);
+    }
+  }
+  writer.join();
+  EXPECT_LE(receiver.buffered_bytes(), Channel::kStageBytes);
+}
+
 TEST(SealedFrames, RefsTravelAsIdsBesideInlineBuffers) {
   auto [sender, receiver] = sealed_pair();
   Frame f = Frame::make(kRequest, 1, 4, "table");

@@ -182,8 +182,16 @@ def memfd_with(raw) -> int:
     fd = os.memfd_create("ddip-reply", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, raw.nbytes)
-        with mmap.mmap(fd, raw.nbytes) as m:
-            m[:] = raw.cast("B")
+        # Written, not copied into a mapping: a write that covers whole pages gets them without
+        # zeroing them first (a fault on a fresh mapping clears every page, as costly as the copy).
+        data = raw.cast("B")
+        done = 0
+        while done < len(data):
+            n = os.pwrite(fd, data[done:], done)
+            if n <= 0:
+                raise OSError(f"could not write a {raw.nbytes}-byte reply buffer into shared memory "
+                              f"(wrote {done} bytes): is /dev/shm or memory full?")
+            done += n
         # Its size is final: a receiver's mapping can never be cut short under it (SIGBUS).
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     except BaseException:
