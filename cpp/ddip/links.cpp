@@ -358,6 +358,21 @@ void HostLinks::on_handshake(uint64_t id) {
                         " ms (the heartbeat timeout): the network to it is down or the host "
                         "hung, and its agent stops its ranks after as long without the kernel (" +
                         why + ")");
+        Link& closed = links_[link];
+        if (how == Connection::End::kClosed && closed.standing && closed.lease &&
+            !closed.lease->exit_status() && !host_done(closed)) {
+          // A standing agent closes its link by itself when its stdin ends, i.e. its launcher
+          // is gone; that exit comes from the keeper's thread, maybe just after this: it gets
+          // the grace to arrive and be named as the cause (on_launcher_exit), else `why` is.
+          closed.conn.reset();  // the agent stops its workers; nothing more comes from it
+          closed.shipped.clear();
+          launcher_grace_[link] = loop_.after(kLauncherGrace, [this, link, why] {
+            launcher_grace_.erase(link);
+            for (int slot : links_[link].host.slots)
+              lose_slot(slot, "lost the link to its host " + links_[link].host.name + ": " + why);
+          });
+          return;
+        }
         lose_link(link, why);
       });
   l.ever_connected = true;
@@ -568,7 +583,17 @@ void HostLinks::on_launcher_exit(size_t link) {
   if (relaunch(link)) return;
   l.launcher_exited = true;
   if (l.ever_connected) {
-    if (!l.conn) return;  // the link ended first and spoke for its workers
+    if (!l.conn) {
+      auto closing = launcher_grace_.find(link);
+      if (closing == launcher_grace_.end()) return;  // the link ended first and spoke for its workers
+      // The agent closed its link as its launcher went (above): the launcher's end is the cause.
+      loop_.cancel(closing->second);
+      launcher_grace_.erase(closing);
+      std::string why = launcher_gone(link, *status);
+      for (int slot : l.host.slots)
+        lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
+      return;
+    }
     // The host's agent lives no longer than its launcher: unless the link ends by itself within
     // the grace (the agent's last frames), it is closed, so the agent stops its workers there.
     std::string why = launcher_gone(link, *status);
