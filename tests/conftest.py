@@ -1,5 +1,7 @@
+import io
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -86,3 +88,16 @@ def render(text: str) -> list[str]:
 
 requires_gpu = pytest.mark.skipif(ddip.group.gpu_count() == 0, reason="needs an NVIDIA GPU")
 PY = sys.executable
+
+
+class Tee(io.TextIOBase):
+    """A stdout that keeps what was written and tells (`seen`) when every wanted text has arrived."""
+
+    def __init__(self, *wanted):
+        self.text, self.wanted, self.seen = "", wanted, threading.Event()
+
+    def write(self, s):
+        self.text += s
+        if all(w in self.text for w in self.wanted):
+            self.seen.set()
+        return len(s)

@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 
 import ddip
-from conftest import children_of, requires_gpu
+from conftest import Tee, children_of, requires_gpu
 
 # Functions here travel by value, as a notebook's do: children never import this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -192,19 +192,6 @@ def test_ctx_is_entered_and_exited_in_every_rank_also_on_error(capsys):
         ddip.ranch(2, fail_on_rank, 1, ctx=ctx)
     assert ei.value.failures[0].rank == 1 and ei.value.failures[0].ename == "ValueError"
     assert "[rank 1] ctx exit on rank 1: ValueError" in capsys.readouterr().out
-
-
-class Tee(io.TextIOBase):
-    """A stdout that tells when a given text has arrived."""
-
-    def __init__(self, *wanted):
-        self.text, self.wanted, self.seen = "", wanted, threading.Event()
-
-    def write(self, s):
-        self.text += s
-        if all(w in self.text for w in self.wanted):
-            self.seen.set()
-        return len(s)
 
 
 def chatty():

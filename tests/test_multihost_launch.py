@@ -19,7 +19,7 @@ import cloudpickle
 import pytest
 
 import ddip
-from conftest import alive, children_of, wait_until
+from conftest import Tee, alive, children_of, wait_until
 from ddip.errors import strip_ansi
 from test_multihost import hosts, needs_netns  # noqa: F401  (the module's own Hosts fixture)
 
@@ -87,19 +87,6 @@ def where_am_i(scale):
     print("rank", e["RANK"], "on", e["DDIP_HOST"], flush=True)
     return (int(t.item()) * scale, dist.get_rank(), dist.get_world_size(), e["MASTER_ADDR"], e["LOCAL_RANK"],
             e["LOCAL_WORLD_SIZE"], e["DDIP_HOST"], os.getpid())
-
-
-class Tee(io.TextIOBase):
-    """A stdout that keeps what was written and tells when every wanted text has arrived."""
-
-    def __init__(self, *wanted):
-        self.text, self.wanted, self.seen = "", wanted, threading.Event()
-
-    def write(self, s):
-        self.text += s
-        if all(w in self.text for w in self.wanted):
-            self.seen.set()
-        return len(s)
 
 
 @needs_netns

@@ -18,6 +18,7 @@ import pytest
 
 import ddip
 import ddip.launch
+from conftest import Tee
 from test_magics import running_kernel
 
 pytest.importorskip("accelerate", reason="accelerate is a test extra (make setup installs it)")
@@ -286,19 +287,6 @@ def test_lightning_ddp_runs_twice_in_a_row_in_an_interactive_notebook(monkeypatc
 
 
 # -- ranch's own interrupt and imports -----------------------------------------------------------
-
-
-class Tee(io.TextIOBase):
-    """A stream that keeps what is written and sets `seen` once `needle` is in it."""
-
-    def __init__(self, needle):
-        self.needle, self.text, self.seen = needle, "", threading.Event()
-
-    def write(self, s):
-        self.text += s
-        if self.needle in self.text:
-            self.seen.set()
-        return len(s)
 
 
 def gated_module(tmp_path, name):

@@ -364,13 +364,14 @@ void HostLinks::on_handshake(uint64_t id) {
           // A standing agent closes its link by itself when its stdin ends, i.e. its launcher
           // is gone; that exit comes from the keeper's thread, maybe just after this: it gets
           // the grace to arrive and be named as the cause (on_launcher_exit), else `why` is.
-          closed.conn.reset();  // the agent stops its workers; nothing more comes from it
           closed.shipped.clear();
           launcher_grace_[link] = loop_.after(kLauncherGrace, [this, link, why] {
             launcher_grace_.erase(link);
             for (int slot : links_[link].host.slots)
               lose_slot(slot, "lost the link to its host " + links_[link].host.name + ": " + why);
           });
+          // Last: it destroys this callback (and what it captured). The agent stops its workers.
+          closed.conn.reset();
           return;
         }
         lose_link(link, why);

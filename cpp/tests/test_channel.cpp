@@ -14,41 +14,12 @@
 
 #include "ddip/auth.hpp"
 #include "ddip/channel.hpp"
+#include "helpers.hpp"
 
 using namespace ddip;
+using test::FdStarvation;
 
 namespace {
-
-// While alive, this process can open at most `spare` more fds: a stand-in for a notebook that
-// has run out of them (too many open files, DataLoader workers).
-class FdStarvation {
- public:
-  // The sanitizers check memory through a pipe of their own: with no fd to spare they report
-  // errors that are not there. Tests that starve receives run in the plain build only.
-  static bool sanitized() {
-#if defined(__SANITIZE_ADDRESS__)
-    return true;
-#else
-    return false;
-#endif
-  }
-
-  explicit FdStarvation(int spare = 0) {
-    ::getrlimit(RLIMIT_NOFILE, &old_);
-    filler_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);  // the lowest free fd: all below are used
-    rlimit low = old_;
-    low.rlim_cur = static_cast<rlim_t>(filler_ + 1 + spare);
-    ::setrlimit(RLIMIT_NOFILE, &low);
-  }
-  ~FdStarvation() {
-    ::setrlimit(RLIMIT_NOFILE, &old_);
-    ::close(filler_);
-  }
-
- private:
-  rlimit old_{};
-  int filler_ = -1;
-};
 
 Frame with_fds(uint64_t seq, int n) {
   Frame f = Frame::make(kDone, 0, seq, "payload");

@@ -133,36 +133,6 @@ Event request(Coordinator& c, int slot, uint64_t seq, const std::string& what) {
   }
 }
 
-// While alive, this process can open no new fd (see test_channel.cpp).
-class FdStarvation {
- public:
-  // The sanitizers check memory through a pipe of their own: with no fd to spare they report
-  // errors that are not there. Tests that starve receives run in the plain build only.
-  static bool sanitized() {
-#if defined(__SANITIZE_ADDRESS__)
-    return true;
-#else
-    return false;
-#endif
-  }
-
-  FdStarvation() {
-    ::getrlimit(RLIMIT_NOFILE, &old_);
-    filler_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    rlimit low = old_;
-    low.rlim_cur = static_cast<rlim_t>(filler_ + 1);
-    ::setrlimit(RLIMIT_NOFILE, &low);
-  }
-  ~FdStarvation() {
-    ::setrlimit(RLIMIT_NOFILE, &old_);
-    ::close(filler_);
-  }
-
- private:
-  rlimit old_{};
-  int filler_ = -1;
-};
-
 // A process that ptrace-attaches to `pid` and then does nothing: once killed, `pid` stays a
 // zombie that only this tracer could reap, as under a debugger that does not let go.
 pid_t hold_with_tracer(pid_t pid) {

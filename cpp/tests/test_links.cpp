@@ -22,6 +22,7 @@
 #include "helpers.hpp"
 
 using namespace ddip;
+using test::FdStarvation;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
@@ -108,34 +109,6 @@ Channel connect_as_host(const LinkTicket& t, const std::string& key) {
   ch.seal(std::move(keys));
   return ch;
 }
-
-// While alive, this process can open no more fds: a notebook that ran out of them.
-class FdStarvation {
- public:
-  // The sanitizers need fds of their own to report; these tests run in the plain build only.
-  static bool sanitized() {
-#if defined(__SANITIZE_ADDRESS__)
-    return true;
-#else
-    return false;
-#endif
-  }
-  FdStarvation() {
-    ::getrlimit(RLIMIT_NOFILE, &old_);
-    filler_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);  // the lowest free fd: all below are used
-    rlimit low = old_;
-    low.rlim_cur = static_cast<rlim_t>(filler_ + 1);
-    ::setrlimit(RLIMIT_NOFILE, &low);
-  }
-  ~FdStarvation() {
-    ::setrlimit(RLIMIT_NOFILE, &old_);
-    ::close(filler_);
-  }
-
- private:
-  rlimit old_{};
-  int filler_ = -1;
-};
 
 // An idle connection to the ticket's listener from `source` (any loopback address is this
 // machine's): a stranger holding the port busy.
