@@ -2,11 +2,11 @@ import io
 import os
 import sys
 import threading
-import time
 
 import pytest
 
 import ddip
+from netns_hosts import wait_until  # noqa: F401  (one poller for the tests and the bench's hosts)
 
 
 def children_of(pid: int) -> set[int]:
@@ -42,14 +42,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_until(predicate, timeout=10.0):
-    """Polls `predicate` until it holds; False if it never did within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

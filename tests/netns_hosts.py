@@ -64,7 +64,8 @@ def _port_open(addr, port) -> bool:
         return False
 
 
-def _wait_until(predicate, timeout: float) -> bool:
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    """Polls `predicate` until it holds; False if it never did within `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -157,7 +158,7 @@ class Hosts:
                  "-o", "UsePAM=no", "-o", "PidFile=none", "-o", "PermitRootLogin=prohibit-password"],
                 stdout=subprocess.DEVNULL, stderr=open(f"{d}/sshd-{name}.log", "w")))
         for a in self.addr.values():
-            assert _wait_until(lambda: _port_open(a, 22), 10), f"sshd on {a} did not come up"
+            assert wait_until(lambda: _port_open(a, 22), 10), f"sshd on {a} did not come up"
 
     @property
     def ssh_config(self) -> str:

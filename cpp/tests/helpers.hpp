@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -71,6 +72,18 @@ inline std::string read_line(Fd& fd) {
     if (n == 0) return line;
     if (n < 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+// Everything queued on a socket's far end so far, as raw bytes (never waits).
+inline std::string drain(int fd) {
+  std::string out;
+  char buf[65536];
+  while (true) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
 }
 
 // While alive, this process can open at most `spare` more fds: a stand-in for a notebook that

@@ -10,8 +10,10 @@
 #include "ddip/auth.hpp"
 #include "ddip/channel.hpp"
 #include "ddip/tcp.hpp"
+#include "helpers.hpp"
 
 using namespace ddip;
+using test::drain;
 
 namespace {
 
@@ -23,17 +25,6 @@ std::pair<Fd, Fd> socket_pair() {
   return {Fd(sv[0]), Fd(sv[1])};
 }
 
-// Everything queued on the socket's far end, as raw bytes.
-std::string drain(int fd) {
-  std::string out;
-  char buf[65536];
-  while (true) {
-    ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
-}
 
 void put(int fd, std::string_view bytes) {
   ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));

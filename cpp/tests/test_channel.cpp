@@ -17,6 +17,7 @@
 #include "helpers.hpp"
 
 using namespace ddip;
+using test::drain;
 using test::FdStarvation;
 
 namespace {
@@ -291,17 +292,6 @@ long peak_rss_kb(bool reset = false) {
   return -1;
 }
 
-// Everything on a socket's far end so far.
-std::string drain(int fd) {
-  std::string out;
-  char buf[65536];
-  while (true) {
-    ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
-}
 
 // A frame with two buffers (one with padding past what counts) and a payload.
 Frame big_frame(size_t a, size_t b, size_t payload) {

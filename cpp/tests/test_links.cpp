@@ -13,6 +13,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -87,6 +88,19 @@ struct Kernel {
     auto deadline = Clock::now() + limit;
     while (!done() && Clock::now() < deadline) loop.run_once(Clock::now() + 20ms);
     return done();
+  }
+  // `agent` (an agent's side of the handshake) on a thread while this loop serves it.
+  Channel connect(const std::function<Channel()>& agent) {
+    std::optional<Channel> host;
+    std::atomic<bool> done{false};
+    std::thread t([&] {
+      host.emplace(agent());
+      done = true;
+    });
+    bool connected = run_until([&] { return done.load(); });
+    t.join();
+    if (!connected) throw std::runtime_error("the host did not connect");
+    return std::move(*host);
   }
   LinkTicket ticket() {
     run_until([&] { return fs::exists(dir / "ticket"); });
@@ -187,14 +201,7 @@ TEST(HostLinks, AnAuthenticatedHostGetsItsWorkersAndSpeaksForThem) {
 TEST(HostLinks, OneHeartbeatPerHostAndItsAckSpeaksForEveryWorkerItVouchesFor) {
   Kernel k;
   LinkTicket t = k.ticket();
-  std::optional<Channel> host;
-  std::atomic<bool> connected{false};
-  std::thread agent([&] {
-    host.emplace(connect_as_host(t, t.key));
-    connected = true;
-  });
-  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
-  agent.join();
+  std::optional<Channel> host = k.connect([&] { return connect_as_host(t, t.key); });
   set_nonblocking(host->fd());
   std::vector<Frame> got;
   auto read_host = [&] {
@@ -242,14 +249,7 @@ TEST(Remote, SlotListsRoundTripAndACorruptOneIsRefused) {
 TEST(HostLinks, ASegmentForSeveralWorkersOfAHostCrossesItsLinkOnce) {
   Kernel k;
   LinkTicket t = k.ticket();
-  std::optional<Channel> host;
-  std::atomic<bool> connected{false};
-  std::thread agent([&] {
-    host.emplace(connect_as_host(t, t.key));
-    connected = true;
-  });
-  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
-  agent.join();
+  std::optional<Channel> host = k.connect([&] { return connect_as_host(t, t.key); });
   set_nonblocking(host->fd());
   // As Coordinator::send does for slots 1 and 2: each frame with its fd and its reference.
   std::string bytes(3 << 20, 'b');
@@ -327,14 +327,7 @@ TEST(HostLinks, ALauncherThatExitsBeforeItsHostConnectedLosesItsWorkersWithItsLa
 TEST(HostLinks, ALinkThatClosesLosesEveryWorkerOfItsHost) {
   Kernel k;
   LinkTicket t = k.ticket();
-  std::optional<Channel> host;
-  std::atomic<bool> connected{false};
-  std::thread agent([&] {
-    host.emplace(connect_as_host(t, t.key));
-    connected = true;
-  });
-  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
-  agent.join();
+  std::optional<Channel> host = k.connect([&] { return connect_as_host(t, t.key); });
   host.reset();  // the host's end closes
   ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
   EXPECT_EQ(k.seen.log, (std::vector<std::string>{"lost:1", "lost:2"}));
@@ -347,14 +340,7 @@ TEST(HostLinks, ALauncherThatExitsAfterItsHostConnectedLosesTheHost) {
   // and the link closed, so that its agent stops the workers.
   Kernel k;
   LinkTicket t = k.ticket();
-  std::optional<Channel> host;
-  std::atomic<bool> connected{false};
-  std::thread agent([&] {
-    host.emplace(connect_as_host(t, t.key));
-    connected = true;
-  });
-  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
-  agent.join();
+  std::optional<Channel> host = k.connect([&] { return connect_as_host(t, t.key); });
   EXPECT_TRUE(k.seen.log.empty());  // connected, the launcher still running: nothing lost
   k.links->signal_launchers(SIGKILL);
   ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
@@ -415,14 +401,7 @@ TEST(HostLinks, StrangersFromOneAddressCantCrowdOutTheHostsAgent) {
             "at once from 127.0.0.1 (" +
                 std::to_string(cap) + "; the oldest is closed for each new one)");
   // The host's agent, from that same address, gets in and authenticates.
-  std::optional<Channel> host;
-  std::atomic<bool> connected{false};
-  std::thread agent([&] {
-    host.emplace(connect_to_kernel(t, 5s, 0ms));
-    connected = true;
-  });
-  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
-  agent.join();
+  std::optional<Channel> host = k.connect([&] { return connect_to_kernel(t, 5s, 0ms); });
   // The kernel's log: a few refusals in full, the rest counted once the group closes.
   k.links->close();
   std::string log = testing::internal::GetCapturedStderr();
@@ -450,14 +429,7 @@ TEST(HostLinks, StrangersFromManyAddressesAreHeldToTheCapAndTheAgentStillGetsIn)
                                      "addresses"),
       std::string::npos)
       << k.links->last_rejection();
-  std::optional<Channel> host;
-  std::atomic<bool> connected{false};
-  std::thread agent([&] {
-    host.emplace(connect_to_kernel(t, 5s, 0ms));
-    connected = true;
-  });
-  ASSERT_TRUE(k.run_until([&] { return connected.load(); }));
-  agent.join();
+  std::optional<Channel> host = k.connect([&] { return connect_to_kernel(t, 5s, 0ms); });
   EXPECT_EQ(k.links->rejected(), 80 - HostLinks::kMaxHandshakes + 1);  // one more made room
   testing::internal::GetCapturedStderr();
 }
