@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,7 +24,6 @@ from pathlib import Path
 CACHE = Path(os.environ.get("DDIP_CACHE", "/var/cache/ddip-tests"))
 MIRROR = os.environ.get("DDIP_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf", "~/.config/pip/pip.conf", "~/.pip/pip.conf")
 
 
 def missing() -> str | None:
@@ -88,41 +88,74 @@ def ensure(name: str, suite: str, packages: list[str], sysroot: bool = False, lo
     return dest
 
 
-def _pip_sources() -> tuple[list[str], list[str]]:
-    """This machine's pip configuration files, and the local folders they (or PIP_* variables)
-    name as indexes or find-links: pip in a root needs both to see what pip here sees."""
-    files = [p for p in (os.path.expanduser(f) for f in PIP_CONFIGS) if os.path.isfile(p)]
-    values = [v for k, v in os.environ.items() if k in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL")]
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+def _pip_config() -> tuple[list[str], list[str]]:
+    """pip's configuration as pip itself reads it here (`pip config debug`): the files that exist
+    (but the environment's own, site: a root has its own venv) and every value they and the PIP_*
+    variables set."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], capture_output=True, text=True,
+                         check=True).stdout
+    files, values, scope, live = [], [], "", False
     for line in out.splitlines():
-        key, _, value = line.partition("=")
-        if key.endswith(("find-links", "index-url")):
-            values.append(value.strip("'\""))
-    dirs = []
-    for v in values:
-        for item in v.split():
-            path = item.removeprefix("file://").rstrip("/")
-            if not (path.startswith("/") and os.path.isdir(path)):
+        if not line.startswith(" "):  # a scope: env_var, env, global, site, user
+            scope, live = line.rstrip(":"), False
+        elif scope == "env_var":  # "  PIP_CONSTRAINT='/x/c.txt'"
+            values.append(line.strip().partition("=")[2].strip("'\""))
+        elif not line.startswith("    "):  # "  /etc/pip.conf, exists: True"
+            path, _, exists = line.strip().rpartition(", exists: ")
+            live = exists == "True" and scope != "site"
+            if live:
+                files.append(path)
+        elif live:  # "    global.constraint: /x/c.txt"
+            values.append(line.strip().partition(": ")[2])
+    return files, values
+
+
+def _named_by(text: str, base: str | None = None) -> list[str]:
+    """The local paths that exist among TEXT's words (absolute paths and file:// URLs; with BASE,
+    also paths relative to it), and what requirement and constraint files among them name in turn."""
+    found: list[str] = []
+    for word in text.split():
+        path = os.path.expanduser(word.removeprefix("file://"))
+        if not os.path.isabs(path):
+            if base is None:  # a setting's value ("180", "1"): only absolute words are paths
                 continue
-            # A local index's pages link to files beside it (../files/...): its parent comes too.
-            if path.endswith("/simple"):
-                path = os.path.dirname(path)
-            if path not in dirs:
-                dirs.append(path)
-    return files, dirs
+            path = os.path.join(base, path)
+        path = os.path.normpath(path)
+        if not os.path.exists(path) or path == "/" or path in found:
+            continue
+        if os.path.isdir(path) and path.endswith("/simple"):
+            path = os.path.dirname(path)  # a local index's pages link to files beside it (../files/...)
+        found.append(path)
+        if os.path.isfile(path) and os.path.getsize(path) < 1 << 20:
+            with open(path, errors="replace") as f:
+                nested = re.findall(r"^\s*(?:-r|-c|--requirement|--constraint)[\s=]+(\S+)", f.read(), re.M)
+            found += [p for p in _named_by(" ".join(nested), os.path.dirname(path)) if p not in found]
+    return found
+
+
+def _pip_sources() -> list[str]:
+    """What pip in a root needs to see what pip here sees: the configuration files and every local
+    file or folder they, the PIP_* variables and the CA variables name (indexes, find-links,
+    constraints, requirements, certificates), outermost first with nothing inside another."""
+    files, values = _pip_config()
+    values += [os.environ[k] for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE") if k in os.environ]
+    paths = files + [p for v in values for p in _named_by(v)]
+    paths += [p for p in ("/etc/resolv.conf", "/etc/hosts", CA_BUNDLE) if os.path.exists(p)]
+    kept: list[str] = []
+    for p in sorted(set(paths), key=len):  # a folder before what lies in it
+        if not any(p.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(p)
+    return kept
 
 
 def run(root: Path, script: str, binds: dict[str, str] | None = None, env: dict[str, str] | None = None,
         timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs the shell SCRIPT as root in ROOT; BINDS maps host paths to paths in the root
     (read-only). The root's /tmp is fresh and empty each time; pip's cache is kept in CACHE."""
-    files, dirs = _pip_sources()
     pip_cache = CACHE / "pip"
     pip_cache.mkdir(parents=True, exist_ok=True)
     mounts = [(str(pip_cache), "/root/.cache/pip", False)]
-    mounts += [(f, f, True) for f in files]
-    mounts += [(d, d, True) for d in dirs]
-    mounts += [(p, p, True) for p in ("/etc/resolv.conf", "/etc/hosts", CA_BUNDLE) if os.path.exists(p)]
+    mounts += [(p, p, True) for p in _pip_sources()]
     mounts += [(src, dst, True) for src, dst in (binds or {}).items()]
     r = shlex.quote(str(root))
     lines = ["set -e", "mount --make-rprivate /",

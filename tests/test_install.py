@@ -143,6 +143,42 @@ def test_wheel_on_bare_debian(wheels, suite, python, tag):
     assert "hello from 0" in seen["notebook"] and "hello from 1" in seen["notebook"]
 
 
+def _probe_wheel(folder: Path, version: int) -> None:
+    """A tiny pure-Python wheel, ddip-probe VERSION, whose module says which version it is."""
+    name = f"ddip_probe-{version}"
+    files = {"ddip_probe.py": f"VERSION = {version}\n",
+             f"{name}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: ddip-probe\nVersion: {version}\n",
+             f"{name}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{name}.dist-info/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{name}.dist-info/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+@pytest.mark.timeout(900)
+def test_pip_configuration_and_what_it_names_reach_a_root(tmp_path, monkeypatch):
+    """A pip configuration file that names a constraints file (which names another, relative to it),
+    and a PIP_* variable that names a folder: pip in a Debian root sees all three, as pip here does."""
+    _skip_without_roots()
+    (tmp_path / "wheels").mkdir()
+    for version in (1, 2):
+        _probe_wheel(tmp_path / "wheels", version)
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "pins.txt").write_text("ddip-probe==1\n")
+    (tmp_path / "constraints.txt").write_text("-c more/pins.txt\n")
+    (tmp_path / "pip.conf").write_text(f"[global]\nconstraint = {tmp_path}/constraints.txt\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "pip.conf"))
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
+    root = debian_root.ensure("bullseye-bare", "bullseye", BARE)
+    # Without the nested pins, pip would pick the newest probe (2); without the folder, none.
+    r = debian_root.run(root, "python3 -m venv /tmp/venv\n"
+                              "/tmp/venv/bin/pip install -q --no-index ddip-probe\n"
+                              "/tmp/venv/bin/python -c 'import ddip_probe; print(\"probe\", ddip_probe.VERSION)'",
+                        timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert r.stdout.splitlines()[-1] == "probe 1"
+
+
 @pytest.fixture(scope="module")
 def sdist():
     with tempfile.TemporaryDirectory(prefix="ddip-sdist-") as out:
