@@ -378,6 +378,42 @@ def test_torch_ddp_ctx_initializes_gloo_and_tears_it_down():
     assert not dist.is_initialized()
 
 
+class ProbingCtx(ddip.TorchDDPCtx):
+    """The child says whether rank 0's store already listened when it entered (before it connects
+    itself); the notebook's rank enters only after that look (a FIFO's open waits for the other
+    end), so a notebook that happens to be quick can't hide a store opened too late."""
+
+    def __init__(self, fifo):
+        super().__init__()
+        self.fifo = fifo
+
+    def __enter__(self):
+        if os.environ["RANK"] == "0":
+            with open(self.fifo) as f:
+                f.read()
+        else:
+            import socket
+
+            with socket.socket() as s:
+                refused = s.connect_ex((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            os.environ["STORE_LISTENED"] = "yes" if refused == 0 else "no"
+            with open(self.fifo, "w") as f:
+                f.write("looked")
+        return super().__enter__()
+
+
+def store_listened():
+    return os.environ.get("STORE_LISTENED")
+
+
+def test_the_notebooks_store_listens_before_its_children_connect(tmp_path):
+    # A child refused by a port not listening yet sleeps torch's connect backoff (250-750 ms).
+    fifo = str(tmp_path / "looked")
+    os.mkfifo(fifo)
+    assert ddip.ranch(2, store_listened, ctx=ProbingCtx(fifo)) == [None, "yes"]
+    assert "STORE_LISTENED" not in os.environ
+
+
 def test_torch_ddp_ctx_rejects_bad_settings():
     with pytest.raises(ValueError, match="backend"):
         ddip.TorchDDPCtx(backend="mpi")

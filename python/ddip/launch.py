@@ -158,6 +158,7 @@ class TorchDDPCtx:
         self.rendezvous_timeout = rendezvous_timeout
         self.device = None
         self._abort = None  # set by ranch in the notebook: why to give up the rendezvous
+        self._store = None  # set by ranch in the notebook as rank 0: its store, opened before the children ran
 
     def __repr__(self):
         return f"TorchDDPCtx(backend={self.backend!r}, gpus={self.gpus}, port={self.port})"
@@ -165,6 +166,7 @@ class TorchDDPCtx:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_abort"] = None  # the notebook's hook stays in the notebook
+        state["_store"] = None  # ...and so does its store server
         return state
 
     def __enter__(self):
@@ -181,7 +183,7 @@ class TorchDDPCtx:
             os.environ["MASTER_PORT"] = str(free_port())
         self.device = self._select_device(torch, rank)
         torchdist.init(self.backend, rank, world, collective_timeout=self.timeout,
-                       rendezvous_timeout=self.rendezvous_timeout, abort=self._abort)
+                       rendezvous_timeout=self.rendezvous_timeout, abort=self._abort, store=self._store)
         return self
 
     def __exit__(self, *exc):
@@ -363,6 +365,7 @@ class _Launch:
         self._in_flight = False  # one of ours is sent and not put off: none more until it is
         self._stopper: threading.Thread | None = None
         self.saved_env: dict[str, str] | None = None
+        self.store = None  # the notebook's (rank 0's) TCPStore, when ranch opened it for TorchDDPCtx
         self.warm = None  # Group(warm=...) for the children
         self.layout = None  # ddip.hosts.Layout across hosts (without the notebook's rank), or None
         self.env = {}  # env= for the children
@@ -370,10 +373,9 @@ class _Launch:
         self.notebook = NotebookRank()  # what fn changes in the notebook's process, undone after
 
     # The notebook's environment is restored exactly, whatever fn or ctx did to it.
-    def _set_env(self, rank, port):
-        """The notebook, as rank `rank`, gets the variable set its children get (the launch
+    def _rank_env(self, rank, port) -> dict:
+        """The notebook's environment as rank `rank`: the variable set its children get (the launch
         plan's), on top of its own environment; OMP_NUM_THREADS is not its to change now."""
-        self.saved_env = dict(os.environ)
         base = [f"{k}={v}" for k, v in os.environ.items()]
         if self.layout is None:
             env = _core.plan.rank_environment(base, rank, world_size=self.nprocs, master_port=port,
@@ -389,7 +391,10 @@ class _Launch:
                 local_world_size=host.ranks, rank_offset=plan.first_rank[h], group_rank=h,
                 group_world_size=len(plan.hosts), master_addr=plan.master_addr, master_port=port,
                 cpu_ranks=not host.gpus)
-        new = dict(e.split("=", 1) for e in env)
+        return dict(e.split("=", 1) for e in env)
+
+    def _set_env(self, new: dict):
+        self.saved_env = dict(os.environ)
         for k in [k for k in os.environ if k not in new]:
             del os.environ[k]
         os.environ.update(new)
@@ -405,7 +410,7 @@ class _Launch:
                 os.environ[k] = v
 
     def run(self, fn, args, kwargs, ctx, needed, imports, gather):
-        port = None
+        port = own_env = None
         if self.child_ranks:
             env = {**notebook_env(), **self.env} or None
             if self.layout is not None:
@@ -427,6 +432,12 @@ class _Launch:
                     raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
             if needed:
                 self.group.push(needed)
+            if self.caller_rank is not None:
+                own_env = self._rank_env(self.caller_rank, port)
+                if self.caller_rank == 0 and isinstance(ctx, TorchDDPCtx):
+                    # Listening before the children are told to connect: a child refused by a port
+                    # not listening yet sleeps 250-750 ms (torch's connect backoff) before it retries.
+                    self.store = _open_store(ctx, own_env)
             pending = self.group.apply_async(_rank_main, fn, args, kwargs, ctx)
             pending._on_failure = False  # failure() below stops the right ranks at the right time
         if self.caller_rank is None:
@@ -437,7 +448,7 @@ class _Launch:
             if self.child_ranks:
                 collector = _Collector(self, pending, out)
                 collector.start()
-            self._set_env(self.caller_rank, port or free_port())
+            self._set_env(own_env or self._rank_env(self.caller_rank, free_port()))
             self.notebook.as_launched()
             try:
                 # The notebook's own text goes through `out` too: its lines and its children's never mix.
@@ -488,6 +499,7 @@ class _Launch:
 
         if isinstance(ctx, TorchDDPCtx):
             ctx._abort = self._abort_reason  # a child that fails ends the notebook's rendezvous
+            ctx._store = self.store
         try:
             return ("ok", _call(body, args, kwargs, ctx, on_error))
         except BaseException as exc:
@@ -498,7 +510,7 @@ class _Launch:
             return ("error", exc, _traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
         finally:
             if isinstance(ctx, TorchDDPCtx):
-                ctx._abort = None
+                ctx._abort = ctx._store = None
 
     def _abort_reason(self):
         with self.lock:
@@ -748,6 +760,7 @@ class _Launch:
         # store they used, accelerate's state) can go too.
         self.notebook.restore()
         torchdist.release()
+        self.store = None
 
 
 class _Collector(threading.Thread):
@@ -793,6 +806,16 @@ def _drop_sigint_handler_frame(exc):
         last, tb = tb, tb.tb_next
     if last is not None and tb.tb_frame.f_code is _Launch._on_sigint.__code__:
         last.tb_next = None
+
+
+def _open_store(ctx: TorchDDPCtx, env: dict):
+    """Rank 0's store server for ctx, listening on the port ctx will use, or None when it can't
+    be opened (the notebook's ctx then tries itself, and fails as the rank's own error)."""
+    try:
+        return torchdist.serve(env.get("MASTER_ADDR", "127.0.0.1"), ctx.port or int(env["MASTER_PORT"]),
+                               int(env["WORLD_SIZE"]), ctx.rendezvous_timeout)
+    except Exception:
+        return None
 
 
 # -- in every rank ------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ The rendezvous is bounded on its own (default 60 s), apart from the collectives'
 the notebook as rank 0, waiting half an hour. Every rank waits for the others in Python, in
 short polls of the TCPStore, so Ctrl-C works, an abort hook is honoured, and the rank that
 never arrived is named.
+
+A launcher that plays rank 0 itself opens rank 0's store with serve() before it lets the other
+ranks start connecting, and brings it to init(): a peer whose connect is refused (the port not
+listening yet) sleeps torch's connect backoff, 250 to 750 ms, before it tries again.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
 
     deadline = time.monotonic() + timeout
     poll = _POLL_FIRST_S
-    if store is None:
-        store = TCPStore(addr, port, world, rank == 0, timedelta(seconds=timeout), wait_for_workers=False)
+    if store is None and rank == 0:
+        store = serve(addr, port, world, timeout)
+    elif store is None:
+        store = TCPStore(addr, port, world, False, timedelta(seconds=timeout), wait_for_workers=False)
     store.set(f"ddip/arrived/{rank}", "1")
     while True:
         if store.check(["ddip/abort"]):
@@ -59,6 +65,13 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
             raise RendezvousError(f"torch.distributed rendezvous failed on rank {rank}: {why}")
         time.sleep(poll)
         poll = min(poll * 2, _POLL_MAX_S)
+
+
+def serve(addr: str, port: int, world: int, timeout: float = RENDEZVOUS_TIMEOUT_S):
+    """Rank 0's TCPStore: its server listens on `port` once this returns (for rendezvous(store=))."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, port, world, True, timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def init(backend: str, rank: int, world: int, *, collective_timeout: float | None = None,
