@@ -24,6 +24,49 @@ def shard_indices(n_samples, shuffle):
     return list(sampler)
 
 
+class LateBuilderCtx(ddip.TorchDDPCtx):
+    """Rank 1 holds on just after its process group is built, until rank 0 has left its context
+    (a marker file) or 3 s have passed, and records which came first."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.marker = marker
+
+    def __enter__(self):
+        import time
+        import torch.distributed as dist
+
+        if os.environ["RANK"] == "1":
+            real = dist.init_process_group
+
+            def late(*args, **kwargs):
+                real(*args, **kwargs)
+                deadline = time.monotonic() + 3
+                while not os.path.exists(self.marker) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.left_first = os.path.exists(self.marker)
+
+            dist.init_process_group = late
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        open(self.marker, "w").close()
+        return False
+
+
+def ranks_view(ctx):
+    return getattr(ctx, "left_first", None)
+
+
+def test_a_rank_that_needs_no_collective_leaves_only_once_every_peer_has_built_its_group(tmp_path):
+    # The notebook's fn ends at once; tearing its gloo group down while rank 1 still builds its own
+    # failed rank 1 with "Connection closed by peer" (seen with DistributedSampler, 3 ranks, loaded).
+    ctx = LateBuilderCtx(str(tmp_path / "rank0-left"))
+    seen = ddip.ranch(2, lambda: ranks_view(ctx), ctx=ctx)
+    assert seen == [None, False]
+
+
 @pytest.mark.parametrize("nprocs,shuffle", [(3, True), (2, False)])
 def test_distributed_sampler_gives_disjoint_shards_that_cover_the_dataset(nprocs, shuffle):
     n = 30 if nprocs == 3 else 31  # 31 over 2 ranks: the sampler pads one rank by one sample

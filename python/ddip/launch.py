@@ -186,7 +186,9 @@ class TorchDDPCtx:
                        rendezvous_timeout=self.rendezvous_timeout, abort=self._abort, store=self._store)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:  # fn may have needed no collective: its peers may still be connecting
+            torchdist.wait_for_peers(self._abort)
         torchdist.shutdown()
         return False
 

@@ -89,20 +89,43 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
 
     with heal.tracking_sockets():  # a heal may have to close them under a model still holding them
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
-    global _kept_store
+    store.set(f"ddip/built/{rank}", "1")
+    global _kept
     # Rank 0 hosts the store, and its fn may end (tearing its process group down) while a peer is
     # still building its own on the store: the store outlives the process group, until
     # release() (ranch calls it once every child has exited) or the next init.
-    _kept_store = store
+    _kept = (store, rank, world, rendezvous_timeout)
 
 
-_kept_store = None
+_kept = None  # (store, rank, world, rendezvous timeout) of the last init
+
+
+def wait_for_peers(abort=None) -> None:
+    """Returns once every rank of the last init has built its process group (or a peer is known
+    lost: abort() gave a reason, or the rendezvous timeout passed). A rank whose work needed no
+    collective must not tear its group down before then: gloo's connectFullMesh in a peer still
+    connecting to it fails with "Connection closed by peer"."""
+    if _kept is None:
+        return
+    store, rank, world, timeout = _kept
+    deadline = time.monotonic() + timeout
+    poll = _POLL_FIRST_S
+    keys = [f"ddip/built/{r}" for r in range(world)]
+    try:
+        while not store.check(keys):
+            if store.check(["ddip/abort"]) or (abort is not None and abort() is not None) \
+                    or time.monotonic() >= deadline:
+                return  # that peer failed, and is reported as such; no use waiting for it
+            time.sleep(poll)
+            poll = min(poll * 2, _POLL_MAX_S)
+    except Exception:
+        return  # the store's server (rank 0) is gone: there is no one left to wait for
 
 
 def release():
     """Drops the store kept by the last init (its server, in rank 0)."""
-    global _kept_store
-    _kept_store = None
+    global _kept
+    _kept = None
 
 
 def shutdown():
