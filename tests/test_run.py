@@ -326,6 +326,51 @@ def test_rank_killed_by_a_signal(launcher, tmp_path):
     assert not any(alive(p) for p in rank_pids(out))
 
 
+ABORT_IN_EXIT_CPP = """
+#include <thread>
+// Returns with a joinable std::thread: std::terminate, as when one of torch's threads is left
+// running as Python shuts down.
+int main() { std::thread t([] {}); return 0; }
+"""
+
+ABORT_IN_EXIT_RANK = """
+import os, sys, time
+from pathlib import Path
+pid_file, binary, rank0_code = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if os.environ["RANK"] == "1":
+    pid_file.write_text(str(os.getpid()))
+    os.execv(binary, [binary])
+# Rank 0 ends after rank 1 has died, as a peer still in its own exit would.
+deadline = time.monotonic() + 30
+while not pid_file.exists() or Path("/proc", pid_file.read_text()).exists():
+    assert time.monotonic() < deadline, "rank 1 did not die"
+    time.sleep(0.05)
+sys.exit(rank0_code)
+"""
+
+
+def test_a_rank_that_dies_in_torchs_exit_is_named_so(launcher, tmp_path):
+    binary = tmp_path / "abort_in_exit"
+    src = tmp_path / "abort_in_exit.cpp"
+    src.write_text(ABORT_IN_EXIT_CPP)
+    subprocess.run(["c++", "-std=c++17", "-pthread", "-o", str(binary), str(src)], check=True)
+    path = tmp_path / "rank.py"
+    path.write_text(ABORT_IN_EXIT_RANK)
+    code, out, err = run(launcher, ["run", "-n", "2", PY, str(path), str(tmp_path / "pid0"), str(binary), "0"])
+    assert code == 128 + signal.SIGABRT, err  # still a failure
+    assert "ddip run: rank 1 failed first: killed by SIGABRT" in err
+    assert "  | terminate called without an active exception" in err
+    assert "  rank 0: exit code 0" in err, "rank 0 ended on its own: not stopped at once"
+    assert ("ddip run: rank 1 died in torch's exit after its work was done: every other rank exited 0"
+            in err)
+    assert "torch.distributed.destroy_process_group()" in err and "accelerator.end_training()" in err
+    # A peer that failed too: no evidence the work was done, so no such claim.
+    code, out, err = run(launcher, ["run", "-n", "2", PY, str(path), str(tmp_path / "pid1"), str(binary), "1"])
+    assert code == 128 + signal.SIGABRT, err
+    assert "  rank 0: exit code 1" in err
+    assert "died in torch's exit" not in err
+
+
 def test_rank_that_ignores_sigterm_is_killed_after_the_grace(launcher, tmp_path):
     path = script(tmp_path, PIDS_THEN.format(body="""
     if r == 0:

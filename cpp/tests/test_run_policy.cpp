@@ -77,11 +77,11 @@ TEST(RunPolicy, NothingToKillOnceEveryRankHasExited) {
 TEST(RunPolicy, TheEarliestReportedFailureWinsAcrossHosts) {
   RecordingCrew crew;
   FailurePolicy p(crew, {}, t0);
-  p.failed(rank_failed(0, 4, 2000), t0);           // here: its peer on another host had died
-  p.failed(rank_failed(1, 3, 1000, true), t0);     // that host's report, late but earlier
+  p.failed(rank_failed(0, 4, 2000), t0);        // here: its peer on another host had died
+  p.failed(rank_failed(1, 3, 1000, true), t0);  // that host's report, late but earlier
   EXPECT_EQ(p.root()->rank, 1);
-  p.failed(rank_failed(2, 5, 1500, true), t0);     // later than the root cause: ignored
-  p.failed(rank_failed(3, 6, 500, false), t0);     // not a report: a rank here being stopped
+  p.failed(rank_failed(2, 5, 1500, true), t0);  // later than the root cause: ignored
+  p.failed(rank_failed(3, 6, 500, false), t0);  // not a report: a rank here being stopped
   EXPECT_EQ(p.root()->rank, 1);
   EXPECT_EQ(p.outcome().exit_code(), 3);
   EXPECT_EQ(crew.did, (std::vector<std::string>{"terminate"}));
@@ -227,4 +227,29 @@ TEST(RunPolicy, KillFromTheStartingSideStopsAndKills) {
   p.told_signal(SIGTERM, t0);
   EXPECT_EQ(p.outcome().first_signal, SIGTERM);
   EXPECT_EQ(p.outcome().exit_code(), 128 + SIGTERM);
+}
+
+TEST(RunPolicy, ATerminateAbortLetsTheOthersEndOnTheirOwnForTheGrace) {
+  RecordingCrew crew;
+  FailurePolicy p(crew, {}, t0);
+  RootCause c = rank_failed(1, 134);
+  c.exit_code = 0;
+  c.signal = SIGABRT;
+  c.what = "killed by SIGABRT";
+  c.tail = {"terminate called without an active exception"};
+  p.failed(c, t0 + milliseconds(100));
+  EXPECT_TRUE(crew.did.empty()) << "the others may be in their own exit: their ends are evidence";
+  EXPECT_FALSE(p.stopping());
+  EXPECT_EQ(p.outcome().exit_code(), 134);
+  EXPECT_EQ(p.next_deadline(false), t0 + milliseconds(100) + kGrace);
+  EXPECT_EQ(p.next_deadline(true), std::nullopt) << "nothing to wait for once all have ended";
+  p.failed(rank_failed(0, 1), t0 + milliseconds(200));
+  EXPECT_EQ(p.root()->rank, 1) << "a later failure is no root cause";
+  // Still running after the grace: stopped as after any failure, and killed a grace later.
+  p.tick(t0 + milliseconds(5099), false);
+  EXPECT_TRUE(crew.did.empty());
+  p.tick(t0 + milliseconds(5100), false);
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"terminate"}));
+  EXPECT_TRUE(p.stopping());
+  EXPECT_EQ(p.next_deadline(false), t0 + milliseconds(5100) + kGrace);
 }

@@ -51,7 +51,8 @@ TEST(RunReport, ARanksFailure) {
   c.code = 3;
   c.tail = {"Traceback (most recent call last):", "ValueError: bad batch"};
   o.root = c;
-  std::vector<UnitEnd> units = {rank(0, killed(SIGTERM), true), rank(1, exited(3)), rank(2, std::nullopt)};
+  std::vector<UnitEnd> units = {rank(0, killed(SIGTERM), true), rank(1, exited(3)),
+                                rank(2, std::nullopt)};
   EXPECT_EQ(summary(o, units),
             "ddip run: rank 1 failed first: exit code 3\n"
             "last lines of its stderr:\n"
@@ -77,18 +78,21 @@ TEST(RunReport, AFailureOnAnotherHostAfterASignal) {
   o.root = c;
   std::vector<UnitEnd> units = {
       rank(0, exited(0)),
-      host("node2", 1, 3, exited(1), {{1, "exit code 0"}, {2, "killed by SIGKILL (stopped by ddip run)"}, {3, "exit code 1"}}),
+      host(
+          "node2", 1, 3, exited(1),
+          {{1, "exit code 0"}, {2, "killed by SIGKILL (stopped by ddip run)"}, {3, "exit code 1"}}),
       host("node3", 4, 2, killed(SIGKILL)),  // ended without telling its ranks' ends
       host("node4", 6, 1, std::nullopt)};
-  EXPECT_EQ(summary(o, units),
-            "ddip run: rank 3 (on node2) failed first: exit code 1 (after ddip run forwarded SIGINT)\n"
-            "other ranks:\n"
-            "  rank 0: exit code 0\n"
-            "  rank 1 (on node2): exit code 0\n"
-            "  rank 2 (on node2): killed by SIGKILL (stopped by ddip run)\n"
-            "  ranks 4-5 (on node3): unknown; its launcher ended with killed by SIGKILL\n"
-            "  rank 6 (on node4): still running\n"
-            "ddip run: exit code 1\n");
+  EXPECT_EQ(
+      summary(o, units),
+      "ddip run: rank 3 (on node2) failed first: exit code 1 (after ddip run forwarded SIGINT)\n"
+      "other ranks:\n"
+      "  rank 0: exit code 0\n"
+      "  rank 1 (on node2): exit code 0\n"
+      "  rank 2 (on node2): killed by SIGKILL (stopped by ddip run)\n"
+      "  ranks 4-5 (on node3): unknown; its launcher ended with killed by SIGKILL\n"
+      "  rank 6 (on node4): still running\n"
+      "ddip run: exit code 1\n");
 }
 
 TEST(RunReport, AHostThatFailedBeforeItsRanks) {
@@ -96,13 +100,16 @@ TEST(RunReport, AHostThatFailedBeforeItsRanks) {
   RootCause c;
   c.unit = 1;
   c.who = "host node7";
-  c.what = "its launcher (or ddip run there) ended with exit code 255 before any of its ranks reported a failure";
+  c.what =
+      "its launcher (or ddip run there) ended with exit code 255 before any of its ranks reported "
+      "a failure";
   c.code = 255;
   c.tail = {"ssh: connect to host node7 port 22: No route to host"};
   o.root = c;
   std::vector<UnitEnd> units = {rank(0, killed(SIGTERM), true), host("node7", 1, 2, exited(255))};
   EXPECT_EQ(summary(o, units),
-            "ddip run: host node7 failed first: its launcher (or ddip run there) ended with exit code 255 "
+            "ddip run: host node7 failed first: its launcher (or ddip run there) ended with exit "
+            "code 255 "
             "before any of its ranks reported a failure\n"
             "last lines of its stderr:\n"
             "  | ssh: connect to host node7 port 22: No route to host\n"
@@ -125,7 +132,8 @@ TEST(RunReport, TimeoutAndSignals) {
   s.first_signal = SIGTERM;
   s.grace_ran_out = true;
   EXPECT_EQ(summary(s, units),
-            "ddip run: forwarded SIGTERM to every rank, then SIGKILL to those still running after 5 s; ranks:\n"
+            "ddip run: forwarded SIGTERM to every rank, then SIGKILL to those still running after "
+            "5 s; ranks:\n"
             "  rank 0: killed by SIGTERM (stopped by ddip run)\n"
             "  rank 1: killed by SIGKILL (stopped by ddip run)\n"
             "ddip run: exit code 143\n");
@@ -145,8 +153,101 @@ TEST(RunReport, NothingToSayWhenEveryRankExitedZero) {
 }
 
 TEST(RunReport, NodeDoneListsEveryRanksEnd) {
-  auto done = node_done({rank(4, exited(0)), rank(5, killed(SIGTERM), true), rank(6, std::nullopt)});
+  auto done =
+      node_done({rank(4, exited(0)), rank(5, killed(SIGTERM), true), rank(6, std::nullopt)});
   EXPECT_EQ(done, (protocol::NodeDone{{{4, "exit code 0"},
                                        {5, "killed by SIGTERM (stopped by ddip run)"},
                                        {6, "still running"}}}));
+}
+
+namespace {
+
+RootCause aborted(int r, std::vector<std::string> tail, int signal = SIGABRT, int exit_code = 0) {
+  RootCause c;
+  c.unit = static_cast<size_t>(r);
+  c.rank = r;
+  c.who = "rank " + std::to_string(r);
+  c.what = signal ? "killed by SIGABRT" : "exit code " + std::to_string(exit_code);
+  c.code = signal ? 128 + signal : exit_code;
+  c.signal = signal;
+  c.exit_code = exit_code;
+  c.tail = std::move(tail);
+  return c;
+}
+
+const char* const kTerminate = "terminate called without an active exception";
+
+}  // namespace
+
+TEST(RunReport, TerminateAbortIsSigabrtWithTheRuntimesLastWords) {
+  EXPECT_TRUE(terminate_abort(aborted(1, {"RESULT 3", kTerminate})));
+  EXPECT_TRUE(terminate_abort(aborted(1, {kTerminate, ""}))) << "a blank line after it";
+  EXPECT_TRUE(terminate_abort(aborted(1, {kTerminate}, 0, 134))) << "SIGABRT through a shell";
+  EXPECT_FALSE(terminate_abort(aborted(1, {kTerminate, "Fatal Python error: Aborted"})));
+  EXPECT_FALSE(
+      terminate_abort(aborted(1, {"terminate called after throwing an instance of 'c10::Error'"})));
+  EXPECT_FALSE(terminate_abort(aborted(1, {kTerminate}, SIGSEGV)));
+  EXPECT_FALSE(terminate_abort(aborted(1, {kTerminate}, 0, 1)));
+  EXPECT_FALSE(terminate_abort(aborted(1, {})));
+  RootCause host = aborted(1, {kTerminate});
+  host.rank = -1;
+  EXPECT_FALSE(terminate_abort(host)) << "a host's launcher is no rank";
+}
+
+TEST(RunReport, ARankThatDiedInTorchsExitAfterEveryOtherRankFinished) {
+  Outcome o;
+  o.root = aborted(1, {kTerminate});
+  std::vector<UnitEnd> units = {rank(0, exited(0)), rank(1, killed(SIGABRT)), rank(2, exited(0))};
+  EXPECT_EQ(summary(o, units),
+            "ddip run: rank 1 failed first: killed by SIGABRT\n"
+            "last lines of its stderr:\n"
+            "  | terminate called without an active exception\n"
+            "other ranks:\n"
+            "  rank 0: exit code 0\n"
+            "  rank 2: exit code 0\n"
+            "ddip run: rank 1 died in torch's exit after its work was done: every other rank "
+            "exited 0, and it aborted as Python shut down while one of torch's threads (gloo's, "
+            "say) still held its tensors. End the script with "
+            "torch.distributed.destroy_process_group() after its last collective (accelerate: "
+            "accelerator.end_training()); see docs/run.md.\n"
+            "ddip run: exit code 134\n");
+  EXPECT_EQ(o.exit_code(), 134) << "still a failure";
+  // Across hosts: the host's account of its ranks is the evidence.
+  RootCause remote = aborted(2, {kTerminate});
+  remote.unit = 1;
+  remote.who = "rank 2 (on node2)";
+  remote.reported = true;
+  o.root = remote;
+  EXPECT_NE(summary(o, {rank(0, exited(0)), host("node2", 1, 2, exited(134),
+                                                 {{1, "exit code 0"}, {2, "killed by SIGABRT"}})})
+                .find("rank 2 (on node2) died in torch's exit"),
+            std::string::npos);
+}
+
+TEST(RunReport, NoClaimOfFinishedWorkWithoutEvidence) {
+  const std::string claim = "died in torch's exit";
+  Outcome o;
+  o.root = aborted(1, {kTerminate});
+  // A peer that failed, was stopped, or is still running: the abort may have been mid-run.
+  EXPECT_EQ(summary(o, {rank(0, exited(1)), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
+  EXPECT_EQ(summary(o, {rank(0, killed(SIGTERM), true), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
+  EXPECT_EQ(summary(o, {rank(0, std::nullopt), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
+  EXPECT_EQ(summary(o, {rank(0, killed(SIGABRT)), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
+  // A host that did not say how its ranks ended.
+  EXPECT_EQ(
+      summary(o, {host("node2", 0, 1, killed(SIGKILL)), rank(1, killed(SIGABRT))}).find(claim),
+      std::string::npos);
+  // Another line after the runtime's: some other abort.
+  o.root = aborted(1, {kTerminate, "Fatal Python error: Aborted"});
+  EXPECT_EQ(summary(o, {rank(0, exited(0)), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
+  // Timed out, or after a forwarded signal: not a run that ended on its own.
+  o.root = aborted(1, {kTerminate});
+  o.timed_out = true;
+  EXPECT_EQ(summary(o, {rank(0, exited(0)), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
 }

@@ -39,6 +39,10 @@ void FailurePolicy::failed(RootCause cause, Clock::time_point now) {
     kill_by(now + opts_.grace);
     return;
   }
+  if (terminate_abort(*root)) {
+    stop_at_ = now + opts_.grace;
+    return;
+  }
   stop(now);
 }
 
@@ -101,6 +105,7 @@ void FailurePolicy::link_closed(std::string why, Clock::time_point now) {
 std::optional<Clock::time_point> FailurePolicy::next_deadline(bool all_exited) const {
   std::optional<Clock::time_point> next;
   if (timeout_at_ && !stopping_) next = timeout_at_;
+  if (stop_at_ && !stopping_ && !all_exited && (!next || *stop_at_ < *next)) next = stop_at_;
   if (kill_at_ && !killed_ && !all_exited && (!next || *kill_at_ < *next)) next = kill_at_;
   return next;
 }
@@ -110,6 +115,7 @@ void FailurePolicy::tick(Clock::time_point now, bool all_exited) {
     outcome_.timed_out = true;
     stop(now);
   }
+  if (stop_at_ && !stopping_ && !all_exited && now >= *stop_at_) stop(now);
   if (kill_at_ && !killed_ && !all_exited && now >= *kill_at_) {
     // Past the grace after a forwarded signal: ranks killed now are stopped by ddip run, not
     // failures of their own.

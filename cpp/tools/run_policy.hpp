@@ -32,13 +32,15 @@ class FailurePolicy {
  public:
   struct Options {
     std::chrono::milliseconds grace{5000};  // SIGTERM (or a forwarded signal) to SIGKILL
-    double timeout_s = 0;                  // --timeout; 0: none
-    bool node = false;                     // this is another host's ddip run (--node)
+    double timeout_s = 0;                   // --timeout; 0: none
+    bool node = false;                      // this is another host's ddip run (--node)
   };
   FailurePolicy(Crew& crew, Options options, Clock::time_point started);
 
   // A rank failed (here, or reported by a host), or a host's launcher did: the first is the
-  // root cause (across hosts: the earliest by the hosts' clocks), and everyone is stopped.
+  // root cause (across hosts: the earliest by the hosts' clocks), and everyone is stopped; after
+  // a terminate_abort (a rank dying in torch's exit) only once the grace has passed, so the
+  // others can end on their own and their ends tell whether its work was done.
   void failed(RootCause cause, Clock::time_point now);
   // A host's launcher ended non-zero without a report from its ranks: a failure, unless it
   // exited so after a forwarded signal (as the ranks it stopped did).
@@ -78,6 +80,8 @@ class FailurePolicy {
   Options opts_;
   Outcome outcome_;
   std::optional<Clock::time_point> timeout_at_;
+  // When the ranks still running are stopped after a terminate_abort, if they have not ended.
+  std::optional<Clock::time_point> stop_at_;
   // When every rank still running gets SIGKILL: the grace after a stop or a forwarded signal.
   std::optional<Clock::time_point> kill_at_;
   bool stopping_ = false, killed_ = false;

@@ -2,7 +2,9 @@
 
 #include <time.h>
 
+#include <csignal>
 #include <sstream>
+#include <string_view>
 
 namespace ddip::run {
 
@@ -11,6 +13,39 @@ int64_t realtime_ns() {
   ::clock_gettime(CLOCK_REALTIME, &ts);
   return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
 }
+
+bool terminate_abort(const RootCause& c) {
+  if (c.rank < 0 || !(c.signal == SIGABRT || (c.signal == 0 && c.exit_code == 128 + SIGABRT)))
+    return false;
+  for (auto l = c.tail.rbegin(); l != c.tail.rend(); ++l) {
+    std::string_view line = *l;
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+    if (!line.empty()) return line == "terminate called without an active exception";
+  }
+  return false;
+}
+
+namespace {
+
+// The evidence that a terminate_abort rank had done its work: every other rank ran to its end
+// and exited 0 on its own (a rank that aborted mid-run leaves its peers failing or hung).
+bool died_in_exit(const Outcome& o, const std::vector<UnitEnd>& units) {
+  if (!o.root || !terminate_abort(*o.root) || o.first_signal || o.timed_out) return false;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const UnitEnd& un = units[u];
+    if (un.host) {
+      if (un.ranks.empty()) return false;
+      for (const auto& r : un.ranks)
+        if (!(o.root->unit == u && o.root->rank == r.rank) && r.what != "exit code 0") return false;
+    } else if (o.root->unit != u &&
+               (!un.status || un.stopped || un.status->signal || un.status->code != 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
 
 std::string rank_end(const std::optional<ExitStatus>& status, bool stopped) {
   if (!status) return "still running";
@@ -39,7 +74,8 @@ std::string other_ranks(const std::vector<UnitEnd>& units, const std::optional<R
       continue;
     }
     if (root && root->unit == u) continue;
-    out += "  rank " + std::to_string(un.first_rank) + ": " + rank_end(un.status, un.stopped) + "\n";
+    out +=
+        "  rank " + std::to_string(un.first_rank) + ": " + rank_end(un.status, un.stopped) + "\n";
   }
   return out;
 }
@@ -63,10 +99,18 @@ std::string summary(const Outcome& o, const std::vector<UnitEnd>& units) {
     }
     std::string others = other_ranks(units, o.root);
     if (!others.empty()) report += "other ranks:\n" + others;
+    if (died_in_exit(o, units))
+      report += "ddip run: " + o.root->who +
+                " died in torch's exit after its work was done: every other rank exited 0, and it "
+                "aborted as Python shut down while one of torch's threads (gloo's, say) still "
+                "held its tensors. End the script with torch.distributed.destroy_process_group() "
+                "after its last collective (accelerate: accelerator.end_training()); see "
+                "docs/run.md.\n";
   } else if (o.timed_out) {
     std::ostringstream secs;
     secs << o.timeout_s;
-    report = "ddip run: timed out after " + secs.str() + " s; ranks:\n" + other_ranks(units, o.root);
+    report =
+        "ddip run: timed out after " + secs.str() + " s; ranks:\n" + other_ranks(units, o.root);
   } else if (o.first_signal) {
     report = "ddip run: forwarded " + signal_name(o.first_signal) + " to every rank" +
              (o.grace_ran_out ? ", then SIGKILL to those still running after " +
@@ -80,7 +124,8 @@ std::string summary(const Outcome& o, const std::vector<UnitEnd>& units) {
 
 protocol::NodeDone node_done(const std::vector<UnitEnd>& units) {
   protocol::NodeDone done;
-  for (const auto& un : units) done.ranks.push_back({un.first_rank, rank_end(un.status, un.stopped)});
+  for (const auto& un : units)
+    done.ranks.push_back({un.first_rank, rank_end(un.status, un.stopped)});
   return done;
 }
 

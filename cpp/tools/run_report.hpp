@@ -27,8 +27,8 @@ struct RootCause {
   int code = 1;      // ddip run's exit code
   int exit_code = 0, signal = 0;  // a rank's: how it ended, for the report to another host
   std::vector<std::string> tail;  // last lines of its stderr
-  int64_t when_ns = 0;  // CLOCK_REALTIME where it was seen: comparable across hosts
-  bool reported = false;  // by another host's ddip run
+  int64_t when_ns = 0;            // CLOCK_REALTIME where it was seen: comparable across hosts
+  bool reported = false;          // by another host's ddip run
 };
 
 // How one supervised process ended: a rank, or a host's launcher with its ranks.
@@ -37,10 +37,15 @@ struct UnitEnd {
   std::string name;  // host units: the host
   int first_rank = 0, nranks = 1;
   std::optional<ExitStatus> status;  // nullopt: still running
-  bool stopped = false;  // was running when ddip run stopped everyone
+  bool stopped = false;              // was running when ddip run stopped everyone
   // Host units: their ranks' ends as that host's ddip run reported them at its end.
   std::vector<protocol::RankEnd> ranks;
 };
+
+// A rank that aborted (SIGABRT, or exit code 134 through a shell) with the C++ runtime's
+// "terminate called without an active exception" as the last line of its stderr: how a torch
+// rank dies when one of torch's threads (gloo's worker, say) outlives Python's shutdown.
+bool terminate_abort(const RootCause& cause);
 
 // "still running", "exit code 0", "killed by SIGTERM (stopped by ddip run)".
 std::string rank_end(const std::optional<ExitStatus>& status, bool stopped);
@@ -53,8 +58,8 @@ struct Outcome {
   std::optional<RootCause> root;
   bool timed_out = false;
   double timeout_s = 0;
-  int first_signal = 0;       // forwarded to every rank
-  bool grace_ran_out = false; // ranks still running after the signal's grace got SIGKILL
+  int first_signal = 0;        // forwarded to every rank
+  bool grace_ran_out = false;  // ranks still running after the signal's grace got SIGKILL
   std::chrono::milliseconds grace{5000};
   std::string lost;  // a host's ddip run: why its link to the starting side counts as gone
   // The launcher's exit code: the root cause's, 124 on timeout, 128 + a forwarded signal, 1
