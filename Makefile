@@ -7,7 +7,17 @@ STAMPS := .stamps
 JOBS ?= $(shell nproc)
 CXX_SOURCES := $(wildcard cpp/ddip/*.hpp cpp/ddip/*.cpp cpp/tools/*.hpp cpp/tools/*.cpp python/src/*.cpp python/src/*.hpp) CMakeLists.txt pyproject.toml
 
-.PHONY: setup test cpp-test py-test demo bench clean format wheel sdist
+.PHONY: setup test cpp-test py-test demo bench clean format wheel sdist roots-early
+
+# ccache, where installed (make setup installs it): what was compiled before with the same
+# compiler and flags (this machine's last run, the runtime in the second wheel) is not compiled again.
+ifneq ($(shell command -v ccache),)
+export CMAKE_C_COMPILER_LAUNCHER := ccache
+export CMAKE_CXX_COMPILER_LAUNCHER := ccache
+# Paths under the checkout hashed as relative ones: a fresh clone elsewhere hits the same entries.
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
+endif
 
 setup: $(STAMPS)/system $(STAMPS)/browser $(STAMPS)/roots $(STAMPS)/package
 
@@ -18,6 +28,12 @@ $(STAMPS)/system:
 	  echo "setup: installing GoogleTest (libgtest-dev) from Debian"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libgtest-dev >/dev/null; \
+	fi
+	@if ! command -v ccache >/dev/null; then \
+	  echo "setup: installing ccache from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq ccache >/dev/null; } || \
+	    echo "setup: could not install ccache; every build compiles everything"; \
 	fi
 	@if ! [ -f /usr/include/CLI/CLI.hpp ]; then \
 	  echo "setup: installing CLI11 (libcli11-dev) from Debian"; \
@@ -123,7 +139,15 @@ py-test: setup $(STAMPS)/release-deps
 test-gpu: setup
 	$(VPY) -m pytest -q --timeout=300 tests/test_gpu.py tests/test_gpus.py
 
-test: setup cpp-test py-test
+test: roots-early setup cpp-test py-test
+
+# The Debian roots tests/test_install.py needs are made first, in the background, at the lowest
+# priority: debootstrap waits mostly on the network and the disk, so on a machine without them
+# they are made while setup and the C++ tests compile, and the install tests find them ready
+# (or wait on their lock) instead of making them one by one at the end.
+roots-early: $(STAMPS)/roots
+	@mkdir -p build
+	@nice -n 19 $(PY) packaging/debian_root.py --warm > build/roots-early.log 2>&1 &
 
 demo: setup
 	$(VPY) examples/run_demo.py

@@ -30,7 +30,6 @@ import debian_root  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 TOOLCHAIN = REPO / "packaging" / "bullseye-gcc10.cmake"
 VERSIONS = ["3.9", "3.10", "3.11", "3.12"]  # 3.12's wheel is abi3: it serves 3.13 and later too
-BUILD_ROOT = ("bullseye-build", "bullseye", ["g++", "libssl-dev"])
 
 
 def interpreter(version: str) -> str:
@@ -52,7 +51,7 @@ def sysroot() -> Path:
     why = debian_root.missing()
     if why:
         raise SystemExit(f"build_wheels: {why}")
-    return debian_root.ensure(*BUILD_ROOT, sysroot=True)
+    return debian_root.build_root()
 
 
 def build(version: str, root: Path, out: Path, cli11: str | None, log) -> Path:

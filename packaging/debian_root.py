@@ -12,6 +12,7 @@ Needs root and debootstrap (Debian's package); `missing()` says which is lacking
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -19,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 CACHE = Path(os.environ.get("DDIP_CACHE", "/var/cache/ddip-tests"))
@@ -38,6 +40,20 @@ def missing() -> str | None:
 
 # Raise when the way roots are made changes, so cached roots are made anew.
 RECIPE = "1"
+
+# The roots the release builds and tests/test_install.py use: the wheels' toolchain and sysroot,
+# and the bare systems (no compiler, no headers) the wheels are installed on.
+BUILD_ROOT = ("bullseye-build", "bullseye", ["g++", "libssl-dev"])
+BARE_PACKAGES = ["python3", "python3-venv"]
+BARE_SUITES = ("bullseye", "trixie")
+
+
+def bare(suite: str, log=sys.stderr) -> Path:
+    return ensure(f"{suite}-bare", suite, BARE_PACKAGES, log=log)
+
+
+def build_root(log=sys.stderr) -> Path:
+    return ensure(*BUILD_ROOT, sysroot=True, log=log)
 
 
 def _key(*parts: str) -> str:
@@ -61,16 +77,25 @@ def _relative_links(root: Path) -> None:
 
 def ensure(name: str, suite: str, packages: list[str], sysroot: bool = False, log=sys.stderr) -> Path:
     """The root NAME: Debian SUITE (minbase) with PACKAGES, made once and then reused; with
-    SYSROOT, its links are made relative so that it serves as a compiler's --sysroot."""
+    SYSROOT, its links are made relative so that it serves as a compiler's --sysroot. Another
+    process making the same root (`make test` starts making them early) is waited for."""
     roots = CACHE / "roots"
     dest = roots / f"{name}-{_key(suite, MIRROR, str(sysroot), *sorted(packages))}"
     if (dest / ".ddip-complete").exists():
         return dest
     roots.mkdir(parents=True, exist_ok=True)
+    with open(roots / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when its holder dies
+        if not (dest / ".ddip-complete").exists():
+            _make(name, suite, packages, sysroot, dest, log)
+    return dest
+
+
+def _make(name: str, suite: str, packages: list[str], sysroot: bool, dest: Path, log) -> None:
+    roots = dest.parent
     for old in [*roots.glob(f"{name}-*"), *roots.glob(f".{name}-*")]:  # an older recipe's, a killed run's
         shutil.rmtree(old, ignore_errors=True)
     tmp = roots / f".{dest.name}.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"debian_root: making {name} ({suite}, {len(packages)} packages) in {dest}", file=log, flush=True)
     # In a mount namespace of its own: whatever debootstrap mounts in the root goes with it.
     cmd = ["unshare", "--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
@@ -85,7 +110,6 @@ def ensure(name: str, suite: str, packages: list[str], sysroot: bool = False, lo
     (tmp / "var/cache/apt/archives/partial").mkdir(parents=True)
     (tmp / ".ddip-complete").touch()
     os.rename(tmp, dest)
-    return dest
 
 
 def _pip_config() -> tuple[list[str], list[str]]:
@@ -180,6 +204,32 @@ def run(root: Path, script: str, binds: dict[str, str] | None = None, env: dict[
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def warm() -> int:
+    """Makes every root test_install.py uses, side by side (debootstrap waits mostly on the
+    network and the disk): `make test` starts this first, so the install tests find them made
+    (or being made: they wait on the lock) instead of making them one after the other."""
+    makers = [build_root] + [lambda log, s=s: bare(s, log) for s in BARE_SUITES]
+    failed = []
+
+    def make(maker):
+        try:
+            print(f"debian_root: ready: {maker(log=sys.stdout)}", flush=True)
+        except Exception as e:  # the install tests make it again and report it there
+            failed.append(e)
+            print(f"debian_root: {e}", flush=True)
+
+    threads = [threading.Thread(target=make, args=(m,)) for m in makers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
+    # python packaging/debian_root.py --warm : makes (or finds) every root the install tests use
     # python packaging/debian_root.py NAME SUITE PKG... : makes (or finds) the root, prints its path
+    if sys.argv[1:] == ["--warm"]:
+        why = missing()
+        sys.exit(print(f"debian_root: {why}") if why else warm())
     print(ensure(sys.argv[1], sys.argv[2], sys.argv[3:], sysroot=sys.argv[1].endswith("-build")))

@@ -40,7 +40,6 @@ import debian_root  # noqa: E402
 
 WHEEL_INPUTS = ["CMakeLists.txt", "pyproject.toml", "LICENSE", "cpp/ddip", "cpp/tools", "python/src",
                 "python/ddip", "packaging"]
-BARE = ["python3", "python3-venv"]
 OPENSSL_LINE = ("ddip needs OpenSSL's headers (openssl/hmac.h): install libssl-dev (Debian, Ubuntu), "
                 "openssl-devel (RHEL, Fedora) or openssl (conda), or set OPENSSL_ROOT_DIR")
 CLI11_LINE = "CLI11 is not installed: using CLI11 2.5.0, fetched by CMake and checked by its SHA-256"
@@ -112,7 +111,7 @@ def test_wheel_on_bare_debian(wheels, suite, python, tag):
     # auditwheel's tag: manylinux_2_31 (glibc 2.31) or lower, so bullseye can install it.
     glibc_floor = re.search(r"manylinux_2_(\d+)_x86_64", wheel.name)
     assert glibc_floor and int(glibc_floor.group(1)) <= 31, wheel.name
-    root = debian_root.ensure(f"{suite}-bare", suite, BARE)
+    root = debian_root.bare(suite)
     # Nothing to build with: no compiler, no OpenSSL, CLI11 or Python headers.
     assert not [c for c in ("cc", "gcc", "g++", "c++", "clang") if (root / "usr/bin" / c).exists()]
     assert not [h for h in ("openssl", "CLI", f"python{python}") if (root / "usr/include" / h).exists()]
@@ -169,7 +168,7 @@ def test_pip_configuration_and_what_it_names_reach_a_root(tmp_path, monkeypatch)
     (tmp_path / "pip.conf").write_text(f"[global]\nconstraint = {tmp_path}/constraints.txt\n")
     monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "pip.conf"))
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
-    root = debian_root.ensure("bullseye-bare", "bullseye", BARE)
+    root = debian_root.bare("bullseye")
     # Without the nested pins, pip would pick the newest probe (2); without the folder, none.
     r = debian_root.run(root, "python3 -m venv /tmp/venv\n"
                               "/tmp/venv/bin/pip install -q --no-index ddip-probe\n"
