@@ -1,5 +1,6 @@
 import io
 import os
+import signal
 import sys
 import threading
 
@@ -7,6 +8,12 @@ import pytest
 
 import ddip
 from netns_hosts import wait_until  # noqa: F401  (one poller for the tests and the bench's hosts)
+
+# The tests' Ctrl-C (SIGINT to this process) is a user's in a notebook: KeyboardInterrupt. A shell
+# without job control starts a background `make test` with SIGINT ignored, and Python then keeps
+# it ignored: those tests would wait out their ranks instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def children_of(pid: int) -> set[int]:
