@@ -378,6 +378,37 @@ def test_torch_ddp_ctx_initializes_gloo_and_tears_it_down():
     assert not dist.is_initialized()
 
 
+class DiesBeforeItsGroup(ddip.TorchDDPCtx):
+    """Rank 1 arrives at the rendezvous, then dies instead of building its process group: the
+    notebook's init_process_group fails after its collective timeout."""
+
+    def __enter__(self):
+        if os.environ["RANK"] == "1":
+            import torch.distributed as dist
+
+            dist.init_process_group = lambda *a, **kw: os._exit(3)
+        return super().__enter__()
+
+
+def rank_times_ten():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item() * 10
+
+
+def test_a_launch_after_one_whose_process_group_failed_in_the_notebook_runs():
+    # torch had named the notebook's failed group "0" and counted on: the next launch's notebook
+    # built group "1" while its children built "0", each waiting for the other's keys (a hang of
+    # the collective timeout, 30 min, in the full suite).
+    with pytest.raises(ddip.RemoteError) as failed:
+        ddip.ranch(2, rank_times_ten, ctx=DiesBeforeItsGroup(timeout=5))
+    assert "rank 1" in str(failed.value) and "exit code 3" in str(failed.value)
+    assert ddip.ranch(2, rank_times_ten, ctx=ddip.TorchDDPCtx(timeout=20)) == [10.0, 10.0]
+
+
 class ProbingCtx(ddip.TorchDDPCtx):
     """The child says whether rank 0's store already listened when it entered (before it connects
     itself); the notebook's rank enters only after that look (a FIFO's open waits for the other

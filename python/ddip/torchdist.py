@@ -87,6 +87,11 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
         kw["timeout"] = timedelta(seconds=collective_timeout)
     from . import heal
 
+    if not dist.is_initialized():
+        # torch names the default group by a per-process count that only destroy_process_group()
+        # resets: an init that failed past naming its group (a peer died in connectFullMesh) left
+        # it at 1, and this init would then wait forever for its peers' keys under another name.
+        dist.distributed_c10d._world.group_count = 0
     with heal.tracking_sockets():  # a heal may have to close them under a model still holding them
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     store.set(f"ddip/built/{rank}", "1")
