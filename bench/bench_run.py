@@ -15,6 +15,9 @@ MASTER_ADDR, MASTER_PORT set by hand for all_reduce): what any launcher must pay
 
 Training: the same 2-rank DDP loop (an MLP 256-512-512-10, batch 64 of synthetic data, SGD,
 gloo) run 300 timed steps after 30 warm-up steps, between two barriers; rank 0 reports steps/s.
+Run as a script, it ends with os._exit(0) after destroy_process_group(): torch 2.13's DDP keeps
+gloo's threads alive past it, and one that drops a collective's tensors while Python shuts down
+aborts the rank after its work (docs/run.md; torchrun's rank 0 did so in a `make bench` run).
 Under `ddip run`, under torchrun, and in a `ddip.Group(n=2)` with `g.run(code)` (the group joins
 gloo itself), each with its own default OMP_NUM_THREADS: 1 for 2 ranks on this machine for all
 three (torchrun and `ddip run` set 1; a group divides the cores among its ranks). The three
@@ -62,6 +65,8 @@ dist.destroy_process_group()
 """
 
 TRAIN = f"""\
+import os
+import sys
 import time
 import torch
 import torch.distributed as dist
@@ -98,6 +103,11 @@ if dist.get_rank() == 0:
     print(f"STEPS_PER_S {{rate:.3f}} CPU_MS_PER_STEP {{cpu * 1000 / {STEPS}:.4f}}", flush=True)
 if own_group:
     dist.destroy_process_group()
+    # torch 2.13's DDP model keeps the group's gloo threads past destroy_process_group(), and one
+    # that drops a finished collective's tensors during Python's shutdown aborts the rank
+    # (docs/run.md): this script ends without that shutdown, its result printed and flushed.
+    sys.stderr.flush()
+    os._exit(0)
 """
 
 
