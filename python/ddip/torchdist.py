@@ -99,10 +99,10 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
     # Rank 0 hosts the store, and its fn may end (tearing its process group down) while a peer is
     # still building its own on the store: the store outlives the process group, until
     # release() (ranch calls it once every child has exited) or the next init.
-    _kept = (store, rank, world, rendezvous_timeout)
+    _kept = (store, world, rendezvous_timeout)
 
 
-_kept = None  # (store, rank, world, rendezvous timeout) of the last init
+_kept = None  # (store, world, rendezvous timeout) of the last init
 
 
 def wait_for_peers(abort=None) -> None:
@@ -112,7 +112,7 @@ def wait_for_peers(abort=None) -> None:
     connecting to it fails with "Connection closed by peer"."""
     if _kept is None:
         return
-    store, rank, world, timeout = _kept
+    store, world, timeout = _kept
     deadline = time.monotonic() + timeout
     poll = _POLL_FIRST_S
     keys = [f"ddip/built/{r}" for r in range(world)]
