@@ -75,6 +75,23 @@ def test_lightning_ddp_in_dip(k):
     assert r0["last"] < r0["first"] / 10, (r0["first"], r0["last"])
 
 
+def test_dipstack_and_heal_after_lightning_fit(k):
+    # Lightning's teardown puts SIG_DFL back over handlers installed in C (ddip's real-time ones):
+    # asking for stacks, or a heal, must still never kill a rank.
+    dip(k, LIGHTNING.replace("PARAMS", PARAMS.format("model")))
+    cell = k.run("%dipstack -r 0")
+    text = strip_ansi(cell.stream())
+    assert cell.ok and "most recent call first" in text and "dead" not in text, cell.outputs
+    # The heal example of docs/magics.md: rank 1 raises while rank 0 waits in a collective.
+    cell = k.run("%%dip\nimport torch.distributed as dist\n"
+                 "if dist.get_rank() == 1: raise ValueError('bad batch on rank 1')\n"
+                 "dist.all_reduce(torch.ones(1))")
+    err = strip_ansi(cell.stream("stderr"))
+    assert not cell.ok and "ddip healed the group" in err, err
+    cell = k.run("%%dip --see all\nt = torch.ones(1); dist.all_reduce(t); t.item()")
+    assert cell.ok and re.findall(r"Out\[(\d):\d+\]: 2\.0", "\n".join(cell.plain)) == ["0", "1"], cell.outputs
+
+
 def test_rank_looks_launched_but_ipython_features_work(k):
     (r0, r1), cell = dip(k, "import sys\nres = [hasattr(sys, 'ps1'), bool(sys.flags.interactive)]\n"
                             "%time x = sum(range(1000))\nfrom IPython.display import display\ndisplay('shown')")

@@ -118,6 +118,33 @@ def _busy_python():
         time.sleep(0.01)
 
 
+RESET_EVERY_HANDLER = """
+import signal
+for s in signal.valid_signals():  # what Lightning's teardown does: getsignal() of a C handler is SIG_DFL
+    try:
+        signal.signal(s, signal.getsignal(s) if signal.getsignal(s) is not None else signal.SIG_DFL)
+    except (OSError, ValueError, TypeError, RuntimeError):
+        pass
+"""
+
+
+def test_stacks_and_heal_survive_code_that_resets_every_signal_handler():
+    with ddip.Group(n=2, backend="gloo") as g:
+        g.run(SETUP + RESET_EVERY_HANDLER)
+        stacks = g.stacks()
+        assert all("most recent call first" in stacks[r] for r in (0, 1)), stacks
+        assert [r["state"] for r in g.status()] == ["idle", "idle"]
+        # Heal's abort, after the handlers were reset again: rank 0 stuck alone in an all_reduce.
+        g.run(RESET_EVERY_HANDLER)
+        with pytest.raises(TimeoutError):
+            g.run("t = torch.ones(1); dist.all_reduce(t)", ranks=[0], timeout=1)
+        report = g.heal()
+        assert report.ok and report.released == [0], report
+        out = g.run("t = torch.ones(1); dist.all_reduce(t); t.item()")
+        assert [r.value for r in out] == [2.0, 2.0]
+        assert [r["state"] for r in g.status()] == ["idle", "idle"]
+
+
 def test_a_failure_outside_collectives_does_not_heal(group):
     port = group.master_port
     with pytest.raises(ddip.RemoteError) as info:

@@ -43,6 +43,7 @@ enum FrameKind : uint16_t {
   kRelease = 9,        // worker -> kernel: shared-memory segments it no longer uses (u64 ids)
   kStackRequest = 10,  // kernel -> worker: dump every thread's stack, answered by the watchdog
   kStacks = 11,        // worker -> kernel: the dump (text), with the request's seq
+  kAbortRequest = 18,  // kernel -> worker: heal's abort; the watchdog raises the abort signal
   // Only on links to other hosts (the kernel's Coordinator and a HostAgent):
   kSpawn = 12,   // kernel -> host: the workers to start there (payload: encode_specs)
   kSignal = 13,  // kernel -> host: signal a worker (payload: i32 signal, u8 whole group)

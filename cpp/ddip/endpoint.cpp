@@ -11,6 +11,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace ddip {
 namespace detail {
@@ -75,6 +76,7 @@ void Endpoint::tie_group_to_kernel() {
   sigemptyset(&sa.sa_mask);
   check(::sigaction(kernel_death_signal(), &sa, nullptr), "sigaction",
         "preparing for the kernel's death");
+  keep_signal(kernel_death_signal());
   check(::prctl(PR_SET_PDEATHSIG, kernel_death_signal()), "prctl(PR_SET_PDEATHSIG)",
         "tying the rank's process group to the kernel");
   // The kernel may have died before the switch: then no signal is coming.
@@ -119,14 +121,91 @@ void Endpoint::enable_stack_dumps(int signum, Fd read_end) {
   if (signum <= 0 || signum >= NSIG)
     throw std::invalid_argument("no signal " + std::to_string(signum));
   set_nonblocking(read_end.get());
+  keep_signal(signum);
   std::lock_guard lock(stack_mu_);
   stack_signal_ = signum;
   stack_pipe_ = std::move(read_end);
 }
 
+void Endpoint::enable_abort(int signum) {
+  if (signum <= 0 || signum >= NSIG)
+    throw std::invalid_argument("no signal " + std::to_string(signum));
+  keep_signal(signum);
+  std::lock_guard lock(signals_mu_);
+  abort_signal_ = signum;
+}
+
+void Endpoint::keep_signal(int signum) {
+  struct sigaction now{};
+  if (::sigaction(signum, nullptr, &now) < 0)
+    throw std::invalid_argument("no signal " + std::to_string(signum));
+  if (now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN)
+    throw std::invalid_argument("signal " + std::to_string(signum) +
+                                " has no handler to keep: install it first");
+  std::lock_guard lock(signals_mu_);
+  kept_[signum] = now;
+}
+
+Endpoint::Kept Endpoint::keep(int signum) {
+  std::lock_guard lock(signals_mu_);
+  auto it = kept_.find(signum);
+  if (it == kept_.end()) return Kept::kUnknown;
+  struct sigaction now{};
+  if (::sigaction(signum, nullptr, &now) < 0) return Kept::kUnknown;
+  if (now.sa_handler == it->second.sa_handler) return Kept::kYes;
+  if (now.sa_handler != SIG_DFL && now.sa_handler != SIG_IGN) return Kept::kTaken;
+  // Reset by other code: raising it now would terminate the rank (or be lost).
+  if (::sigaction(signum, &it->second, nullptr) < 0) return Kept::kUnknown;
+  return Kept::kPutBack;
+}
+
+void Endpoint::keep_all() {
+  std::vector<int> signums;
+  {
+    std::lock_guard lock(signals_mu_);
+    for (auto& [signum, sa] : kept_) signums.push_back(signum);
+  }
+  for (int signum : signums) keep(signum);
+}
+
+std::string Endpoint::taken_note(int signum, const char* what) {
+  return "ddip: rank " + std::to_string(rank_) + " has another handler for signal " +
+         std::to_string(signum) + ", which ddip uses for " + what +
+         "; code this rank ran installed it, and ddip did not raise the signal (it leaves a "
+         "handler it did not install alone). Reset it with signal.signal(" +
+         std::to_string(signum) + ", signal.SIG_DFL) in the rank, and ddip puts its own back.\n";
+}
+
+void Endpoint::abort_collectives() {
+  int signum;
+  {
+    std::lock_guard lock(signals_mu_);
+    signum = abort_signal_;
+  }
+  std::string note;
+  if (signum == 0) {
+    note = "ddip: rank " + std::to_string(rank_) +
+           " got heal's abort request but listens for none (its group has no torch.distributed "
+           "that ddip set up)\n";
+  } else if (keep(signum) == Kept::kTaken) {
+    note = taken_note(signum, "heal's abort of a broken collective");
+  } else {
+    // Not on this thread: faulthandler's handler then runs on one of Python's.
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, signum);
+    ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
+    ::kill(::getpid(), signum);
+    return;
+  }
+  ssize_t ignored = ::write(STDERR_FILENO, note.data(), note.size());  // the rank's own output
+  (void)ignored;
+}
+
 std::string Endpoint::dump_stacks() {
   std::lock_guard lock(stack_mu_);
   if (!stack_pipe_) return "stack dumps are not enabled in this worker\n";
+  if (keep(stack_signal_) == Kept::kTaken) return taken_note(stack_signal_, "stack dumps");
   // Not on this thread: it reads the pipe, and the dump would show no Python thread's state.
   sigset_t set;
   sigemptyset(&set);
@@ -186,7 +265,12 @@ void Endpoint::watch() {
     }
     try {
       if (f->kind == kHeartbeat) {
+        keep_all();  // a reset handler is put back before a signal can find it missing
         send(Frame::make(kHeartbeatAck, rank_, f->seq));
+        continue;
+      }
+      if (f->kind == kAbortRequest) {
+        abort_collectives();
         continue;
       }
       if (f->kind == kStackRequest) {

@@ -3,11 +3,13 @@
 // stack requests, and, when the kernel goes away, makes the process exit even if Python is stuck.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -69,8 +71,25 @@ class Endpoint {
   // Endpoint owns `read_end` from now on. The watchdog blocks `signum` for itself, so the handler
   // runs on a Python thread, even one stuck in C code.
   void enable_stack_dumps(int signum, Fd read_end);
+  // Heal's abort requests (kAbortRequest) raise `signum` in this process, whose handler
+  // (faulthandler's, waking a Python thread that aborts the process groups) is kept as below.
+  void enable_abort(int signum);
+
+  // The handler now installed for `signum` is the runtime's: kept from here on. Requests are
+  // answered by raising a signal on the rank itself, and code the rank runs may reset handlers
+  // (Lightning's teardown puts back SIG_DFL over every handler installed in C), while a real-time
+  // signal's default action is to terminate. So before raising one, and on every heartbeat, the
+  // watchdog puts the kept handler back wherever it finds SIG_DFL or SIG_IGN. A signal another
+  // handler has taken over is left to it and not raised: the answer says so.
+  void keep_signal(int signum);
 
  private:
+  enum class Kept { kYes, kPutBack, kTaken, kUnknown };
+  Kept keep(int signum);  // puts `signum`'s handler back if it was reset
+  void keep_all();
+  std::string taken_note(int signum, const char* what);
+  void abort_collectives();
+
   int rank_;
   EndpointOptions options_;
   Channel channel_;  // reading: watchdog thread only; writing: under send_mu_
@@ -83,6 +102,9 @@ class Endpoint {
   std::mutex stack_mu_;  // held while a dump is read
   int stack_signal_ = 0;
   Fd stack_pipe_;
+  std::mutex signals_mu_;
+  std::map<int, struct sigaction> kept_;  // signum -> the runtime's handler
+  int abort_signal_ = 0;
   std::thread watchdog_;
 
   void watch();

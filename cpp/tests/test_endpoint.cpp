@@ -189,6 +189,130 @@ TEST(Endpoint, StackRequestWithoutDumpsEnabledSaysSo) {
   EXPECT_NE(reply->data().find("not enabled"), std::string::npos);
 }
 
+// Lightning's teardown (and any code that resets every handler) puts SIG_DFL over handlers
+// installed in C; a real-time signal's default action terminates. The watchdog puts the kept
+// handler back before raising it: the request is answered and the process lives.
+TEST(Endpoint, StackRequestPutsBackAHandlerOtherCodeResetToTheDefault) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));
+  int sig = SIGRTMAX - 1;
+  Pipe p = make_pipe();
+  g_dump_fd = p.write.get();
+  struct sigaction sa{}, old{};
+  sa.sa_handler = fake_faulthandler;
+  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
+  ep.enable_stack_dumps(sig, std::move(p.read));
+  ::signal(sig, SIG_DFL);  // what Lightning's _SignalConnector.teardown does
+  send_frame(server, Frame::make(kStackRequest, 0, 7, ""));
+  auto reply = read_frame(server);  // reaching here at all: the signal did not kill this process
+  struct sigaction now{};
+  ::sigaction(sig, nullptr, &now);
+  ::sigaction(sig, &old, nullptr);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->seq, 7u);
+  EXPECT_EQ(reply->data(), "stack of " + std::to_string(::syscall(SYS_gettid)) + "\n");
+  EXPECT_EQ(now.sa_handler, fake_faulthandler);
+}
+
+volatile sig_atomic_t g_other_calls = 0;
+void other_handler(int) { g_other_calls = g_other_calls + 1; }
+
+TEST(Endpoint, AHandlerAnotherPartInstalledIsLeftAloneAndTheAnswerSaysSo) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 3, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));
+  int sig = SIGRTMAX - 1;
+  Pipe p = make_pipe();
+  g_dump_fd = p.write.get();
+  struct sigaction sa{}, old{};
+  sa.sa_handler = fake_faulthandler;
+  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
+  ep.enable_stack_dumps(sig, std::move(p.read));
+  ::signal(sig, other_handler);
+  g_other_calls = 0;
+  send_frame(server, Frame::make(kStackRequest, 0, 8, ""));
+  auto reply = read_frame(server);
+  struct sigaction now{};
+  ::sigaction(sig, nullptr, &now);
+  ::sigaction(sig, &old, nullptr);
+  ASSERT_TRUE(reply);
+  EXPECT_NE(reply->data().find("rank 3 has another handler for signal " + std::to_string(sig)),
+            std::string::npos)
+      << reply->data();
+  EXPECT_EQ(g_other_calls, 0);  // not raised
+  EXPECT_EQ(now.sa_handler, other_handler);  // not replaced
+}
+
+volatile sig_atomic_t g_abort_calls = 0;
+void abort_handler(int) { g_abort_calls = g_abort_calls + 1; }
+
+TEST(Endpoint, AbortRequestRaisesTheAbortSignalHereEvenAfterAReset) {
+  // In a child: the signal may be delivered to any thread of this process.
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    RuntimeDir d;
+    Listener l(d.socket_path());
+    Endpoint ep(d.socket_path(), 0, "");
+    Channel server = accept_one(l);
+    if (!read_frame(server)) ::_exit(10);
+    int sig = SIGRTMAX - 2;
+    struct sigaction sa{};
+    sa.sa_handler = abort_handler;
+    ::sigaction(sig, &sa, nullptr);
+    ep.enable_abort(sig);
+    ::signal(sig, SIG_DFL);  // reset by other code: a signal sent now would kill
+    send_frame(server, Frame::make(kAbortRequest, 0, 9, ""));
+    for (int i = 0; i < 5000 && g_abort_calls == 0; ++i) std::this_thread::sleep_for(1ms);
+    ::_exit(g_abort_calls == 1 ? 0 : 11);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(Endpoint, HeartbeatsPutBackAResetHandler) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));
+  int sig = SIGRTMAX - 2;
+  struct sigaction sa{}, old{};
+  sa.sa_handler = abort_handler;
+  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
+  ep.enable_abort(sig);
+  ::signal(sig, SIG_IGN);
+  send_frame(server, Frame::make(kHeartbeat, 0, 1, ""));
+  auto ack = read_frame(server);
+  struct sigaction now{};
+  ::sigaction(sig, nullptr, &now);
+  ::sigaction(sig, &old, nullptr);
+  ASSERT_TRUE(ack);
+  EXPECT_EQ(ack->kind, kHeartbeatAck);
+  EXPECT_EQ(now.sa_handler, abort_handler);
+}
+
+TEST(Endpoint, OnlyAnInstalledHandlerCanBeKept) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));
+  struct sigaction old{};
+  ::sigaction(SIGRTMAX - 3, nullptr, &old);
+  ::signal(SIGRTMAX - 3, SIG_DFL);
+  EXPECT_THROW(ep.enable_abort(SIGRTMAX - 3), std::invalid_argument);
+  EXPECT_THROW(ep.enable_abort(0), std::invalid_argument);
+  ::sigaction(SIGRTMAX - 3, &old, nullptr);
+}
+
 TEST(Endpoint, KernelSilenceCountsAsTheKernelGone) {
   RuntimeDir d;
   Listener l(d.socket_path());

@@ -165,8 +165,8 @@ def rejoin(backend: str, port: int, timeout: float = REJOIN_TIMEOUT_S) -> dict:
     import torch.distributed as dist
 
     release()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    os.environ["MASTER_PORT"] = str(port)
+    rank, world = torchdist.joined or (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
     store, _store = _store, None
     torchdist.init(backend, rank, world, rendezvous_timeout=timeout, store=store)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}

@@ -50,9 +50,7 @@ def heal(group) -> HealReport:
     slots = list(range(len(group.rank_ids)))
     h = Healing([])
     h.stuck = [group.rank_ids[s] for s in slots if s in rt.running]
-    for s in slots:  # still stuck in a collective, maybe: freed from their side
-        if s in rt.running:
-            rt.coord.signal(s, _heal.ABORT_SIGNAL)
+    rt.abort_collectives([s for s in slots if s in rt.running])  # stuck, maybe: freed from their side
     interrupted = None
     while True:
         release_idle(group, h, slots)  # freeing whoever waits on them, as they become idle
@@ -88,7 +86,7 @@ def begin(group, req) -> bool:
     req.heal.stuck = sorted(group.rank_ids[s] for s in req.pending)
     release(group, req)
     # From their side too: NCCL's peers are freed only by their own abort.
-    group._rt.signal(list(req.pending), _heal.ABORT_SIGNAL)
+    group._rt.abort_collectives(list(req.pending))
     return True
 
 

@@ -240,6 +240,18 @@ class Runtime:
         for s in slots:
             self.coord.signal(s, sig)
 
+    def abort_collectives(self, slots):
+        """Heal's abort, asked of each slot's runtime thread: it raises the rank's abort signal
+        on the rank itself, after putting back its handler if other code had reset it (a signal
+        sent from here would kill a rank whose handler was reset)."""
+        with self.mu:
+            live = [s for s in slots if s not in self.exits]
+            self.seq += 1
+            seq = self.seq
+            coord = self.coord
+        if live and coord is not None:
+            coord.send(live, _core.ABORT_REQUEST, seq, b"")
+
     def stacks(self, slots, timeout, slice_s: float) -> dict[int, str]:
         """Each slot's Python stack, answered by its runtime thread; a text saying why not for a
         dead rank or one that did not answer within `timeout`."""

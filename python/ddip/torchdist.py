@@ -67,6 +67,11 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
         poll = min(poll * 2, _POLL_MAX_S)
 
 
+# (rank, world size) of this process's last init(): what a heal rebuilds, whatever code ran since
+# did to the environment (Lightning's teardown deletes WORLD_SIZE).
+joined: tuple[int, int] | None = None
+
+
 def serve(addr: str, port: int, world: int, timeout: float = RENDEZVOUS_TIMEOUT_S):
     """Rank 0's TCPStore: its server listens on `port` once this returns (for rendezvous(store=))."""
     from torch.distributed import TCPStore
@@ -95,7 +100,8 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
     with heal.tracking_sockets():  # a heal may have to close them under a model still holding them
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     store.set(f"ddip/built/{rank}", "1")
-    global _kept
+    global _kept, joined
+    joined = (rank, world)
     # Rank 0 hosts the store, and its fn may end (tearing its process group down) while a peer is
     # still building its own on the store: the store outlives the process group, until
     # release() (ranch calls it once every child has exited) or the next init.

@@ -275,8 +275,9 @@ def main():
     _displays = DisplayFrames(_send_display)
     install_notebook_progress()  # only in a notebook's group (DDIP_NOTEBOOK=1)
     # Stack dumps on request, answered even while Python is stuck in C code (faulthandler's handler
-    # is C-level). A real-time signal: Python, torch and user code leave those alone, while
-    # SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX is the runtime's kernel-death one.
+    # is C-level). A real-time signal: SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX
+    # is the runtime's kernel-death one. Code that resets every handler (Lightning's teardown)
+    # would make it a kill: the endpoint raises it itself, after putting its handler back.
     stack_signal = signal.SIGRTMAX - 1
     dump_r, dump_w = os.pipe()
     os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
@@ -284,6 +285,7 @@ def main():
     _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
     if backend:  # only groups whose torch.distributed ddip set up are healed
         _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
+        _endpoint.enable_abort(_heal.ABORT_SIGNAL)  # asked through the endpoint, which keeps the handler
     try:
         while True:
             try:

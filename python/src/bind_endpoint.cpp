@@ -72,5 +72,9 @@ void init_endpoint(nb::module_& m) {
           "signum"_a, "read_fd"_a,
           "Stack requests are answered with what is written to the pipe read_fd when this process "
           "gets signum (faulthandler.register(signum, file=<write end>, all_threads=True)). The "
-          "Endpoint owns read_fd from now on.");
+          "Endpoint owns read_fd from now on. The handler now installed for signum is kept: put "
+          "back where other code resets it to SIG_DFL or SIG_IGN.")
+      .def("enable_abort", &ddip::Endpoint::enable_abort, "signum"_a,
+           "Heal's abort requests raise signum in this process; its handler, installed first, is "
+           "kept as enable_stack_dumps' is.");
 }

@@ -34,6 +34,7 @@ NB_MODULE(_core, m) {
   m.attr("MESSAGE") = static_cast<int>(ddip::kMessage);
   m.attr("RELEASE") = static_cast<int>(ddip::kRelease);
   m.attr("STACK_REQUEST") = static_cast<int>(ddip::kStackRequest);
+  m.attr("ABORT_REQUEST") = static_cast<int>(ddip::kAbortRequest);
   m.attr("STACKS") = static_cast<int>(ddip::kStacks);
   m.attr("MAX_FDS") = ddip::kMaxFdsPerFrame;
   // C stdio buffers (printf from a C extension) are flushed before a reply and before exit, so
