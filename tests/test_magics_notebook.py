@@ -21,29 +21,37 @@ from ddip.errors import strip_ansi  # noqa: E402
 GUIDE = Path(__file__).resolve().parent.parent / "examples" / "user_guide.ipynb"
 
 
-def execute_guide():
-    """The guide with fresh outputs, run on this interpreter's kernel; cells tagged
-    raises-exception may fail, any other failing cell raises CellExecutionError."""
-    nb = nbformat.read(GUIDE, as_version=4)
+def execute_notebook(nb, cwd, **client_options):
+    """Executes nb in place on this interpreter's kernel (a fresh one, shut down at the end),
+    with cwd as its working directory; client_options go to nbclient's NotebookClient."""
     with tempfile.TemporaryDirectory() as root:
         old = os.environ.get("JUPYTER_PATH")
         os.environ["JUPYTER_PATH"] = install_kernelspec(Path(root))
         try:
-            NotebookClient(nb, timeout=300, kernel_name=KERNEL_NAME, record_timing=False,
-                           resources={"metadata": {"path": str(GUIDE.parent)}}).execute()
+            NotebookClient(nb, kernel_name=KERNEL_NAME, record_timing=False,
+                           resources={"metadata": {"path": str(cwd)}}, **client_options).execute()
         finally:
             if old is None:
                 os.environ.pop("JUPYTER_PATH", None)
             else:
                 os.environ["JUPYTER_PATH"] = old
+
+
+def execute_guide():
+    """The guide with fresh outputs, run on this interpreter's kernel; cells tagged
+    raises-exception may fail, any other failing cell raises CellExecutionError."""
+    nb = nbformat.read(GUIDE, as_version=4)
+    execute_notebook(nb, GUIDE.parent, timeout=300)
     # Saved as written for users: their own python3 kernel, not the test's.
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     return nb
 
 
-def _text(cell) -> str:
+def cell_text(outputs) -> str:
+    """A cell's outputs as text, in order: streams, the plain form of values and displays, and
+    tracebacks without their colours."""
     parts = []
-    for out in cell.get("outputs", []):
+    for out in outputs:
         if out.output_type == "stream":
             parts.append(out.text)
         elif out.output_type in ("display_data", "execute_result"):
@@ -51,6 +59,10 @@ def _text(cell) -> str:
         elif out.output_type == "error":
             parts.append(strip_ansi("\n".join(out.traceback)) + "\n")
     return "".join(parts)
+
+
+def _text(cell) -> str:
+    return cell_text(cell.get("outputs", []))
 
 
 def _cell(nb, starts: str):
