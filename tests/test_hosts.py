@@ -4,11 +4,13 @@ tests). Groups that really span hosts: tests/test_multihost.py."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 
 import ddip
+from conftest import children_of
 from ddip import hosts as H
 
 
@@ -88,3 +90,22 @@ def test_srun_command_as_data(monkeypatch):
     assert not any(a.startswith("--cpus-per-task") for a in H.launcher_argv("slurm", "gpu07", "x"))
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
         H.slurm_hosts(env={})
+
+
+def test_ranch_with_another_host_first_says_to_list_this_machine_first():
+    # The documented answer for a host list in the wrong order, whether or not the other host's
+    # name resolves from here (.invalid never does, RFC 6761): nothing is asked of the network
+    # before the list itself is checked, and nothing starts.
+    other = "node2.invalid"
+    before = children_of(os.getpid())
+    env_before = dict(os.environ)
+    with pytest.raises(ValueError) as ei:
+        ddip.ranch(None, print, hosts=f"{other}:2")
+    msg = str(ei.value)
+    assert f"hosts= puts rank 0 on {other}: list this machine first" in msg, msg
+    assert f"hosts='localhost:1,{other}:...'" in msg and "caller_rank=None" in msg, msg
+    assert children_of(os.getpid()) == before and dict(os.environ) == env_before
+    # Every rank a child: the list goes, and the name that does not resolve is what is wrong.
+    with pytest.raises(ValueError, match=rf"can't resolve host {re.escape(other)} .*check the name, or give its address"):
+        ddip.ranch(None, print, hosts=f"{other}:2", caller_rank=None)
+    assert children_of(os.getpid()) == before

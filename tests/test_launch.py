@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 
 import cloudpickle
 import pytest
@@ -325,6 +326,45 @@ def test_ctrl_c_in_the_notebook_stops_the_children(monkeypatch):
     finally:
         t.join()
     assert children_of(os.getpid()) <= before
+
+
+def sleep_everywhere():
+    print("notebook sleeping" if os.environ["RANK"] == "0" else "child sleeping", flush=True)
+    time.sleep(120)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_notebook_runs_fn_shows_only_the_users_interrupt(monkeypatch):
+    # A real SIGINT while the notebook's own rank is inside fn (where ranch stands in for the
+    # SIGINT handler): the KeyboardInterrupt the notebook shows carries nothing of ddip's.
+    tee = Tee("notebook sleeping", "[rank 1] child sleeping\n", "[rank 2] child sleeping\n")
+    monkeypatch.setattr(sys, "stdout", tee)
+    main = threading.get_ident()
+
+    def press_ctrl_c():
+        if tee.seen.wait(30):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=press_ctrl_c)
+    t.start()
+    before = children_of(os.getpid())
+    try:
+        with pytest.raises(KeyboardInterrupt) as ei:
+            ddip.ranch(3, sleep_everywhere)
+    finally:
+        t.join()
+    assert children_of(os.getpid()) <= before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # The whole chain as a notebook prints it, __context__ included: the interrupt, in fn, alone.
+    shown = "".join(traceback.format_exception(ei.value))
+    assert shown.rstrip().splitlines()[-1] == "KeyboardInterrupt", shown
+    assert "in sleep_everywhere" in shown, shown
+    assert "IndexError" not in shown and "During handling" not in shown, shown
+    chain, exc = [], ei.value
+    while exc is not None:
+        chain.append(type(exc).__name__)
+        exc = exc.__cause__ or exc.__context__
+    assert chain == ["KeyboardInterrupt"], chain
 
 
 class ChildrenWaitForTheNotebook:

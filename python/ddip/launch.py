@@ -295,24 +295,30 @@ def _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx):
     if isinstance(ctx, TorchDDPCtx) and ctx.gpus:
         raise ValueError("across hosts, GPUs are given in hosts= (each host's own ids: "
                          "hosts='localhost[0,1] node2[0,1]'), not in TorchDDPCtx(gpus=...)")
-    layout = _hosts.layout(hosts, launcher, python, bind)
-    if isinstance(ctx, TorchDDPCtx) and any(h.gpus for h in layout.hosts):
+    # What the host list says is checked before the network is asked anything (laying it out
+    # resolves the other hosts' names): a list in the wrong order gets the same answer whether
+    # or not its names resolve from here.
+    parsed = hosts.hosts if isinstance(hosts, _hosts.Layout) else _hosts.parse_hosts(hosts)
+    if isinstance(ctx, TorchDDPCtx) and any(h.gpus for h in parsed):
         raise ValueError("TorchDDPCtx across hosts runs on CPU with gloo: with GPU lists in hosts=, set up "
                          "torch.distributed in fn yourself (each rank's GPU is device LOCAL_RANK)")
-    total = layout.plan.size
+    slot_host = [h for h in parsed for _ in range(h.ranks)]
+    total = len(slot_host)
     if nprocs is not None and nprocs != total:
         raise ValueError(f"nprocs={nprocs!r}, but hosts= lists {total} ranks "
-                         f"({' '.join(f'{h.name}:{h.ranks}' for h in layout.hosts)}); "
+                         f"({' '.join(f'{h.name}:{h.ranks}' for h in parsed)}); "
                          f"give nprocs={total} or None (the notebook's rank is one of them)")
     if caller_rank is not None:
         if isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < total:
             raise ValueError(f"caller_rank must be None or a rank from 0 to {total - 1}, got {caller_rank!r}")
-        host = layout.hosts[layout.plan.slot_host[caller_rank]]
+        host = slot_host[caller_rank]
         if not host.local:
             raise ValueError(f"the notebook is rank {caller_rank} (caller_rank) and runs on this machine, but "
                              f"hosts= puts rank {caller_rank} on {host.name}: list this machine first, its "
                              f"count including the notebook (hosts='localhost:1,{host.name}:...'), or pass "
                              f"caller_rank=None to run every rank as a child process")
+    layout = _hosts.layout(hosts, launcher, python, bind)
+    if caller_rank is not None:
         layout.played_here = (caller_rank,)
     return layout, total
 
@@ -556,10 +562,12 @@ class _Launch:
     def _on_sigint(self, signum, frame):
         """SIGINT while fn runs in the notebook: the user's goes on as always; ours raises
         KeyboardInterrupt only where unwinding is safe, else _stop_main sends it again later."""
-        try:
-            self._own_sigints.popleft()
-        except IndexError:
+        # Only this handler takes from the deque (other threads append), so a look is enough; the
+        # user's KeyboardInterrupt must not be raised inside an except block, or its traceback
+        # carries that exception as its context.
+        if not self._own_sigints:
             return self._sigint_prev(signum, frame)  # the user's Ctrl-C: as always
+        self._own_sigints.popleft()
         if not self.main_in_fn:
             return  # fn has ended: ctx's teardown is never interrupted
         if _inside_import(frame) is not None:
