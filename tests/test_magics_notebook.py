@@ -103,8 +103,26 @@ def test_user_guide_runs_and_shows_every_feature():
     assert all(f"rank {r}: batch_size=64" in auto for r in range(3))
     assert "this one ran in the notebook" in _text(_cell(nb, "%%dip local\nprint(\"this one"))
     assert "idle" in _text(_cell(nb, "%dipstatus"))
+    stacks = _text(_cell(nb, "%dipstack -r 0"))  # the rank's background thread, where it waits
+    assert "[rank 0]" in stacks and "[rank 1]" not in stacks and "in load_batches" in stacks
+    script = _text(_cell(nb, "%%diprun -n 2"))
+    assert "[0] rank 0 of 2: 3.0" in script and "[1] rank 1 of 2: 3.0" in script
     assert "invalid choice: 'mpi'" in _text(_cell(nb, "%makedip -n 3 --backend mpi"))
     assert "fresh namespace: False" in _text(_cell(nb, "%%dip --see all\n\"fresh"))
+
+
+def test_user_guide_uses_every_magic_ddip_registers():
+    """docs/magics.md says the guide runs every magic: each line and cell magic, by its name."""
+    from ddip.magics import CellMagics, DataMagics, DipMagics, DipRunMagics
+
+    lines = [line for c in nbformat.read(GUIDE, as_version=4).cells if c.cell_type == "code"
+             for line in c.source.splitlines()]
+    registered = [("%" if kind == "line" else "%%") + name
+                  for cls in (DipMagics, CellMagics, DataMagics, DipRunMagics)
+                  for kind, names in cls.magics.items() for name in names]
+    assert len(registered) == 9
+    missing = [m for m in registered if not any(line == m or line.startswith(m + " ") for line in lines)]
+    assert not missing, f"examples/user_guide.ipynb does not run {missing}"
 
 
 def main(argv):
