@@ -156,8 +156,10 @@ def test_a_failure_outside_collectives_does_not_heal(group):
 
 def test_heal_refuses_a_group_without_torch_distributed():
     with ddip.Group(n=2, backend=None) as g:
-        with pytest.raises(RuntimeError, match="no torch.distributed to heal"):
+        with pytest.raises(ddip.HealError, match="no torch.distributed to heal") as info:
             g.heal()
+        assert not info.value.report.ok and info.value.report.seconds == 0
+        assert "start it with a backend" in str(info.value)
 
 
 def test_a_dead_rank_is_not_healed_and_heal_says_restart():
@@ -168,8 +170,10 @@ def test_a_dead_rank_is_not_healed_and_heal_says_restart():
                   "dist.all_reduce(torch.ones(1))")
         assert info.value.failures[0].died and info.value.failures[0].rank == 1
         assert info.value.heal is None
-        with pytest.raises(RuntimeError, match=r"rank 1 is dead .*restart\(\)"):
+        with pytest.raises(ddip.HealError, match=r"rank 1 is dead \(exit code 3\)\. .*restart\(\)") as err:
             g.heal()
+        assert isinstance(err.value.__cause__, ddip.RankDeadError)  # with the dead rank's failure
+        assert err.value.__cause__.failures[0].exit_code == 3
 
 
 # -- through a real kernel ------------------------------------------------------------------------

@@ -62,10 +62,9 @@ class HealReport:
     port: int | None = None  # MASTER_PORT of the rebuilt group
     reason: str = ""  # why it could not heal
 
-    def describe(self) -> str:
+    def describe(self, way_out: str = "%makedip -r (g.restart()) starts fresh ranks") -> str:
         if not self.ok:
-            return (f"ddip could not heal the group: {self.reason}. %makedip -r (g.restart()) starts "
-                    f"fresh ranks.")
+            return f"ddip could not heal the group: {self.reason}. {way_out}."
         what = ""
         if self.failed and self.released:
             what = (f" rank{'s' if len(self.failed) > 1 else ''} {', '.join(map(str, self.failed))} raised "
@@ -79,10 +78,12 @@ class HealReport:
 
 
 class HealError(RuntimeError):
-    """Group.heal() could not rebuild torch.distributed; `report` says why."""
+    """Group.heal() could not rebuild torch.distributed; `report` says why (`report.reason`).
+    Refused before anything was changed (a dead rank, a group without torch.distributed), its
+    `report.seconds` is 0; for a dead rank, `__cause__` is the RankDeadError with its failures."""
 
-    def __init__(self, report: HealReport):
-        super().__init__(report.describe())
+    def __init__(self, report: HealReport, way_out: str | None = None):
+        super().__init__(report.describe(way_out) if way_out else report.describe())
         self.report = report
 
 

@@ -30,12 +30,15 @@ class Healing:
 
 
 def check_healable(group):
+    """Raises HealError, changing nothing, for a group whose torch.distributed ddip can't rebuild."""
     if not group.backend:
-        raise RuntimeError("this group has no torch.distributed to heal (backend none); start it with a "
-                           "backend (%makedip -n 2, or Group(n=2)) to have ddip set it up")
+        raise HealError(HealReport(False, 0.0, group.world_size, reason=(
+            "this group has no torch.distributed to heal (backend none)")),
+            way_out="start it with a backend (%makedip -n 2, or Group(n=2)) to have ddip set one up")
     if group.world_size != len(group.rank_ids):
-        raise RuntimeError("this group's ranks are part of a larger world (ranch's children): "
-                           "they can't rebuild it on their own")
+        raise HealError(HealReport(False, 0.0, group.world_size, reason=(
+            "this group's ranks are part of a larger world (ranch's children)")),
+            way_out="they can't rebuild it on their own; the launch that made the world can start it again")
 
 
 def heal(group) -> HealReport:
@@ -44,8 +47,10 @@ def heal(group) -> HealReport:
     check_healable(group)
     with rt.mu:
         dead = [rt.exits[s] for s in range(len(group.rank_ids)) if s in rt.exits]
-    if dead:
-        raise RankDeadError(dead)
+    if dead:  # heal rebuilds among living ranks only
+        cause = RankDeadError(dead)
+        reason = "; ".join(f"rank {f.rank} is dead ({f.evalue})" for f in cause.failures)
+        raise HealError(HealReport(False, 0.0, group.world_size, reason=reason)) from cause
     started = time.monotonic()
     slots = list(range(len(group.rank_ids)))
     h = Healing([])
@@ -63,8 +68,9 @@ def heal(group) -> HealReport:
             rt.signal(busy, signal.SIGINT)
         elif interrupted is not None and now >= interrupted + _request.INTERRUPT_GRACE_S:
             report = HealReport(False, now - started, group.world_size, reason=(
-                f"rank(s) {_request.ranks_text(rt, busy)} did not leave what they were running (a "
-                f"collective that tearing its peers' groups down did not end, or code in C)"))
+                f"rank(s) {_request.ranks_text(rt, busy)} did not leave what they were running, "
+                f"interrupted too: a collective that tearing its peers' groups down did not end, or "
+                f"code that does not return to Python (C code, a subprocess; %dipstack shows where)"))
             raise HealError(report)
         rt.pump(_request.SLICE_S)
     port = rebuild(group, h.teardowns)
@@ -78,7 +84,7 @@ def begin(group, req) -> bool:
         return False
     try:
         check_healable(group)
-    except RuntimeError:
+    except HealError:
         return False
     failed = [group.rank_ids[s] for s in req.slots if s not in req.pending
               and req.results[s].error is not None and not req.results[s].error.died]
@@ -115,8 +121,10 @@ def finish(group, req, stuck: set):
     released = [r for r in h.stuck if group._slot(r) not in stuck]
     port, reason = None, ""
     if stuck:
-        reason = (f"rank(s) {_request.ranks_text(group._rt, stuck)} stayed in the collective after the "
-                  f"failed rank's group was torn down" + (" (NCCL waits on the GPU)" if group.backend == "nccl" else ""))
+        reason = (f"rank(s) {_request.ranks_text(group._rt, stuck)} did not return after the failed "
+                  f"rank's group was torn down: still in a collective" +
+                  (" (NCCL waits on the GPU)" if group.backend == "nccl" else "") +
+                  ", or in code that does not return to Python (C code, a subprocess; %dipstack shows where)")
     elif req.died_at is not None:
         reason = "a rank died"
     elif req.why == "ctrl-c":
