@@ -24,6 +24,7 @@ from __future__ import annotations
 import doctest
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ def snippets(doc: str) -> list[Snippet]:
         if not m:
             if stripped.startswith("<!-- ddip"):
                 raise MarkupError(f"{doc}:{i + 1}: not a ddip marker: {stripped!r}")
-            i += 1
+            # An unmarked block is skipped whole: what it shows (markers included) is text.
+            i = _fenced_block(lines, i, doc)[1] if FENCE.match(lines[i]) else i + 1
             continue
         options = _options(m["options"], doc, i + 1)
         code, after = _fenced_block(lines, i + 1, doc)
@@ -183,8 +185,14 @@ def failures(doc: str, cells: list[Snippet]) -> list[str]:
     return problems
 
 
-# Documents with markers; a marker that can't be read fails that document's test, with its line.
-RUNNABLE = [doc for doc in DOCUMENTS if "<!-- ddip:" in (ROOT / doc).read_text()]
+def _runs_something(doc: str) -> bool:
+    try:
+        return bool(snippets(doc))
+    except MarkupError:
+        return True  # its test fails, naming the marker's line
+
+
+RUNNABLE = [doc for doc in DOCUMENTS if _runs_something(doc)]
 
 
 @pytest.mark.parametrize("doc", RUNNABLE)
@@ -193,15 +201,62 @@ def test_a_documents_runnable_snippets_run_as_written(doc, tmp_path):
     assert not problems, "\n\n".join(problems)
 
 
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*$")
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings (lower case, punctuation dropped, spaces
+    to hyphens), outside fenced blocks."""
+    anchors, fence = set(), None
+    for line in path.read_text().split("\n"):
+        m = FENCE.match(line)
+        if m and (fence is None or m["fence"].startswith(fence)):
+            fence = None if fence else m["fence"]
+            continue
+        h = None if fence else HEADING.match(line)
+        if h:
+            anchors.add(re.sub(r"[^\w\- ]", "", h[1].strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def _in_repository(path: Path) -> bool:
+    if not path.resolve().is_relative_to(ROOT) or not path.exists():
+        return False
+    if not (ROOT / ".git").exists():
+        return True  # an unpacked sdist: what exists is what ships
+    rel = str(path.resolve().relative_to(ROOT))
+    return bool(subprocess.run(["git", "-C", str(ROOT), "ls-files", "--", rel],
+                               capture_output=True, text=True).stdout.strip())
+
+
+def test_links_between_documents_lead_to_files_and_headings_of_the_repository():
+    """A clone stands on its own: every relative link of the README, the docs and the tests' and
+    benchmarks' READMEs leads to a file the repository holds, and to a heading there."""
+    broken = []
+    for doc in DOCUMENTS + ["tests/README.md", "bench/README.md"]:
+        for n, line in enumerate((ROOT / doc).read_text().split("\n"), 1):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target):
+                    continue  # http(s), mailto
+                path, _, anchor = target.partition("#")
+                file = (ROOT / doc).parent / path if path else ROOT / doc
+                if not _in_repository(file):
+                    broken.append(f"{doc}:{n}: {target}: no such file in the repository")
+                elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                    broken.append(f"{doc}:{n}: {target}: no heading #{anchor} in {path or doc}")
+    assert not broken, "\n".join(broken)
+
+
 def test_the_runner_reads_markers_and_rejects_broken_ones(tmp_path, monkeypatch):
     doc = tmp_path / "doc.md"
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    doc.write_text("text\n<!-- ddip:hidden\nx = 1\n-->\n<!-- ddip:run expect -->\n```python\nprint(x)\n```\n\n"
+    doc.write_text("text\n````\n<!-- ddip:run -->\n```\nshown, not run\n```\n````\n<!-- ddip:hidden\nx = 1\n-->\n<!-- ddip:run expect -->\n```python\nprint(x)\n```\n\n"
                    "```\n1\n```\n  <!-- ddip:run raises=ValueError -->\n  ```python\n  int('a')\n  ```\n"
                    "```python\nnot marked\n```\n")
     got = snippets("doc.md")
     assert [(s.line, s.code, s.hidden, s.expect, s.raises) for s in got] == [
-        (3, "x = 1", True, None, None), (7, "print(x)", False, "1", None), (15, "int('a')", False, None, "ValueError")]
+        (9, "x = 1", True, None, None), (13, "print(x)", False, "1", None), (21, "int('a')", False, None, "ValueError")]
     for text, problem in [("<!-- ddip:run -->\ntext\n", "must be followed by a fenced block"),
                           ("<!-- ddip:run expect=1 -->\n```\nx\n```\n", "unknown ddip:run option"),
                           ("<!-- ddip:hidden\nx = 1\n", "never closed"),
