@@ -12,6 +12,8 @@ import os
 import re
 import sys
 import time
+import unittest.mock as mock
+from pathlib import Path
 
 import pytest
 from jupyter_client import KernelManager
@@ -19,6 +21,8 @@ from jupyter_client import KernelManager
 from conftest import alive as _alive
 from conftest import wait_until
 from ddip.errors import strip_ansi
+from ddip.magics import CellMagics, DataMagics, DipMagics, DipRunMagics
+from ddip.magics.flags import without_comment
 
 KERNEL_NAME = "ddip-test"
 GROUP = "%makedip -n 3 --backend none"
@@ -170,6 +174,149 @@ def usage_error(cell: Cell) -> str:
     return err
 
 
+# -- the magics' help and docs/magics.md agree (no kernel) ---------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_OF = {"diprun": "docs/run.md"}  # %%diprun is documented beside `ddip run`; the others in magics.md
+FLAG = r"(?<![\w-])--?[A-Za-z][\w-]*"  # -n, --see; not the -node of --nproc-per-node
+STATES = ["idle", "busy", "dead", "unresponsive"]  # every state Group.status() gives a running group
+
+
+def every_magic() -> dict:
+    """Every magic `%load_ext ddip` registers: name -> its function (whose .parser is its help)."""
+    magics = {}
+    for cls in (DipMagics, CellMagics, DataMagics, DipRunMagics):
+        for kind in ("line", "cell"):
+            for name, attr in cls.magics[kind].items():
+                magics[name] = getattr(cls, attr)
+    return magics
+
+
+def docs_section(name: str) -> tuple[str, str]:
+    """The doc's `## ` section whose heading names %name or %%name: (file, text)."""
+    doc = DOC_OF.get(name, "docs/magics.md")
+    sections = re.split(r"(?m)^(?=## )", (ROOT / doc).read_text())
+    found = [sec for sec in sections if re.match(rf"## [^\n]*`%%?{name}`", sec)]
+    assert len(found) == 1, f"{doc} has no section headed `%{name}`"
+    return doc, found[0]
+
+
+def synopsis(name: str, section: str) -> str:
+    """The magic's usage line(s): those of the fenced block right under the section's heading
+    that start with %name (and their indented continuations); or, for a section that lists the
+    flags in prose, its sentence `Flags: ...;`."""
+    lines = section.splitlines()[1:]
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    if lines and lines[0].startswith("```"):
+        usage, taking = [], False
+        for line in lines[1:lines.index("```", 1)]:
+            taking = bool(re.match(rf"%%?{name}(\s|$)", line)) or (taking and line[:1].isspace())
+            if taking:
+                usage.append(line)
+        return "\n".join(usage)
+    m = re.search(r"Flags:(.*?);", section, re.S)
+    return m.group(1) if m else ""
+
+
+def flag_table(section: str) -> list[str]:
+    """The first cells of the section's `| flag | meaning |` table, in order."""
+    lines = section.splitlines()
+    if "| flag | meaning |" not in lines:
+        return []
+    rows = []
+    for line in lines[lines.index("| flag | meaning |") + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line.split(" | ")[0])
+    return rows
+
+
+def first_mention(text: str, names) -> int | None:
+    spots = [m.start() for n in names for m in re.finditer(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+    return min(spots, default=None)
+
+
+def disagreements(name: str, fn) -> list[str]:
+    """Where the magic's help (its magic_arguments parser) and its docs section differ: a flag
+    missing from the synopsis or the flag table, listed in another order, or one the docs name
+    that the magic doesn't take."""
+    doc, section = docs_section(name)
+    usage, table = synopsis(name, section), flag_table(section)
+    flags = [a for a in fn.parser._actions if a.option_strings]
+    known = {o for a in flags for o in a.option_strings}
+    out = []
+    for a in fn.parser._actions:
+        if not a.option_strings:  # a positional: its choices, or its metavar, in the synopsis
+            missing = [w for w in (a.choices or [a.metavar or a.dest]) if first_mention(usage, [w]) is None]
+            out += [f"%{name}: {doc}'s synopsis lacks {w!r}" for w in missing]
+    for where, spots in (("synopsis", [first_mention(usage, a.option_strings) for a in flags]),
+                         ("flag table", [next((i for i, row in enumerate(table)
+                                               if first_mention(row, a.option_strings) is not None), None)
+                                         for a in flags] if table else None)):
+        if spots is None:
+            continue
+        out += [f"%{name}: {doc}'s {where} lacks {a.option_strings[0]}" for a, at in zip(flags, spots) if at is None]
+        listed = [a.option_strings[0] for a, at in sorted(zip(flags, spots), key=lambda p: p[1] or 0) if at is not None]
+        if listed != [a.option_strings[0] for a, at in zip(flags, spots) if at is not None]:
+            out.append(f"%{name}: {doc}'s {where} lists {' '.join(listed)}; %{name}? lists "
+                       f"{' '.join(a.option_strings[0] for a in flags)}")
+        text = usage if where == "synopsis" else "\n".join(table)
+        out += [f"%{name}: {doc}'s {where} names {f}, which %{name} doesn't take"
+                for f in sorted(set(re.findall(FLAG, text)) - known)]
+    return out
+
+
+def test_every_magic_has_help_that_its_docs_agree_with():
+    magics = every_magic()
+    assert {"makedip", "dip", "autodip", "dipush", "dipull", "dipstatus", "dipstack", "diprun"} <= set(magics)
+    problems = []
+    for name, fn in magics.items():
+        if not hasattr(fn, "parser"):
+            problems.append(f"%{name} has no magic_arguments parser: `%{name}?` shows no usage line")
+            continue
+        problems += disagreements(name, fn)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_agreement_check_finds_a_missing_flag_and_another_order():
+    # The check above, on docs made to differ from the help: it must say where and how.
+    fn = every_magic()["dipstack"]
+    doc, section = docs_section("dipstack")
+    assert disagreements("dipstack", fn) == []
+    swapped = section.replace("[-r RANKS] [-t SECONDS]", "[-t SECONDS] [-r RANKS] [--all]")
+    dropped = section.replace(" [-t SECONDS]", "")
+    for text, want in ((swapped, ["synopsis lists -t -r; %dipstack? lists -r -t",
+                                  "synopsis names --all, which %dipstack doesn't take"]),
+                       (dropped, ["synopsis lacks -t"])):
+        with mock.patch(f"{__name__}.docs_section", return_value=(doc, text)):
+            found = disagreements("dipstack", fn)
+        assert [p.split(f"{doc}'s ")[1] for p in found] == want, found
+
+
+def test_dipstatus_help_and_docs_name_every_state():
+    help_text = " ".join(every_magic()["dipstatus"].__doc__.split())
+    _, section = docs_section("dipstatus")
+    for text in (help_text, " ".join(section.split())):
+        spots = [first_mention(text, [s]) for s in STATES]
+        assert None not in spots and spots == sorted(spots), (STATES, text)
+
+
+@pytest.mark.parametrize("line, meant", [
+    ("-n 2   # 2 CPU ranks, -g all for GPUs", "-n 2"),
+    ("-n 2 #-g all", "-n 2"),
+    ("# only a comment -g all", ""),
+    ("--see '#1'", "--see '#1'"),                      # quoted: a value
+    ("--log-dir a#b -n 2", "--log-dir a#b -n 2"),      # inside a word: a value
+    ('-a "--see all  # all"  # every rank', '-a "--see all  # all"'),
+    ("-n 2  # don't mind the quote", "-n 2"),           # the comment's quote opens nothing
+    ("-a 'left # open", "-a 'left # open"),            # quoted to the end: parse() reports it
+    ("", ""),
+])
+def test_a_trailing_comment_is_cut_where_a_shell_would(line, meant):
+    assert without_comment(line) == meant
+
+
 # -- before any group --------------------------------------------------------------------------
 
 def test_magics_without_a_group_say_how_to_make_one(kernel):
@@ -197,6 +344,21 @@ def test_restart_keeps_a_group_handle_taken_earlier_and_a_new_group_says_so(kern
     assert cell.ok, cell.outputs
     assert "a Group object taken earlier" in cell.stream() and cell.stream().splitlines()[-1] == "True"
     kernel.run("%makedip -k")
+
+
+def test_a_trailing_comment_is_no_flag(kernel):
+    # A line as the docs print them: the -g all inside the comment is no flag (without a GPU it
+    # would fail; with one, -n 2 and -g all would disagree).
+    cell = kernel.run("%makedip -n 2 --backend none   # 2 CPU ranks, -g all for GPUs")
+    assert cell.ok, cell.outputs
+    assert "2 CPU rank(s) ready" in cell.stream()
+    info = kernel.run("%makedip -i  # describe it")
+    assert info.ok, info.outputs
+    text = info.stream()
+    assert "group: -n 2 --backend none" in text
+    assert [line.strip() for line in text.splitlines() if "->" in line] == ["rank 0 -> cpu", "rank 1 -> cpu"]
+    cell = kernel.run("%makedip -k   # -n 3 would be no flag either")
+    assert cell.ok and "killed the group" in cell.stream(), cell.outputs
 
 
 def test_an_unknown_app_is_named_with_the_known_ones_even_without_a_size(kernel):
@@ -446,6 +608,33 @@ def test_dipstatus_table(k):
     assert "<table>" in table["data"]["text/html"]
 
 
+def test_every_magic_takes_a_trailing_comment_and_keeps_a_quoted_hash(k, tmp_path):
+    cell = k.run("%%dip --see all  # every rank; -q would hide them\nimport os\n"
+                 "print('rank', os.environ['RANK'], '#', 'kept')  # the cell's code is code\n# a comment line")
+    assert cell.ok, cell.outputs
+    for r in range(3):
+        assert f"[rank {r}]\nrank {r} # kept\n" in cell.stream(), cell.stream()
+    assert k.run("x = 5\n%dipush x  # to every rank").ok
+    assert k.run("%%dip\nimport os\ny = x + int(os.environ['RANK'])").ok
+    assert k.run("%dipull -r 2 y  # -r 0 is no flag").ok
+    assert k.run("print(y)").stream() == "7\n"
+    assert k.run("z = 'pushed'\n%dip --push z  # as %dipush z").ok
+    assert k.run("%%dip\nz").plain[0].endswith(": 'pushed'")
+    on = k.run('%autodip on -a "--see all"  # every cell, every rank')
+    assert on.ok and "autodip is on (cells run as %%dip --see all)\n" in on.stream(), on.outputs
+    assert "autodip is off" in k.run("%autodip off  # back to the notebook").stream()
+    assert len(k.run("%dipstatus  # the table").plain[0].splitlines()) == 4
+    stacks = k.run("%dipstack -r 1  # -r 0 would be no flag")
+    assert stacks.ok and "[rank 1]" in stacks.stream() and "[rank 0]" not in stacks.stream()
+    # A # inside quotes, or inside a word, is part of the value: these log directories keep theirs.
+    cell = k.run(f"%%diprun -n 2 --log-dir '{tmp_path}/logs #1'  # -n 5 is no flag\nprint('hi')")
+    assert cell.ok and sorted(cell.stream().splitlines()) == ["[0] hi", "[1] hi"], cell.outputs
+    assert [(tmp_path / "logs #1" / f"rank{r}.stdout").read_text() for r in range(2)] == ["hi\n", "hi\n"]
+    cell = k.run(f"%%diprun -n 1 --log-dir {tmp_path}/logs#2\nprint('hi')")
+    assert cell.ok, cell.outputs
+    assert (tmp_path / "logs#2" / "rank0.stdout").read_text() == "hi\n"
+
+
 @pytest.mark.parametrize("code, needle", [
     ("%makedip -n 3 --backend bogus", "invalid choice"),
     ("%makedip -n 4", "already running"),
@@ -461,6 +650,9 @@ def test_dipstatus_table(k):
     ("%%dip local --timeout -1\nprint('ran')", "--timeout -1"),
     ("%dip print(1)", "%%dip"),
     ("%autodip maybe", "invalid choice"),
+    ("%dipstatus now", "unrecognized arguments: now"),
+    ("%makedip -n 2 # a comment, then a quote left open: '", "already running"),
+    ("%makedip -n 4 -a 'open # not a comment", "cannot split"),
 ])
 def test_bad_flags_raise_usage_error_and_change_nothing(k, code, needle):
     before = k.pids()

@@ -680,7 +680,7 @@ def test_diprun_values_ddip_run_rejects_are_usage_errors_in_its_words(kernel, fl
     finally:
         assert kernel.run("del os.environ['CUDA_VISIBLE_DEVICES']").ok
     assert not cell.ok and cell.reply["ename"] == "UsageError"
-    assert cell.reply["evalue"] == f"{message}\nusage: %diprun [-g GPUS] [-n N] [--tee RANKS] [--log-dir DIR] " \
+    assert cell.reply["evalue"] == f"{message}\nusage: %diprun [-n N] [-g GPUS] [--tee RANKS] [--log-dir DIR] " \
                                    f"[--timeout SECONDS] [--hosts HOSTS] [--launcher LAUNCHER] [--ddip PATH]"
     # As IPython shows a UsageError: its message alone, no traceback, and no ddip run --help hint.
     assert cell.stream("stderr") == f"UsageError: {cell.reply['evalue']}\n"

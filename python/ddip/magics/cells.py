@@ -10,7 +10,7 @@ from ..errors import GroupClosedError, RankDeadError, RankError, RemoteError
 from ..group import Group
 from . import render
 from .data import push
-from .flags import cell_flags, parse, positive_seconds, rank_list, unquote, usage_error
+from .flags import cell_flags, parse, positive_seconds, rank_list, unquote, usage_error, without_comment
 from .lifecycle import RESTART
 from .session import Session
 
@@ -30,12 +30,15 @@ class CellMagics(Magics):
 
     @magic_arguments()
     @cell_flags
-    @argument("--push", metavar="VAR", nargs="+", help="(line magic) copy these notebook variables to every rank")
+    @argument("--push", metavar="VAR", nargs="+",
+              help="as a line magic only (%%dip --push VAR ...): copy these notebook variables to every rank, "
+                   "as %%dipush does")
     @line_cell_magic
     def dip(self, line="", cell=None):
-        """Run a cell on the group's ranks (remote), in the notebook (local), or both (everywhere)."""
+        """Run a cell on the group's ranks (remote), in the notebook (local), or both (everywhere).
+        As a line magic, %dip --push VAR ... copies notebook variables to every rank."""
         fn = self.dip
-        if cell is None and "--push" not in line:
+        if cell is None and "--push" not in without_comment(line):
             raise usage_error(fn, LINE_FORM)
         args = parse(fn, line)
         if cell is None:

@@ -1,6 +1,7 @@
 """The magics' flags: flag groups shared by the magics that take them (decorators adding the same
 magic_arguments to each, as IPython's own magics do), and parsing and checks every magic does the
-same way. A bad flag or value is a UsageError that ends with the magic's usage line."""
+same way. A bad flag or value is a UsageError that ends with the magic's usage line. Every magic's
+line goes through parse(), which drops a trailing `# comment` first."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def flag_group(*arguments):
 
 # How many ranks, as CPU processes or one per GPU: %makedip and %%diprun.
 size_flags = flag_group(
-    argument("-g", "--gpus", metavar="GPUS", help="one rank per listed GPU: 'all' or ids like 0,1,3 (in that order)"),
     argument("-n", "--nprocs", "--nproc-per-node", dest="nprocs", metavar="N", type=int,
              help="this many CPU ranks"),
+    argument("-g", "--gpus", metavar="GPUS", help="one rank per listed GPU: 'all' or ids like 0,1,3 (in that order)"),
 )
 
 # Ranks on several hosts: %makedip.
@@ -64,10 +65,32 @@ def usage_error(fn, message: str) -> UsageError:
     return UsageError(f"{message}\n{usage(fn)}")
 
 
-def parse(fn, line: str):
-    """The magic's flags, or a UsageError with its usage line."""
+def without_comment(line: str) -> str:
+    """The line without its trailing `# comment`, read as a shell reads one: the comment starts at
+    a word that begins with `#` outside quotes, and runs to the end. A `#` inside quotes ('#1') or
+    inside a word (a#b) stays. Words are found as IPython's parse_argstring finds them (shlex,
+    not POSIX: quotes kept, no escapes), so what is left splits into the very words it would have
+    got. A quote left open before any comment leaves the line as it is, for parse() to report."""
+    lex = shlex.shlex(line, posix=False)
+    lex.whitespace_split = True
+    lex.commenters = ""  # as IPython's arg_split: a # inside a word is part of it
+    pos = 0
     try:
-        return parse_argstring(fn, line)
+        for word in lex:  # each word is the line's own text, quotes included
+            start = line.index(word, pos)
+            if word.startswith("#") and (start == 0 or line[start - 1] in lex.whitespace):
+                return line[:start].rstrip()
+            pos = start + len(word)
+    except ValueError:  # a quote left open: there is no comment after it
+        pass
+    return line
+
+
+def parse(fn, line: str):
+    """The magic's flags, or a UsageError with its usage line. A trailing `# comment` is no
+    flag: `%makedip -n 2  # -g all for GPUs` is `%makedip -n 2`."""
+    try:
+        return parse_argstring(fn, without_comment(line))
     except UsageError as exc:
         raise usage_error(fn, str(exc)) from None
     except ValueError as exc:  # unbalanced quotes

@@ -78,19 +78,24 @@ class DipMagics(Magics):
 
     # -- %makedip -----------------------------------------------------------------------------------
 
+    # The flags in the order `%makedip?` and docs/magics.md list them: the most used first.
     @magic_arguments()
     @size_flags
-    @argument("-a", "--app", metavar="APP", help="set the group up for an app (ddip.apps.APP), e.g. fastai")
     @argument("-r", "--restart", action="store_true", help="kill the group and start it again (new flags override)")
-    @argument("-k", "--kill", action="store_true", help="kill the group")
+    @argument("-k", "--kill", action="store_true", help="kill the group (and turn %%autodip off)")
     @argument("--heal", action="store_true",
               help="rebuild torch.distributed on every rank (same ranks, fresh port), keeping their variables")
-    @argument("-i", "--info", action="store_true", help="print pids, rank -> device, backend, app and %%autodip")
-    @argument("-v", "--verbose", action="store_true", help="print progress while the group starts")
-    @argument("--cold", action="store_true", help="start ranks as fresh processes, not forked from the warm rank template")
-    @argument("-t", "--timeout", metavar="TIMEOUT", type=float, help="seconds to wait for the group to come up (60)")
+    @argument("-i", "--info", action="store_true",
+              help="print the group's flags, backend, app, pids, rank -> device, OMP_NUM_THREADS (and who "
+                   "chose it) and the %%autodip state")
+    @argument("-v", "--verbose", action="store_true",
+              help="print progress while the group starts or stops, and the rank template's state (warm "
+                   "or cold ranks, and why)")
     @argument("--backend", choices=["gloo", "nccl", "none", "auto"],
               help="torch.distributed backend (auto: nccl on GPUs, gloo on CPU, none without torch)")
+    @argument("-t", "--timeout", metavar="SECONDS", type=float, help="seconds to wait for the group to come up (60)")
+    @argument("-a", "--app", metavar="APP", help="set the group up for an app (ddip.apps.APP), e.g. fastai")
+    @argument("--cold", action="store_true", help="start ranks as fresh processes, not forked from the warm rank template")
     @hosts_flags
     @line_magic
     def makedip(self, line=""):
@@ -345,11 +350,13 @@ class DipMagics(Magics):
 
     # -- %dipstatus / %dipstack -------------------------------------------------------------------
 
+    @magic_arguments()  # no flags; the parser makes `%dipstatus x` a UsageError as every magic's
     @line_magic
     def dipstatus(self, line=""):
-        """A table of the ranks: pid, device, state (idle / busy / dead), memory, heartbeat."""
-        if line.strip():
-            raise UsageError(f"%dipstatus takes no arguments (got {line.strip()!r})")
+        """A table of the ranks: pid, device, state (idle, busy, dead, or unresponsive: no heartbeat
+        for 10 s), how long a busy rank has been busy, memory, heartbeat age, and each rank's GPU in
+        a GPU group."""
+        parse(self.dipstatus, line)
         group = self.session.running_group()
         render.status_table(group.status(), gpus=group.gpus is not None)
 
