@@ -13,6 +13,7 @@ import ddip
 from ddip.gpus import GpuInfo, Selected, select, visible_entries
 from ddip.group import resolve_backend
 from conftest import children_of
+from fake_nvidia_smi import fake_gpus  # noqa: F401  (a fixture)
 
 SLURM = "4,5,6,7"
 PHYSICAL = [GpuInfo(i, f"GPU-{i}aaa{i}", "H100", 81559) for i in range(8)]
@@ -48,10 +49,23 @@ def test_env_lists_the_visible_entries_in_its_order():
     assert visible_entries(" 2 , 0 ", 8) == ["2", "0"]  # spaces around entries are ignored
 
 
-def test_env_is_trusted_when_no_gpu_is_found_here():
-    # physical_gpus() finds nothing without nvidia-smi and /proc/driver/nvidia (a container,
-    # this test machine): the notebook's own CUDA_VISIBLE_DEVICES still says what it sees.
-    assert visible_entries("0,1", 0) == ["0", "1"]
+def test_env_can_hide_gpus_but_not_add_any():
+    # No GPU here (neither /proc/driver/nvidia nor nvidia-smi lists one): nothing is visible,
+    # whatever CUDA_VISIBLE_DEVICES lists.
+    assert visible_entries("0,1", 0) == []
+    assert visible_entries("GPU-0aaa0", 0) == []
+    assert visible_entries("0,1,9", 2) == ["0", "1"]  # and past the GPUs there are, it ends
+
+
+def test_gpus_the_env_names_on_a_machine_without_any_name_what_is_visible():
+    says = ("the notebook sees no GPU: its CUDA_VISIBLE_DEVICES='0,1' names GPUs, but this machine has no "
+            "NVIDIA GPU; to run CPU processes instead, use n=2 (for example) for a group, or leave out gpus= "
+            "in ranch")
+    for request_, first in (([0, 1], "GPU 0 is not visible: "), ("1", "GPU 1 is not visible: "),
+                            ("all", "'all' GPUs, but ")):
+        with pytest.raises(ValueError) as err:
+            select(request_, "0,1", [])
+        assert str(err.value) == first + says
 
 
 @pytest.mark.parametrize("env", ["", "-1", " ", "-1,0,1", ",0"])
@@ -272,7 +286,8 @@ def test_nccl_for_gpu_groups_gloo_for_cpu_ones():
     ("-1", "all", "'all' GPUs, but the group's env= sees no GPU (CUDA_VISIBLE_DEVICES='-1')"),
     ("4,5", [2], "GPU 2 is not visible: the group's env= sees 2 GPUs (CUDA_VISIBLE_DEVICES=4,5): give positions 0-1"),
 ])
-def test_group_with_nothing_visible_in_its_env_fails_before_starting(env, gpus, says):
+def test_group_with_nothing_visible_in_its_env_fails_before_starting(env, gpus, says, fake_gpus):
+    fake_gpus(8)
     before = children_of(os.getpid())
     with pytest.raises(ValueError) as err:
         ddip.Group(gpus=gpus, env={"CUDA_VISIBLE_DEVICES": env})
@@ -280,7 +295,8 @@ def test_group_with_nothing_visible_in_its_env_fails_before_starting(env, gpus, 
     assert no_processes_started(before)
 
 
-def test_group_positions_refer_to_the_env_given_and_ranks_get_the_entries_in_order(monkeypatch):
+def test_group_positions_refer_to_the_env_given_and_ranks_get_the_entries_in_order(monkeypatch, fake_gpus):
+    fake_gpus(8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the kernel's own list, overridden by env=
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     # backend=None: nothing in the ranks touches CUDA, so this runs without a GPU.
@@ -292,7 +308,8 @@ def test_group_positions_refer_to_the_env_given_and_ranks_get_the_entries_in_ord
         assert got == [("5,4", "0", "PCI_BUS_ID"), ("5,4", "1", "PCI_BUS_ID")]
 
 
-def test_group_positions_refer_to_the_notebooks_env(monkeypatch):
+def test_group_positions_refer_to_the_notebooks_env(monkeypatch, fake_gpus):
+    fake_gpus(8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLURM)
     with ddip.Group(gpus="3,1", backend=None) as g:
         assert g.gpus == ["7", "5"]
@@ -340,8 +357,8 @@ def test_ranch_with_gpus_hidden_by_the_notebooks_env_fails_before_starting(monke
     assert no_processes_started(before)
 
 
-def test_ranch_gpu_count_must_match_nprocs(monkeypatch):
-    # physical_gpus() finds none here: with the env set, the visible list is the env's.
+def test_ranch_gpu_count_must_match_nprocs(monkeypatch, fake_gpus):
+    fake_gpus(2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     before = children_of(os.getpid())
     with pytest.raises(ValueError, match=r"2 GPUs \(0, 1\) for 3 ranks: give one GPU per rank"):
@@ -359,7 +376,8 @@ def test_ranch_gpu_count_must_match_nprocs(monkeypatch):
     assert no_processes_started(before)
 
 
-def test_torchddp_ctx_resolves_positions_against_the_notebooks_env(monkeypatch):
+def test_torchddp_ctx_resolves_positions_against_the_notebooks_env(monkeypatch, fake_gpus):
+    fake_gpus(8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLURM)
     ctx = ddip.TorchDDPCtx(gpus=[2, 0])
     assert ctx.gpus == ["6", "4"] and ctx.selected == [Selected("6", 2), Selected("4", 0)]
@@ -369,8 +387,10 @@ def test_torchddp_ctx_resolves_positions_against_the_notebooks_env(monkeypatch):
         ddip.TorchDDPCtx(backend="nccl")
 
 
-def test_ranch_children_get_their_gpus_in_their_env_in_the_order_given(monkeypatch):
-    # No ctx: nothing touches CUDA, so the children's environment can be checked without a GPU.
+def test_ranch_children_get_their_gpus_in_their_env_in_the_order_given(monkeypatch, fake_gpus):
+    # No ctx: nothing touches CUDA, so the children's environment can be checked with GPUs that
+    # only nvidia-smi's stand-in lists.
+    fake_gpus(8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLURM)
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     # The notebook as rank 0 keeps its own view (it selects its GPU by position instead).
@@ -380,7 +400,8 @@ def test_ranch_children_get_their_gpus_in_their_env_in_the_order_given(monkeypat
     assert got == [("0", "0", "6,4"), ("1", "1", "6,4")]
 
 
-def test_ranch_without_gpus_keeps_children_off_the_gpus(monkeypatch):
+def test_ranch_without_gpus_keeps_children_off_the_gpus(monkeypatch, fake_gpus):
+    fake_gpus(8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLURM)
     assert ddip.ranch(2, _env_of_rank, caller_rank=None) == [("0", "0", ""), ("1", "1", "")]
 

@@ -263,7 +263,7 @@ def test_gpus_on_a_machine_without_gpus_suggests_cpu_ranks():
 
 def test_gpu_list_parsing_rejects_duplicates_and_junk():
     with pytest.raises(ValueError, match="more than once"):
-        ddip.gpus.select("0,0", "0,1")
+        ddip.gpus.select("0,0", "0,1", [ddip.gpus.GpuInfo(0), ddip.gpus.GpuInfo(1)])  # two GPUs here
     with pytest.raises(ValueError, match="'zero' is not a GPU"):
         ddip.gpus.select("zero", "0")
 

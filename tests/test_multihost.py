@@ -29,6 +29,7 @@ import ddip
 from ddip.errors import RemoteError, StartError
 
 from conftest import alive, wait_until
+from fake_nvidia_smi import fake_gpus  # noqa: F401  (a fixture)
 
 from netns_hosts import SSHD, Hosts, _missing, _port_open, _run  # noqa: F401  (shared with bench/)
 
@@ -773,11 +774,12 @@ def test_ddip_run_with_this_machine_and_a_template_host(tmp_path):
         f"[2] rank 2 local 0 1 group 1 2 world 3 master 127.0.0.1 sum 6 cwd {tmp_path}"], out + err
 
 
-def test_ddip_run_gpus_per_host(tmp_path):
+def test_ddip_run_gpus_per_host(tmp_path, fake_gpus):
     # --gpus 'HOST:LIST ...' gives each host's ranks their GPUs (the list, in order; rank i of the
     # host uses device i). Nothing touches CUDA here: the ranks only print their environment.
-    # This machine has no GPU: a visible list stands in for them (it is trusted when the driver
-    # lists none), as a GPU-less machine gets an error for --gpus, like a group.
+    # This machine has no GPU: nvidia-smi's stand-in lists three (CUDA_VISIBLE_DEVICES alone
+    # can't add any: a GPU-less machine gets an error for --gpus, like a group).
+    fake_gpus(3)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2"}
     p = subprocess.run([DDIP, "run", "--gpus", "here:1,0 there:2", "--launcher", "exec {command} # {host}",
                         "--master-addr", "127.0.0.1", "--", "sh", "-c",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import alive, children_of, wait_until
+from fake_nvidia_smi import fake_gpus  # noqa: F401  (a fixture)
 
 DDIP = str(Path(sys.executable).with_name("ddip"))
 PY = sys.executable
@@ -120,7 +121,8 @@ def test_omp_threads_default(launcher, tmp_path):
     assert rank_envs(p.stdout)[0]["OMP_NUM_THREADS"] == str(cores)
 
 
-def test_gpus_are_positions_in_the_visible_list(launcher, tmp_path):
+def test_gpus_are_positions_in_the_visible_list(launcher, tmp_path, fake_gpus):
+    fake_gpus(8)  # CUDA_VISIBLE_DEVICES can only hide GPUs the machine has
     path = script(tmp_path, ENV_SCRIPT)
     code, out, err = run(launcher, ["run", "--gpus", "2,0", PY, path],
                          env={"CUDA_VISIBLE_DEVICES": "4,6,7"})
@@ -134,7 +136,8 @@ def test_gpus_are_positions_in_the_visible_list(launcher, tmp_path):
     assert rank_envs(out)[1]["CUDA_VISIBLE_DEVICES"] == "GPU-8f2e,4"
 
 
-def test_gpu_outside_the_visible_list_is_a_clear_error(launcher, tmp_path):
+def test_gpu_outside_the_visible_list_is_a_clear_error(launcher, tmp_path, fake_gpus):
+    fake_gpus(8)
     marker = tmp_path / "started"
     code, out, err = run(launcher, ["run", "--gpus", "0,2", "touch", str(marker)],
                          env={"CUDA_VISIBLE_DEVICES": "4,6"})
@@ -154,6 +157,26 @@ def test_gpus_without_any_gpu_is_an_error_as_in_groups(launcher, tmp_path):
     assert p.returncode == 2
     assert "GPU 0 is not visible: this machine has no NVIDIA GPU; for CPU processes, give -n 2" in p.stderr
     assert not marker.exists()
+
+
+def ddip_plan_gpu_count() -> int:
+    from ddip import _core
+
+    return _core.plan.nvidia_device_count()  # what ddip run counts: the driver's list, or nvidia-smi's
+
+
+@pytest.mark.skipif(ddip_plan_gpu_count() > 0, reason="this machine has NVIDIA GPUs")
+def test_gpus_named_by_cuda_visible_devices_on_a_machine_without_any_is_an_error(tmp_path):
+    # CUDA_VISIBLE_DEVICES hides GPUs, it can't add them: ddip run says what is visible and how to
+    # run on CPU, and starts nothing.
+    marker = tmp_path / "started"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+    p = subprocess.run([DDIP, "run", "--gpus", "1", "touch", str(marker)], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert ("GPU 1 is not visible: ddip run sees no GPU: its CUDA_VISIBLE_DEVICES='0,1' names GPUs, but this "
+            "machine has no NVIDIA GPU; for CPU processes, give -n 2 (for example) instead of --gpus") in p.stderr
+    assert not marker.exists() and p.stdout == ""
 
 
 @pytest.mark.parametrize("args, message", [
@@ -672,13 +695,15 @@ def test_diprun_bad_flags(kernel):
     ("-n 0", "--nproc-per-node: Value 0 not in range 1 to 1024"),
     ("--timeout -1", "--timeout: give a positive number of seconds, got -1"),
 ])
-def test_diprun_values_ddip_run_rejects_are_usage_errors_in_its_words(kernel, flags, message):
+def test_diprun_values_ddip_run_rejects_are_usage_errors_in_its_words(kernel, flags, message, fake_gpus):
     # Two GPUs as far as the GPU rules can tell (no GPU is touched: nothing starts).
-    assert kernel.run("import os\nos.environ['CUDA_VISIBLE_DEVICES'] = '0,1'").ok
+    smi = fake_gpus(2)
+    assert kernel.run(f"import os\nos.environ['CUDA_VISIBLE_DEVICES'] = '0,1'\n_path = os.environ['PATH']\n"
+                      f"os.environ['PATH'] = {smi!r} + os.pathsep + _path").ok
     try:
         cell = kernel.run(f"%%diprun {flags}\nprint('never')")
     finally:
-        assert kernel.run("del os.environ['CUDA_VISIBLE_DEVICES']").ok
+        assert kernel.run("del os.environ['CUDA_VISIBLE_DEVICES']\nos.environ['PATH'] = _path").ok
     assert not cell.ok and cell.reply["ename"] == "UsageError"
     assert cell.reply["evalue"] == f"{message}\nusage: %diprun [-n N] [-g GPUS] [--tee RANKS] [--log-dir DIR] " \
                                    f"[--timeout SECONDS] [--hosts HOSTS] [--launcher LAUNCHER] [--ddip PATH]"

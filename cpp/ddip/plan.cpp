@@ -1,15 +1,21 @@
 #include "ddip/plan.hpp"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sched.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <climits>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -48,6 +54,10 @@ std::string quoted(const std::string& s) { return "'" + s + "'"; }
 // What the view sees, and what to give instead: for messages.
 std::string describe(const std::vector<std::string>& visible, const GpuView& view) {
   if (visible.empty()) {
+    // A list that names GPUs on a machine without any: nothing is visible, whatever it says.
+    if (view.env && view.physical_count <= 0 && !visible_gpus(view.env, INT_MAX).empty())
+      return view.who + " sees no GPU: its CUDA_VISIBLE_DEVICES=" + quoted(*view.env) +
+             " names GPUs, but this machine has no NVIDIA GPU";
     if (view.env) return view.who + " sees no GPU (CUDA_VISIBLE_DEVICES=" + quoted(*view.env) + ")";
     return "this machine has no NVIDIA GPU";
   }
@@ -227,18 +237,78 @@ std::string hosts_with_gpus(const std::optional<std::string>& hosts, const std::
 
 // -- GPUs -------------------------------------------------------------------------------------
 
+namespace detail {
+
+// What `argv` prints on stdout, when it runs and exits 0 within `timeout_ms`; nullopt otherwise
+// (not installed, failed, or silent too long: then it is killed). Only our own child is waited
+// for; a foreign reaper that took its status leaves what it printed.
+std::optional<std::string> output_of(const std::vector<std::string>& argv, int timeout_ms) {
+  Pipe out = make_pipe(true);
+  posix_spawn_file_actions_t actions;
+  if (::posix_spawn_file_actions_init(&actions) != 0) return std::nullopt;
+  ::posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  ::posix_spawn_file_actions_adddup2(&actions, out.write.get(), 1);
+  ::posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = ::posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  ::posix_spawn_file_actions_destroy(&actions);
+  out.write.reset();
+  if (rc != 0) return std::nullopt;  // ENOENT: not installed
+  std::string text;
+  char buf[4096];
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  bool ended = false;
+  while (!ended) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    pollfd p{out.read.get(), POLLIN, 0};
+    int n = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // silent past the deadline, or poll failed: given up on
+    ended = read_available(out.read.get(), buf, sizeof buf, [&](std::string_view piece) {
+              text.append(piece);
+              return true;
+            }) == ReadEnd::kEnded;
+  }
+  if (!ended) ::kill(pid, SIGKILL);
+  int status = 0;
+  pid_t waited;
+  do waited = ::waitpid(pid, &status, 0);
+  while (waited < 0 && errno == EINTR);
+  if (!ended) return std::nullopt;
+  if (waited == pid && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) return std::nullopt;
+  return text;
+}
+
+}  // namespace detail
+
 int nvidia_device_count() {
   std::error_code ec;
   std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec);
-  if (ec) return 0;
+  if (!ec) {
+    int n = 0;
+    for (; it != std::filesystem::directory_iterator(); it.increment(ec)) ++n;
+    return n;
+  }
+  // No driver listing in /proc (WSL, some containers): nvidia-smi still knows. Its GPU lines
+  // start "GPU <index>:"; MIG devices are indented under their GPU.
+  auto listed = detail::output_of({"nvidia-smi", "-L"}, 20000);
+  if (!listed) return 0;
   int n = 0;
-  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) ++n;
+  for (const auto& line : detail::split_any(*listed, "\n"))
+    if (line.rfind("GPU ", 0) == 0) ++n;
   return n;
 }
 
 std::vector<std::string> visible_gpus(const std::optional<std::string>& visible_env,
                                       int physical_count) {
   std::vector<std::string> out;
+  // No GPU here: CUDA_VISIBLE_DEVICES can hide GPUs, never add them.
+  if (physical_count <= 0) return out;
   if (!visible_env) {
     for (int i = 0; i < physical_count; ++i) out.push_back(std::to_string(i));
     return out;
@@ -249,7 +319,7 @@ std::vector<std::string> visible_gpus(const std::optional<std::string>& visible_
       continue;
     }
     auto idx = parse_index(e);
-    if (!idx || (physical_count > 0 && *idx >= physical_count)) break;
+    if (!idx || *idx >= physical_count) break;
     out.push_back(e);
   }
   return out;
@@ -279,7 +349,8 @@ std::vector<Gpu> select_gpus(const std::vector<std::string>& requested, const Gp
       if (at != visible.end()) {
         out.push_back({item, static_cast<int>(at - visible.begin())});
       } else if (view.env) {
-        throw std::invalid_argument(item + " is not visible: " + detail::describe(visible, view));
+        throw std::invalid_argument(item + " is not visible: " + detail::describe(visible, view) +
+                                    nothing_hint());
       } else if (view.physical_count == 0) {
         throw std::invalid_argument(item + " is not visible: " + detail::describe(visible, view) +
                                     view.cpu_hint);

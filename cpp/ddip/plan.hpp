@@ -48,13 +48,15 @@ std::string hosts_with_gpus(const std::optional<std::string>& hosts, const std::
 
 // -- GPUs -------------------------------------------------------------------------------------
 
-// This machine's NVIDIA GPUs as the driver lists them (/proc/driver/nvidia/gpus); 0 without one.
+// This machine's NVIDIA GPUs as the driver lists them (/proc/driver/nvidia/gpus), or, where /proc
+// has no such list (WSL, some containers), as `nvidia-smi -L` does; 0 without one.
 int nvidia_device_count();
 
 // A launcher's visible GPUs as CUDA_VISIBLE_DEVICES entries, in device-index order. Unset: every
 // physical GPU. Like CUDA, the list ends at the first invalid entry: an empty or negative one
 // ("" or "-1" hide every GPU), a word that is no index, UUID (GPU-...) or MIG id (MIG-...), or an
-// index past the GPUs there are (when `physical_count` > 0).
+// index past the GPUs there are. With no GPU (`physical_count` 0) nothing is visible, whatever
+// the variable lists: it hides GPUs, it can't add them.
 std::vector<std::string> visible_gpus(const std::optional<std::string>& visible_env,
                                       int physical_count);
 
@@ -76,7 +78,8 @@ struct Gpu {
 
 // "all", positions ("0", "3": places in the visible list), UUIDs or MIG ids -> one Gpu per rank,
 // in the order given. Throws std::invalid_argument naming what is visible when the request can't
-// be met: a position outside the list, no GPU at all, the same GPU twice.
+// be met: a position outside the list, no GPU at all (also when CUDA_VISIBLE_DEVICES lists some
+// on a machine without any), the same GPU twice.
 std::vector<Gpu> select_gpus(const std::vector<std::string>& requested, const GpuView& view);
 
 // -- where rank 0 listens --------------------------------------------------------------------------

@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "ddip/plan.hpp"
@@ -70,14 +75,68 @@ TEST(VisibleGpus, TheListEndsAtTheFirstInvalidEntryLikeCuda) {
   EXPECT_EQ(visible_gpus("0,,1", 8), (Args{"0"}));
   EXPECT_EQ(visible_gpus("0,junk,1", 8), (Args{"0"}));
   EXPECT_EQ(visible_gpus("0,9,1", 2), (Args{"0"}));      // past the GPUs there are
-  EXPECT_EQ(visible_gpus("0,9,1", 0), (Args{"0", "9", "1"}));  // none found here: trusted
   EXPECT_EQ(visible_gpus(" 2 , GPU-ab,MIG-x/1 ", 8), (Args{"2", "GPU-ab", "MIG-x/1"}));
+}
+
+TEST(VisibleGpus, NoGpuHereMeansNoneVisibleWhateverTheVariableLists) {
+  // CUDA_VISIBLE_DEVICES hides GPUs; it can't add any to a machine that has none.
+  EXPECT_EQ(visible_gpus("0,1", 0), Args{});
+  EXPECT_EQ(visible_gpus("GPU-aaa,MIG-bbb", 0), Args{});
+  EXPECT_EQ(visible_gpus(std::nullopt, 0), Args{});
+}
+
+TEST(SelectGpus, ANamedGpuOnAMachineWithoutAnyNamesWhatIsVisible) {
+  const std::string no_gpu =
+      " is not visible: the notebook sees no GPU: its CUDA_VISIBLE_DEVICES='0,1' names GPUs, but "
+      "this machine has no NVIDIA GPU; for CPU ranks, give n=";
+  EXPECT_EQ(gpu_error({"1"}, view("0,1", 0)), "GPU 1" + no_gpu);
+  EXPECT_EQ(gpu_error({"0", "1"}, view("0,1", 0)), "GPU 0" + no_gpu);
+  EXPECT_EQ(gpu_error({"all"}, view("0,1", 0)),
+            "'all' GPUs, but the notebook sees no GPU: its CUDA_VISIBLE_DEVICES='0,1' names GPUs, "
+            "but this machine has no NVIDIA GPU; for CPU ranks, give n=");
+  EXPECT_EQ(gpu_error({"GPU-aaa"}, view("GPU-aaa", 0)),
+            "GPU-aaa is not visible: the notebook sees no GPU: its CUDA_VISIBLE_DEVICES='GPU-aaa' "
+            "names GPUs, but this machine has no NVIDIA GPU; for CPU ranks, give n=");
+  // A variable that hides everything says just that.
+  EXPECT_EQ(gpu_error({"0"}, view("-1", 0)),
+            "GPU 0 is not visible: the notebook sees no GPU (CUDA_VISIBLE_DEVICES='-1'); for CPU "
+            "ranks, give n=");
+}
+
+// Where /proc lists no driver's GPUs, nvidia-smi -L is asked: its GPU lines, not its MIG ones.
+TEST(NvidiaDeviceCount, WithoutTheDriversListNvidiaSmiIsAsked) {
+  if (std::filesystem::exists("/proc/driver/nvidia/gpus"))
+    GTEST_SKIP() << "the driver lists this machine's GPUs in /proc";
+  auto dir =
+      std::filesystem::temp_directory_path() / ("ddip-fake-smi-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const char* old_path = std::getenv("PATH");
+  std::string saved = old_path ? old_path : "";
+  auto smi = [&](const std::string& body) {
+    std::ofstream(dir / "nvidia-smi") << "#!/bin/sh\n" << body;
+    std::filesystem::permissions(dir / "nvidia-smi", std::filesystem::perms::owner_all);
+  };
+  ::setenv("PATH", (dir.string() + ":" + saved).c_str(), 1);
+  smi("[ \"$1\" = -L ] || exit 9\n"
+      "echo 'GPU 0: NVIDIA A100 (UUID: GPU-0aaa0)'\n"
+      "echo '  MIG 1g.10gb Device 0: (UUID: MIG-1bbb1)'\n"
+      "echo 'GPU 1: NVIDIA A100 (UUID: GPU-1aaa1)'\n");
+  int listed = nvidia_device_count();
+  smi("echo 'GPU 0: NVIDIA A100'; echo 'NVIDIA-SMI has failed' >&2; exit 1\n");
+  int failed = nvidia_device_count();
+  std::filesystem::remove(dir / "nvidia-smi");
+  int missing = nvidia_device_count();
+  ::setenv("PATH", saved.c_str(), 1);
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(listed, 2);
+  EXPECT_EQ(failed, 0);  // a failing nvidia-smi lists nothing, whatever it printed
+  EXPECT_EQ(missing, 0);
 }
 
 TEST(SelectGpus, PositionsInTheVisibleListInTheGivenOrder) {
   EXPECT_EQ(entries({"3", "1"}, view(std::nullopt, 4)), (Args{"3", "1"}));
   EXPECT_EQ(entries({"1", "0"}, view("4,6", 8)), (Args{"6", "4"}));
-  EXPECT_EQ(entries({"1"}, view("GPU-aaa,GPU-bbb", 0)), (Args{"GPU-bbb"}));
+  EXPECT_EQ(entries({"1"}, view("GPU-aaa,GPU-bbb", 1)), (Args{"GPU-bbb"}));
   auto g = select_gpus({"1", "0"}, view("4,6", 8));
   EXPECT_EQ(g[0].position, 1);
   EXPECT_EQ(g[1].position, 0);
@@ -109,9 +168,9 @@ TEST(SelectGpus, OutsideTheVisibleListNamesWhatIsVisible) {
 
 TEST(SelectGpus, UuidsAreMatchedAgainstWhatIsVisible) {
   // Visible by UUID: its position there.
-  auto g = select_gpus({"GPU-bbb"}, view("GPU-aaa,GPU-bbb", 0));
+  auto g = select_gpus({"GPU-bbb"}, view("GPU-aaa,GPU-bbb", 2));
   EXPECT_EQ(g[0].position, 1);
-  EXPECT_EQ(gpu_error({"GPU-ccc"}, view("GPU-aaa", 0)),
+  EXPECT_EQ(gpu_error({"GPU-ccc"}, view("GPU-aaa", 1)),
             "GPU-ccc is not visible: the notebook sees 1 GPU (CUDA_VISIBLE_DEVICES=GPU-aaa): give "
             "positions 0, 'all', or their UUIDs");
   // Nothing hidden: a (prefix of a) physical GPU's UUID; its index is its position.

@@ -8,7 +8,9 @@ in a container or on a shared machine the kernel may see only some GPUs
 - numbers are positions in the notebook's visible list (torch's device indices in the
   notebook), so `-g 0,1` keeps working under Slurm;
 - entries given as UUIDs (GPU-...) or MIG ids (MIG-...) pass through as they are;
-- anything outside the visible list is an error that names what is visible.
+- anything outside the visible list is an error that names what is visible;
+- CUDA_VISIBLE_DEVICES hides GPUs but can't add any: on a machine without an NVIDIA GPU nothing
+  is visible, whatever it lists.
 
 Every rank gets CUDA_VISIBLE_DEVICES listing the group's GPUs in the order given, and rank
 LOCAL_RANK uses device index LOCAL_RANK. CUDA_DEVICE_ORDER is passed through unchanged, so a
@@ -86,7 +88,7 @@ def _query_physical_gpus() -> list[GpuInfo]:
             except (IndexError, ValueError):
                 continue
         return sorted(gpus, key=lambda g: g.index)
-    # No nvidia-smi: the driver still lists its devices (the plan counts them as ddip run does).
+    # No answer from nvidia-smi: the plan counts the GPUs as ddip run does (the driver's list).
     return [GpuInfo(i) for i in range(_core.plan.nvidia_device_count())]
 
 

@@ -145,3 +145,35 @@ def test_bad_ranch_calls_start_nothing(what, call, error, message, monkeypatch):
     assert message in str(e.value)
     assert children_of(os.getpid()) == before
     assert dict(os.environ) == env_before
+
+
+NO_GPU_HERE = "sees no GPU: its CUDA_VISIBLE_DEVICES='0,1' names GPUs, but this machine has no NVIDIA GPU"
+NAMED_GPUS = [
+    ("Group, the env given", lambda: ddip.Group(gpus=[1], env={"CUDA_VISIBLE_DEVICES": "0,1"}), None,
+     "GPU 1 is not visible: the group's env= " + NO_GPU_HERE),
+    ("Group, the notebook's env", lambda: ddip.Group(gpus="all"), "0,1", "'all' GPUs, but the notebook " + NO_GPU_HERE),
+    ("ranch", lambda: ddip.ranch(2, _plain, 1, gpus=[0, 1]), "0,1", "GPU 0 is not visible: the notebook " + NO_GPU_HERE),
+    ("ranch, TorchDDPCtx", lambda: ddip.ranch(2, _plain, 1, ctx=ddip.TorchDDPCtx(gpus=[0, 1])), "0,1",
+     "GPU 0 is not visible: the notebook " + NO_GPU_HERE),
+]
+
+
+@pytest.mark.skipif(bool(ddip.gpus.physical_gpus()), reason="needs a machine without NVIDIA GPUs")
+@pytest.mark.parametrize("what, call, notebook_env, message", NAMED_GPUS, ids=[c[0] for c in NAMED_GPUS])
+def test_gpus_named_by_cuda_visible_devices_on_a_machine_without_any_start_nothing(what, call, notebook_env,
+                                                                                    message, monkeypatch):
+    # CUDA_VISIBLE_DEVICES hides GPUs, it can't add them: the ranks would crash in torch (a
+    # group) or run on CPU unasked (ranch). The error names what is visible and how to run on
+    # CPU, before anything starts or changes.
+    if notebook_env is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", notebook_env)
+    before = children_of(os.getpid())
+    env_before = dict(os.environ)
+    with pytest.raises(ValueError) as e:
+        call()
+    assert message in str(e.value)
+    assert "to run CPU processes instead, use n=2 (for example) for a group, or leave out gpus= in ranch" in str(e.value)
+    assert children_of(os.getpid()) == before
+    assert dict(os.environ) == env_before
