@@ -200,4 +200,8 @@ def test_dip_cell_heals_and_makedip_heal(tmp_path):
         assert cell.ok and re.fullmatch(r"Out\[0:\d+\]: \(2\.0, 6\)", "".join(cell.plain)), cell.outputs
         cell = k.run("%makedip --heal -r")
         assert not cell.ok and "--heal rebuilds" in cell.stream("stderr")
+        k.run("%%dip\nif dist.get_rank() == 1: os._exit(3)")
+        cell = k.run("%makedip --heal")  # refused, naming the dead rank and the way out
+        err = strip_ansi(cell.stream("stderr") + "".join("\n".join(o.get("traceback", [])) for o in cell.of_type("error")))
+        assert not cell.ok and "HealError" in err and "rank 1 is dead (exit code 3)" in err and "%makedip -r" in err, err
         k.run("%makedip -k")

@@ -15,7 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from .. import hosts as _hosts
 from .. import template as _template
 from ..displays import notebook_env
-from ..errors import HealError, RankError, RemoteError, StartError
+from ..errors import HealError, RemoteError, StartError
 from ..group import Group, parse_gpus, resolve_backend
 from . import render
 from .flags import hosts_flags, parse, positive_seconds, rank_list, size_flags, unquote, usage_error
@@ -307,12 +307,8 @@ class DipMagics(Magics):
         group = self.session.running_group()
         try:
             report = group.heal()
-        except HealError as exc:
+        except HealError as exc:  # refused (a dead rank, no backend: nothing changed) or failed
             raise render.CellError.of("HealError", str(exc)) from None
-        except RankError as exc:  # a dead rank: nothing was changed
-            raise UsageError(f"%makedip --heal: {exc.describe(restart=RESTART)}") from None
-        except RuntimeError as exc:  # no backend, ranks of a larger world: nothing was changed
-            raise UsageError(f"%makedip --heal: {exc}") from None
         print(render.healed(report))
 
     def _kill(self, verbose: bool, keep_autodip: bool = False):
