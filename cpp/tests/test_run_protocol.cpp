@@ -54,6 +54,7 @@ TEST(RunProtocol, RankFailedRoundTripsAnyText) {
   m.exit_code = 7;
   m.when_ns = 1732430000123456789;
   m.what = "exit code 7";
+  m.error = R"({"message": {"message": "ValueError: a b", "extraInfo": {"py_callstack": "T\n"}}})";
   m.tail = kAwkward;
   std::string line = encode(Report{m});
   EXPECT_TRUE(is_record(line));
@@ -68,6 +69,7 @@ TEST(RunProtocol, RankFailedRoundTripsAnyText) {
   for (const auto& text : kAwkward) {
     RankFailed one = m;
     one.what = text;
+    one.error = text;
     one.tail = {text};
     EXPECT_EQ(std::get<RankFailed>(decode_report(encode(Report{one}))), one) << text;
   }
@@ -129,18 +131,20 @@ TEST(RunProtocol, MalformedReportsAreRejectedSayingWhy) {
   } cases[] = {
       {p + "failed\n", "ends before its rank"},
       {p + "failed 3 7 0 12\n", "ends before its description"},
-      {p + "failed 3 7 0 12 exit\\scode\\s7\n", "ends before its line count"},
-      {p + "failed -1 7 0 12 x 0\n", "rank -1 is outside 0.."},
-      {p + "failed 3 256 0 12 x 0\n", "exit code 256 is outside 0..255"},
-      {p + "failed 3 0 65 12 x 0\n", "signal 65 is outside 0.."},
-      {p + "failed 3 0 0 12 x 0\n", "needs a non-zero exit code or a signal"},
-      {p + "failed 3 7 0 -5 x 0\n", "time -5 is outside 0.."},
-      {p + "failed 3 7 0 1e9 x 0\n", "time \"1e9\" is not a number"},
-      {p + "failed 3 7 0 12 x 2 a\n", "says 2 line(s) of stderr follow, but 1 do"},
-      {p + "failed 3 7 0 12 x 1 a b\n", "says 1 line(s) of stderr follow, but 2 do"},
-      {p + "failed 3 7 0 12 x 1001\n", "line count 1001 is outside 0..1000"},
-      {p + "failed 3 7 0 12 bad\\q 0\n", "description has an unknown escape \"\\q\""},
-      {p + "failed 3 7 0 12 x 1 trailing\\\n", "stderr line has an unknown escape \"\\\""},
+      {p + "failed 3 7 0 12 exit\\scode\\s7\n", "ends before its error file"},
+      {p + "failed 3 7 0 12 exit\\scode\\s7 \\e\n", "ends before its line count"},
+      {p + "failed -1 7 0 12 x \\e 0\n", "rank -1 is outside 0.."},
+      {p + "failed 3 256 0 12 x \\e 0\n", "exit code 256 is outside 0..255"},
+      {p + "failed 3 0 65 12 x \\e 0\n", "signal 65 is outside 0.."},
+      {p + "failed 3 0 0 12 x \\e 0\n", "needs a non-zero exit code or a signal"},
+      {p + "failed 3 7 0 -5 x \\e 0\n", "time -5 is outside 0.."},
+      {p + "failed 3 7 0 1e9 x \\e 0\n", "time \"1e9\" is not a number"},
+      {p + "failed 3 7 0 12 x \\e 2 a\n", "says 2 line(s) of stderr follow, but 1 do"},
+      {p + "failed 3 7 0 12 x \\e 1 a b\n", "says 1 line(s) of stderr follow, but 2 do"},
+      {p + "failed 3 7 0 12 x \\e 1001\n", "line count 1001 is outside 0..1000"},
+      {p + "failed 3 7 0 12 bad\\q \\e 0\n", "description has an unknown escape \"\\q\""},
+      {p + "failed 3 7 0 12 x bad\\q 0\n", "error file has an unknown escape \"\\q\""},
+      {p + "failed 3 7 0 12 x \\e 1 trailing\\\n", "stderr line has an unknown escape \"\\\""},
       {p + "done 2 0 ok\n", "says 2 rank(s) follow, which takes 4 fields, but 2 do"},
       {p + "done 1 zero ok\n", "rank \"zero\" is not a number"},
       {p + "done x\n", "rank count \"x\" is not a number"},

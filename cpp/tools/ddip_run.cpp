@@ -35,6 +35,7 @@
 #include "ddip/supervisor.hpp"
 #include "run_args.hpp"
 #include "run_channel.hpp"
+#include "run_elastic.hpp"
 #include "run_loop.hpp"
 #include "run_output.hpp"
 #include "run_policy.hpp"
@@ -76,8 +77,11 @@ struct UnitPlan {
 class Launcher final : Crew {
  public:
   // `node`: this ddip run was started on its host by another one (--node); its stdin is then
-  // that one's control channel.
-  Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node);
+  // that one's control channel. `errors`: where the ranks here write their error files.
+  // `error_file`: this ddip run's own TORCHELASTIC_ERROR_FILE ("" when unset), which gets the
+  // root cause's error file at the end, as torchrun's does.
+  Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node,
+           const ErrorFiles& errors, std::string error_file);
 
   // Runs the ranks to the end; returns the launcher's exit code.
   int run();
@@ -90,6 +94,9 @@ class Launcher final : Crew {
   void report_upstream(const RootCause& cause) override;
 
   void start_units();
+  // Rank unit `u` is about to get `sig` to stop it: it counts as stopped, as it stands now.
+  void stopping(size_t u, int sig);
+  void pass_on_error_file() const;
   void on_exit(size_t u);
   void on_signal();
   void on_control(const protocol::Control& message);
@@ -102,6 +109,8 @@ class Launcher final : Crew {
 
   RunOptions opts_;
   std::optional<NodeOptions> node_;
+  const ErrorFiles& errors_;
+  std::string error_file_;
   milliseconds link_timeout_;
   std::vector<UnitPlan> plans_;
   std::vector<UnitEnd> ends_;  // per unit, as the Supervisor numbers them
@@ -116,9 +125,12 @@ class Launcher final : Crew {
   Clock::time_point drain_until_;
 };
 
-Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node)
+Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node,
+                   const ErrorFiles& errors, std::string error_file)
     : opts_(std::move(opts)),
       node_(std::move(node)),
+      errors_(errors),
+      error_file_(std::move(error_file)),
       link_timeout_(std::chrono::duration_cast<milliseconds>(
           std::chrono::duration<double>(opts_.link_timeout_s))),
       plans_(std::move(plans)),
@@ -184,11 +196,18 @@ void Launcher::start_units() {
   }
 }
 
+void Launcher::stopping(size_t u, int sig) {
+  if (ends_[u].stopped) return;  // SIGKILL after the SIGTERM: its stance then is what counts
+  ends_[u].stopped = true;
+  // Not reaped (running() said so), so the pid is still this rank's.
+  ends_[u].at_stop = stance(sup_.child(u).pid(), sig);
+}
+
 void Launcher::terminate() {
   for (size_t u = 0; u < ends_.size(); ++u) {
     // One that has exited, even if its pidfd has not been read yet, ended on its own.
     if (ends_[u].status || !sup_.running(u) || ends_[u].host) continue;
-    ends_[u].stopped = true;
+    stopping(u, SIGTERM);
     sup_.signal(u, SIGTERM);
   }
   // Each host's ddip run stops its own ranks the same way (SIGTERM, grace, SIGKILL).
@@ -198,7 +217,7 @@ void Launcher::terminate() {
 void Launcher::kill() {
   for (size_t u = 0; u < ends_.size(); ++u) {
     if (ends_[u].status || !sup_.running(u) || ends_[u].host) continue;
-    ends_[u].stopped = true;
+    stopping(u, SIGKILL);
     sup_.signal(u, SIGKILL);
   }
   downstream_.kill();
@@ -212,7 +231,7 @@ void Launcher::forward(int sig) {
 
 void Launcher::report_upstream(const RootCause& cause) {
   upstream_->send(protocol::RankFailed{cause.rank, cause.exit_code, cause.signal, cause.when_ns,
-                                       cause.what, cause.tail});
+                                       cause.what, cause.error, cause.tail});
 }
 
 void Launcher::on_record(size_t u, std::string_view line) {
@@ -228,6 +247,7 @@ void Launcher::on_record(size_t u, std::string_view line) {
       cause.signal = m->signal;
       cause.code = ExitStatus{m->exit_code, m->signal, false}.shell_code();
       cause.tail = std::move(m->tail);
+      cause.error = std::move(m->error);
       cause.when_ns = m->when_ns;
       cause.reported = true;
       policy_.failed(std::move(cause), Clock::now());
@@ -277,6 +297,7 @@ void Launcher::on_exit(size_t u) {
     cause.exit_code = st->code;
     cause.signal = st->signal;
     cause.tail = streams_.stderr_tail(u);
+    cause.error = errors_.read(un.first_rank);
     policy_.failed(std::move(cause), Clock::now());
   }
   if (all_exited()) drain_until_ = Clock::now() + kDrain;
@@ -313,7 +334,24 @@ int Launcher::finish() {
   }
   std::string report = summary(outcome, ends_);
   if (!report.empty()) write_all(2, report);
+  pass_on_error_file();
   return outcome.exit_code();
+}
+
+void Launcher::pass_on_error_file() const {
+  const auto& root = policy_.outcome().root;
+  // torchrun writes nothing there when the root cause left no error file.
+  if (error_file_.empty() || !root || root->error.empty()) return;
+  try {
+    std::string json = parent_error_json(root->error, root->signal ? -root->signal : root->exit_code);
+    std::error_code ec;
+    std::filesystem::remove(error_file_, ec);
+    Fd out(check(::open(error_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), "open",
+                 "writing TORCHELASTIC_ERROR_FILE " + error_file_));
+    if (!write_all(out.get(), json)) throw std::runtime_error("writing " + error_file_ + " failed");
+  } catch (const std::exception& e) {
+    std::cerr << me() << ": could not pass " << root->who << "'s error file on: " << e.what() << "\n";
+  }
 }
 
 int Launcher::run() {
@@ -382,9 +420,16 @@ std::vector<std::string> base_environment(const std::vector<std::string>& overri
   return base;
 }
 
+// torchrun's elastic variables for every rank of the launch: one run id on every host, and each
+// rank's error file here (none under --check, which starts nothing).
+struct Elastic {
+  std::string run_id;
+  const ErrorFiles* errors = nullptr;
+};
+
 void add_ranks(std::vector<UnitPlan>& plans, const std::vector<std::string>& command,
                const LaunchEnv& launch, const std::vector<bool>& shown,
-               const std::vector<std::string>& env) {
+               const std::vector<std::string>& env, const Elastic& elastic) {
   std::vector<std::string> base = base_environment(env);
   for (int r = 0; r < launch.local_size(); ++r) {
     UnitPlan p;
@@ -392,6 +437,8 @@ void add_ranks(std::vector<UnitPlan>& plans, const std::vector<std::string>& com
     p.shown = shown[static_cast<size_t>(p.first_rank)];
     p.spec.argv = command;
     p.spec.env = rank_environment(base, launch, r);
+    add_elastic_environment(p.spec.env, elastic.run_id,
+                            elastic.errors ? elastic.errors->path(p.first_rank) : std::string());
     plans.push_back(std::move(p));
   }
 }
@@ -455,6 +502,18 @@ int main(int argc, char** argv) {
     }
     opts.command = shipped.rewrite(opts.command);
   }
+  // The ranks' error files: made before any rank starts, removed once every rank here has ended.
+  std::optional<ErrorFiles> errors;
+  Elastic elastic;
+  elastic.run_id = opts.node ? opts.node->run_id : new_run_id();
+  if (!opts.check) {
+    try {
+      elastic.errors = &errors.emplace();
+    } catch (const std::exception& e) {
+      std::cerr << prog << ": " << e.what() << "\n";
+      return 1;
+    }
+  }
   std::string payload;
   if (!opts.node && !opts.ship.empty()) {
     try {
@@ -496,7 +555,7 @@ int main(int argc, char** argv) {
       }
       launch.master_addr = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
       launch.master_port = opts.master_port ? opts.master_port : plan::free_port();
-      add_ranks(plans, opts.command, launch, shown, opts.env);
+      add_ranks(plans, opts.command, launch, shown, opts.env, elastic);
     } else {
       // Ranks host by host. Rank 0's host serves MASTER_ADDR:MASTER_PORT for torch.distributed.
       plan::Layout layout = plan::lay_out(opts.hosts, opts.master_addr, "", false);
@@ -522,14 +581,14 @@ int main(int argc, char** argv) {
             here.cuda_visible_devices = resolved_gpus(h.gpus);
           else
             here.cpu_ranks = no_visible_gpu();
-          add_ranks(plans, opts.command, here, shown, opts.env);
+          add_ranks(plans, opts.command, here, shown, opts.env, elastic);
         } else {
           std::vector<std::string> remote_cmd = {
               ddip, "run", "--node",
               std::to_string(offset) + "," + std::to_string(world) + "," + std::to_string(i) +
                   "," + std::to_string(opts.hosts.size()),
-              "--node-name", h.name, "--master-addr", addr, "--master-port", std::to_string(port),
-              "--tee", opts.tee};
+              "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", addr,
+              "--master-port", std::to_string(port), "--tee", opts.tee};
           if (!cwd.empty()) remote_cmd.insert(remote_cmd.end(), {"--node-cwd", cwd});
           if (!payload.empty())
             remote_cmd.insert(remote_cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
@@ -581,7 +640,11 @@ int main(int argc, char** argv) {
       if (::getppid() != parent) return 1;  // the parent died before prctl took effect
     }
     auto node = opts.node;
-    Launcher launcher(std::move(opts), std::move(plans), std::move(node));
+    // As torchrun's own: the root cause's error file is passed on to it at the end. On another
+    // host, the ddip run that started this one does that.
+    std::string error_file = node ? std::string() : env_var("TORCHELASTIC_ERROR_FILE").value_or("");
+    Launcher launcher(std::move(opts), std::move(plans), std::move(node), *errors,
+                      std::move(error_file));
     return launcher.run();
   } catch (const CannotStart& e) {
     std::cerr << prog << ": " << e.what() << "\n";

@@ -113,6 +113,7 @@ CommandLine::CommandLine()
   run_->add_option("--node", node_spec_, "RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES")->group("");
   run_->add_option("--node-name", node_.name)->group("");
   run_->add_option("--node-cwd", node_.cwd)->group("");
+  run_->add_option("--node-run-id", node_.run_id)->group("");
   run_->add_option("--node-files", node_.files)->group("")->check(CLI::Range(0, 1024));
   run_->add_flag("--die-with-parent", opts_.die_with_parent,
                  "Exit, and so stop every rank, when the process that started ddip run dies "
@@ -128,10 +129,15 @@ CommandLine::CommandLine()
                    "Put it after -- when it could be taken for a flag of ddip run");
   run_->footer(
       "Each rank's stdin is /dev/null. Ranks also get OMP_NUM_THREADS (their host's cores "
-      "divided among its ranks) and PYTHONUNBUFFERED=1, unless already set. Ctrl-C (SIGINT) and SIGTERM "
-      "are forwarded to every rank's process group, on every host; a second one kills the "
-      "ranks. With --hosts, ranks on other hosts get that host's own environment (as under "
-      "torchrun) plus the variables above, and run in this directory when it exists there.");
+      "divided among its ranks) and PYTHONUNBUFFERED=1, unless already set, and torchrun's "
+      "TORCHELASTIC_* variables: one TORCHELASTIC_RUN_ID for the launch, "
+      "TORCHELASTIC_RESTART_COUNT=0 and TORCHELASTIC_MAX_RESTARTS=0 (ddip run never restarts "
+      "ranks), and a TORCHELASTIC_ERROR_FILE per rank: a rank that fails inside a function "
+      "decorated with torch's @record writes its traceback there, and ddip run's report shows "
+      "it. Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal) are forwarded to every "
+      "rank's process group, on every host; a second one kills the ranks. With --hosts, ranks "
+      "on other hosts get that host's own environment (as under torchrun) plus the variables "
+      "above, and run in this directory when it exists there.");
 }
 
 int CommandLine::exit(const CLI::Error& e) {

@@ -28,6 +28,7 @@ struct NodeOptions {
   std::string name;     // its host's name, for messages
   std::string cwd;      // the launching side's directory, if it exists here too
   int files = 0;        // files shipped on the channel before anything else (--ship there)
+  std::string run_id;   // TORCHELASTIC_RUN_ID, the same on every host
 };
 
 struct RunOptions {

@@ -151,7 +151,7 @@ struct ReportEncoder {
   std::string operator()(const RankFailed& m) const {
     std::string out = "failed " + std::to_string(m.rank) + " " + std::to_string(m.exit_code) +
                       " " + std::to_string(m.signal) + " " + std::to_string(m.when_ns) + " " +
-                      escape(m.what) + " " + std::to_string(m.tail.size());
+                      escape(m.what) + " " + escape(m.error) + " " + std::to_string(m.tail.size());
     // append(), not " " + escape(): GCC 12's -Wrestrict misfires on the latter at -O3.
     for (const auto& l : m.tail) out.append(" ").append(escape(l));
     return out;
@@ -236,6 +236,7 @@ Report decode_report(std::string_view line) {
     m.signal = f.number<int>("signal", 0, NSIG - 1);
     m.when_ns = f.number<int64_t>("time", 0, kMaxTime);
     m.what = f.text("description");
+    m.error = f.text("error file");
     if (m.exit_code == 0 && m.signal == 0) f.fail("a failed rank needs a non-zero exit code or a signal");
     size_t n = f.number<size_t>("line count", 0, kMaxLines);
     if (f.left() != n)

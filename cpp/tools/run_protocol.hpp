@@ -59,6 +59,7 @@ struct RankFailed {
   int signal = 0;      // the signal that killed it, or 0
   int64_t when_ns = 0; // CLOCK_REALTIME on its host when the failure was seen
   std::string what;    // "exit code 3", "killed by SIGSEGV"
+  std::string error;   // its TORCHELASTIC_ERROR_FILE's JSON, or "" (run_elastic.hpp)
   std::vector<std::string> tail;  // the last lines of its stderr, without line ends
   bool operator==(const RankFailed&) const = default;
 };
