@@ -2,6 +2,9 @@
 // these summaries, and tests/test_run.py and test_multihost.py match them in real runs.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <csignal>
 
 #include "run_report.hpp"
@@ -15,6 +18,7 @@ UnitEnd rank(int r, std::optional<ddip::ExitStatus> status, bool stopped = false
   e.first_rank = r;
   e.status = status;
   e.stopped = stopped;
+  if (stopped) e.at_stop.signal = SIGTERM;
   return e;
 }
 
@@ -249,5 +253,141 @@ TEST(RunReport, NoClaimOfFinishedWorkWithoutEvidence) {
   o.root = aborted(1, {kTerminate});
   o.timed_out = true;
   EXPECT_EQ(summary(o, {rank(0, exited(0)), rank(1, killed(SIGABRT))}).find(claim),
+            std::string::npos);
+}
+
+namespace {
+
+UnitEnd stopped_rank(int r, ddip::ExitStatus status, AtStop at) {
+  UnitEnd e = rank(r, status, true);
+  e.at_stop = at;
+  return e;
+}
+
+}  // namespace
+
+TEST(RunReport, OnlyRanksThatDdipRunsStopEndedAreStoppedByIt) {
+  const AtStop plain{SIGTERM, false, false}, handles{SIGTERM, false, true},
+      exiting{SIGTERM, true, false}, kill_only{SIGKILL, false, false};
+  // Ended as the signal ends a process: stopped.
+  EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGTERM), plain)));
+  EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGKILL), plain))) << "the SIGKILL after the grace";
+  EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGKILL), kill_only)));
+  // Its own handler ended it (a checkpoint, then exit 1): stopped.
+  EXPECT_TRUE(ended_by_stop(stopped_rank(0, exited(1), handles)));
+  // SIGTERM would have killed it, yet it exited with a code: it was failing by itself (the
+  // issue's `exit code 1 (stopped by ddip run)`: a rank in its own exit, not yet a zombie).
+  EXPECT_FALSE(ended_by_stop(stopped_rank(0, exited(1), plain)));
+  EXPECT_FALSE(ended_by_stop(stopped_rank(0, exited(0), plain)));
+  EXPECT_FALSE(ended_by_stop(stopped_rank(0, exited(1), kill_only))) << "SIGKILL can't be handled";
+  // Already exiting when the signal went: whatever it ends with is its own.
+  EXPECT_FALSE(ended_by_stop(stopped_rank(0, exited(1), exiting)));
+  EXPECT_FALSE(ended_by_stop(stopped_rank(0, killed(SIGABRT), exiting)));
+  // Killed by something else than ddip run's signals.
+  EXPECT_FALSE(ended_by_stop(stopped_rank(0, killed(SIGSEGV), plain)));
+  EXPECT_FALSE(ended_by_stop(rank(0, exited(1)))) << "never signalled";
+
+  // In the report: a peer that failed by itself in the same moment as the root cause says so;
+  // the one ddip run stopped says that.
+  Outcome o;
+  RootCause c;
+  c.unit = 0;
+  c.rank = 0;
+  c.who = "rank 0";
+  c.what = "exit code 1";
+  o.root = c;
+  std::vector<UnitEnd> units = {rank(0, exited(1)), stopped_rank(1, exited(1), plain),
+                                stopped_rank(2, killed(SIGTERM), plain)};
+  EXPECT_EQ(other_ranks(units, o.root),
+            "  rank 1: exit code 1\n"
+            "  rank 2: killed by SIGTERM (stopped by ddip run)\n");
+  EXPECT_EQ(node_done(units).ranks[1].what, "exit code 1");
+}
+
+namespace {
+
+// A child that has done `setup` and then waits, told so through a pipe.
+pid_t child_that(void (*setup)()) {
+  int p[2];
+  if (::pipe(p) != 0) return -1;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    setup();
+    char c = 'x';
+    if (::write(p[1], &c, 1) != 1) ::_exit(2);
+    for (;;) ::pause();
+  }
+  ::close(p[1]);
+  char c = 0;
+  EXPECT_EQ(::read(p[0], &c, 1), 1);
+  ::close(p[0]);
+  return pid;
+}
+
+void reap(pid_t pid) {
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+}
+
+}  // namespace
+
+TEST(RunReport, StanceIsReadFromProc) {
+  pid_t plain = child_that([] {});
+  AtStop at = stance(plain, SIGTERM);
+  EXPECT_EQ(at.signal, SIGTERM);
+  EXPECT_FALSE(at.exiting);
+  EXPECT_FALSE(at.handles);
+  reap(plain);
+
+  pid_t catches = child_that([] { ::signal(SIGTERM, [](int) {}); });
+  EXPECT_TRUE(stance(catches, SIGTERM).handles);
+  EXPECT_FALSE(stance(catches, SIGINT).handles) << "only the signal asked about";
+  reap(catches);
+
+  pid_t blocks = child_that([] {
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &s, nullptr);
+  });
+  EXPECT_TRUE(stance(blocks, SIGTERM).handles);
+  reap(blocks);
+
+  // Exited, not yet reaped: exiting (the kernel's PF_EXITING is set from the start of its exit).
+  pid_t gone = ::fork();
+  if (gone == 0) ::_exit(1);
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(gone), &info, WEXITED | WNOWAIT), 0);
+  EXPECT_TRUE(stance(gone, SIGTERM).exiting);
+  ::waitpid(gone, nullptr, 0);
+}
+
+TEST(RunReport, TheRootCausesErrorFileReplacesItsStderrTail) {
+  Outcome o;
+  RootCause c;
+  c.unit = 1;
+  c.rank = 1;
+  c.who = "rank 1";
+  c.what = "exit code 1";
+  c.tail = {"[rank1]: ValueError: bad batch"};
+  c.error = R"({"message": {"message": "ValueError: bad batch", "extraInfo": {"py_callstack": )"
+            R"("Traceback (most recent call last):\n  File \"train.py\", line 9, in main\n)"
+            R"(    raise ValueError(\"bad batch\")\nValueError: bad batch\n", "timestamp": "1700000000"}}})";
+  o.root = c;
+  std::vector<UnitEnd> units = {rank(0, killed(SIGTERM), true), rank(1, exited(1))};
+  EXPECT_EQ(summary(o, units),
+            "ddip run: rank 1 failed first: exit code 1\n"
+            "its error file (TORCHELASTIC_ERROR_FILE, written by torch's @record) says: "
+            "ValueError: bad batch\n"
+            "  | Traceback (most recent call last):\n"
+            "  |   File \"train.py\", line 9, in main\n"
+            "  |     raise ValueError(\"bad batch\")\n"
+            "  | ValueError: bad batch\n"
+            "other ranks:\n"
+            "  rank 0: killed by SIGTERM (stopped by ddip run)\n"
+            "ddip run: exit code 1\n");
+  // A file that is not torch's: the stderr tail, as without one.
+  o.root->error = "{not json";
+  EXPECT_NE(summary(o, units).find("last lines of its stderr:\n  | [rank1]: ValueError: bad batch\n"),
             std::string::npos);
 }

@@ -3,8 +3,13 @@
 #include <time.h>
 
 #include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string_view>
+
+#include "run_elastic.hpp"
 
 namespace ddip::run {
 
@@ -25,6 +30,42 @@ bool terminate_abort(const RootCause& c) {
   return false;
 }
 
+AtStop stance(pid_t pid, int sig) {
+  AtStop at;
+  at.signal = sig;
+  const std::string proc = "/proc/" + std::to_string(pid);
+  std::ifstream stat_file(proc + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+  // "pid (comm) state ppid pgrp session tty_nr tpgid flags ...": comm may hold anything but
+  // its last ')'.
+  auto close = stat.rfind(')');
+  std::istringstream fields(close == std::string::npos ? std::string() : stat.substr(close + 1));
+  std::string state;
+  unsigned long flags = 0;
+  long skip = 0;
+  fields >> state >> skip >> skip >> skip >> skip >> skip >> flags;
+  constexpr unsigned long kPfExiting = 0x4;  // include/linux/sched.h
+  if (!fields || state == "Z" || state == "X" || (flags & kPfExiting)) {
+    at.exiting = true;
+    return at;
+  }
+  std::ifstream status(proc + "/status");
+  const unsigned long long bit = 1ULL << (sig - 1);
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("SigCgt:", 0) != 0 && line.rfind("SigBlk:", 0) != 0) continue;
+    if (std::strtoull(line.c_str() + 7, nullptr, 16) & bit) at.handles = true;
+  }
+  return at;
+}
+
+bool ended_by_stop(const UnitEnd& un) {
+  if (!un.stopped || !un.status) return false;
+  if (un.status->unknown) return true;  // reaped by someone else: nothing tells
+  if (un.at_stop.exiting) return false;
+  if (un.status->signal) return un.status->signal == un.at_stop.signal || un.status->signal == SIGKILL;
+  return un.at_stop.handles;
+}
+
 namespace {
 
 // The evidence that a terminate_abort rank had done its work: every other rank ran to its end
@@ -38,7 +79,7 @@ bool died_in_exit(const Outcome& o, const std::vector<UnitEnd>& units) {
       for (const auto& r : un.ranks)
         if (!(o.root->unit == u && o.root->rank == r.rank) && r.what != "exit code 0") return false;
     } else if (o.root->unit != u &&
-               (!un.status || un.stopped || un.status->signal || un.status->code != 0)) {
+               (!un.status || ended_by_stop(un) || un.status->signal || un.status->code != 0)) {
       return false;
     }
   }
@@ -51,6 +92,8 @@ std::string rank_end(const std::optional<ExitStatus>& status, bool stopped) {
   if (!status) return "still running";
   return status->describe() + (stopped ? " (stopped by ddip run)" : "");
 }
+
+std::string rank_end(const UnitEnd& un) { return rank_end(un.status, ended_by_stop(un)); }
 
 std::string other_ranks(const std::vector<UnitEnd>& units, const std::optional<RootCause>& root) {
   auto range = [](const UnitEnd& un) {
@@ -74,8 +117,7 @@ std::string other_ranks(const std::vector<UnitEnd>& units, const std::optional<R
       continue;
     }
     if (root && root->unit == u) continue;
-    out +=
-        "  rank " + std::to_string(un.first_rank) + ": " + rank_end(un.status, un.stopped) + "\n";
+    out += "  rank " + std::to_string(un.first_rank) + ": " + rank_end(un) + "\n";
   }
   return out;
 }
@@ -93,7 +135,14 @@ std::string summary(const Outcome& o, const std::vector<UnitEnd>& units) {
     report = "ddip run: " + o.root->who + " failed first: " + o.root->what;
     if (o.first_signal) report += " (after ddip run forwarded " + signal_name(o.first_signal) + ")";
     report += "\n";
-    if (!o.root->tail.empty()) {
+    // As torchrun's "Root Cause": what its error file says, in place of its stderr's last lines
+    // (the same traceback, when the exception also reached Python's top level).
+    auto error = read_rank_error(o.root->error);
+    if (error) {
+      report += "its error file (TORCHELASTIC_ERROR_FILE, written by torch's @record) says: " +
+                error->message.substr(0, error->message.find('\n')) + "\n";
+      for (const auto& l : error->traceback) report += "  | " + l + "\n";
+    } else if (!o.root->tail.empty()) {
       report += "last lines of its stderr:\n";
       for (const auto& l : o.root->tail) report += "  | " + l + "\n";
     }
@@ -125,7 +174,7 @@ std::string summary(const Outcome& o, const std::vector<UnitEnd>& units) {
 protocol::NodeDone node_done(const std::vector<UnitEnd>& units) {
   protocol::NodeDone done;
   for (const auto& un : units)
-    done.ranks.push_back({un.first_rank, rank_end(un.status, un.stopped)});
+    done.ranks.push_back({un.first_rank, rank_end(un)});
   return done;
 }
 

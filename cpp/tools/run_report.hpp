@@ -3,6 +3,8 @@
 // functions of what the launcher saw, so every wording is tested without starting a process.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -27,9 +29,23 @@ struct RootCause {
   int code = 1;      // ddip run's exit code
   int exit_code = 0, signal = 0;  // a rank's: how it ended, for the report to another host
   std::vector<std::string> tail;  // last lines of its stderr
+  std::string error;  // its TORCHELASTIC_ERROR_FILE's JSON (torch's @record wrote it), or ""
   int64_t when_ns = 0;            // CLOCK_REALTIME where it was seen: comparable across hosts
   bool reported = false;          // by another host's ddip run
 };
+
+// How a rank stood towards the signal ddip run sent to stop it, read just before it was sent
+// (stance()): what tells a rank that ddip run stopped from one that was ending by itself.
+struct AtStop {
+  int signal = 0;        // SIGTERM (a stop), or SIGKILL (a kill without a stop before it)
+  bool exiting = false;  // it was already exiting (its own exit, not yet reaped): unstoppable
+  bool handles = false;  // it catches or blocks `signal`: its own code decides how it ends
+};
+
+// `pid`'s stance towards `sig` now, from /proc/<pid>/stat (the kernel's PF_EXITING flag, or a
+// zombie) and /proc/<pid>/status (SigCgt, SigBlk). A process /proc no longer shows counts as
+// exiting.
+AtStop stance(pid_t pid, int sig);
 
 // How one supervised process ended: a rank, or a host's launcher with its ranks.
 struct UnitEnd {
@@ -38,6 +54,7 @@ struct UnitEnd {
   int first_rank = 0, nranks = 1;
   std::optional<ExitStatus> status;  // nullopt: still running
   bool stopped = false;              // was running when ddip run stopped everyone
+  AtStop at_stop;                    // when `stopped`: how it stood then
   // Host units: their ranks' ends as that host's ddip run reported them at its end.
   std::vector<protocol::RankEnd> ranks;
 };
@@ -47,8 +64,15 @@ struct UnitEnd {
 // rank dies when one of torch's threads (gloo's worker, say) outlives Python's shutdown.
 bool terminate_abort(const RootCause& cause);
 
+// Whether ddip run's stop is what ended the rank: it was signalled, was not already exiting, and
+// ended as that signal ends a process (killed by it, or by the SIGKILL after the grace), or by
+// its own code where that code handled the signal. A rank that was exiting by itself, or that
+// ended with an exit code although the signal would have killed it, failed on its own.
+bool ended_by_stop(const UnitEnd& unit);
+
 // "still running", "exit code 0", "killed by SIGTERM (stopped by ddip run)".
 std::string rank_end(const std::optional<ExitStatus>& status, bool stopped);
+std::string rank_end(const UnitEnd& unit);
 
 // Every rank's end but the root cause's, one indented line each.
 std::string other_ranks(const std::vector<UnitEnd>& units, const std::optional<RootCause>& root);
