@@ -6,7 +6,8 @@ show (an HTML comment):
     <!-- ddip:run -->               the block runs as one notebook cell and must not fail
     <!-- ddip:run expect -->        ... and the fenced block right after it (the output the doc
                                     shows) must appear in the cell's output; `...` stands for
-                                    anything (doctest's ELLIPSIS), runs of whitespace compare equal
+                                    anything (doctest's ELLIPSIS), runs of whitespace compare equal,
+                                    and each `[rank N]` part is compared with that rank's own
     <!-- ddip:run raises=NAME -->   ... the cell must fail with NAME (an exception's name, or
                                     UsageError), as the doc says it does
 
@@ -14,7 +15,8 @@ and a comment that starts `<!-- ddip:hidden` holds code that runs at that place 
 without being shown: what a snippet takes for granted (a `model`, a `dataloader`), or asserts on
 what the snippet made. Each document runs in one kernel of its own, in a fresh working directory,
 its cells in order. Blocks that need what a test machine lacks (GPUs, other hosts, Slurm, a
-terminal, downloads) stay unmarked.
+terminal, downloads) stay unmarked. An unmarked fenced block is text, markers inside it too.
+The rules, with an example: docs/contributing.md, "Docs that run".
 
     python tests/test_docs.py docs/magics.md     # runs one document and prints every cell's output
 """
@@ -57,7 +59,7 @@ class Snippet:
 
 
 class MarkupError(ValueError):
-    pass
+    """A marker the runner can't read: named with its document and line."""
 
 
 def _fenced_block(lines: list[str], start: int, doc: str) -> tuple[str, int]:
