@@ -78,7 +78,8 @@ TEST(RunElastic, ErrorFilesLiveInAPrivateDirectoryThatGoesWithThem) {
 }
 
 TEST(RunElastic, ErrorFilesFollowTmpdir) {
-  auto base = std::filesystem::temp_directory_path() / ("ddip-test-tmpdir-" + std::to_string(::getpid()));
+  auto base = std::filesystem::temp_directory_path() /
+              ("ddip-test-tmpdir-" + std::to_string(::getpid()));
   std::filesystem::create_directories(base);
   const char* old = std::getenv("TMPDIR");
   std::string saved = old ? old : "";

@@ -271,7 +271,8 @@ TEST(RunReport, OnlyRanksThatDdipRunsStopEndedAreStoppedByIt) {
       exiting{SIGTERM, true, false}, kill_only{SIGKILL, false, false};
   // Ended as the signal ends a process: stopped.
   EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGTERM), plain)));
-  EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGKILL), plain))) << "the SIGKILL after the grace";
+  EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGKILL), plain)))
+      << "the SIGKILL after the grace";
   EXPECT_TRUE(ended_by_stop(stopped_rank(0, killed(SIGKILL), kill_only)));
   // Its own handler ended it (a checkpoint, then exit 1): stopped.
   EXPECT_TRUE(ended_by_stop(stopped_rank(0, exited(1), handles)));
@@ -372,7 +373,8 @@ TEST(RunReport, TheRootCausesErrorFileReplacesItsStderrTail) {
   c.tail = {"[rank1]: ValueError: bad batch"};
   c.error = R"({"message": {"message": "ValueError: bad batch", "extraInfo": {"py_callstack": )"
             R"("Traceback (most recent call last):\n  File \"train.py\", line 9, in main\n)"
-            R"(    raise ValueError(\"bad batch\")\nValueError: bad batch\n", "timestamp": "1700000000"}}})";
+            R"(    raise ValueError(\"bad batch\")\nValueError: bad batch\n", )"
+            R"("timestamp": "1700000000"}}})";
   o.root = c;
   std::vector<UnitEnd> units = {rank(0, killed(SIGTERM), true), rank(1, exited(1))};
   EXPECT_EQ(summary(o, units),
@@ -388,6 +390,7 @@ TEST(RunReport, TheRootCausesErrorFileReplacesItsStderrTail) {
             "ddip run: exit code 1\n");
   // A file that is not torch's: the stderr tail, as without one.
   o.root->error = "{not json";
-  EXPECT_NE(summary(o, units).find("last lines of its stderr:\n  | [rank1]: ValueError: bad batch\n"),
-            std::string::npos);
+  EXPECT_NE(
+      summary(o, units).find("last lines of its stderr:\n  | [rank1]: ValueError: bad batch\n"),
+      std::string::npos);
 }

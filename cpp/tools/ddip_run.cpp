@@ -343,14 +343,17 @@ void Launcher::pass_on_error_file() const {
   // torchrun writes nothing there when the root cause left no error file.
   if (error_file_.empty() || !root || root->error.empty()) return;
   try {
-    std::string json = parent_error_json(root->error, root->signal ? -root->signal : root->exit_code);
+    // torch counts a signal as its negative exit code.
+    int code = root->signal ? -root->signal : root->exit_code;
+    std::string json = parent_error_json(root->error, code);
     std::error_code ec;
     std::filesystem::remove(error_file_, ec);
-    Fd out(check(::open(error_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), "open",
-                 "writing TORCHELASTIC_ERROR_FILE " + error_file_));
+    Fd out(check(::open(error_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                 "open", "writing TORCHELASTIC_ERROR_FILE " + error_file_));
     if (!write_all(out.get(), json)) throw std::runtime_error("writing " + error_file_ + " failed");
   } catch (const std::exception& e) {
-    std::cerr << me() << ": could not pass " << root->who << "'s error file on: " << e.what() << "\n";
+    std::cerr << me() << ": could not pass " << root->who << "'s error file on: " << e.what()
+              << "\n";
   }
 }
 

@@ -326,7 +326,9 @@ ErrorFiles::~ErrorFiles() {
   std::filesystem::remove_all(dir_, ec);
 }
 
-std::string ErrorFiles::path(int rank) const { return dir_ + "/rank" + std::to_string(rank) + ".json"; }
+std::string ErrorFiles::path(int rank) const {
+  return dir_ + "/rank" + std::to_string(rank) + ".json";
+}
 
 std::string ErrorFiles::read(int rank) const {
   std::error_code ec;

@@ -62,7 +62,8 @@ bool ended_by_stop(const UnitEnd& un) {
   if (!un.stopped || !un.status) return false;
   if (un.status->unknown) return true;  // reaped by someone else: nothing tells
   if (un.at_stop.exiting) return false;
-  if (un.status->signal) return un.status->signal == un.at_stop.signal || un.status->signal == SIGKILL;
+  if (un.status->signal)
+    return un.status->signal == un.at_stop.signal || un.status->signal == SIGKILL;
   return un.at_stop.handles;
 }
 
