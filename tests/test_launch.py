@@ -330,7 +330,12 @@ def test_ctrl_c_in_the_notebook_stops_the_children(monkeypatch):
 
 def sleep_everywhere():
     print("notebook sleeping" if os.environ["RANK"] == "0" else "child sleeping", flush=True)
-    time.sleep(120)
+    # Short sleeps, as a training loop's steps: a SIGINT that lands after the print but just before
+    # time.sleep enters clock_nanosleep trips Python's flag without waking it (CPython checks the
+    # flag before the call), so one long sleep would take it only when the sleep ends.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)
