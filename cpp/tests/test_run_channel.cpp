@@ -38,7 +38,7 @@ TEST(RunChannel, PingEveryAndSeconds) {
 }
 
 TEST(RunChannel, UpstreamHearsMessagesThenEndOfFile) {
-  EventLoop loop;
+  RunLoop loop;
   Terminal terminal;
   Heard heard;
   Upstream up(loop, terminal, milliseconds(30000), heard.hooks());
@@ -56,7 +56,7 @@ TEST(RunChannel, UpstreamHearsMessagesThenEndOfFile) {
 }
 
 TEST(RunChannel, UpstreamTakesGarbageForALostLink) {
-  EventLoop loop;
+  RunLoop loop;
   Terminal terminal;
   Heard heard;
   Upstream up(loop, terminal, milliseconds(30000), heard.hooks());
@@ -71,7 +71,7 @@ TEST(RunChannel, UpstreamTakesGarbageForALostLink) {
 }
 
 TEST(RunChannel, UpstreamTakesSilenceForALostLinkOnce) {
-  EventLoop loop;
+  RunLoop loop;
   Terminal terminal;
   Heard heard;
   Upstream up(loop, terminal, milliseconds(200), heard.hooks());
@@ -92,7 +92,7 @@ TEST(RunChannel, UpstreamTakesSilenceForALostLinkOnce) {
 }
 
 TEST(RunChannel, UpstreamWithoutStdinSaysSo) {
-  EventLoop loop;
+  RunLoop loop;
   Terminal terminal;
   Heard heard;
   Upstream up(loop, terminal, milliseconds(30000), heard.hooks());
@@ -104,7 +104,7 @@ TEST(RunChannel, UpstreamWithoutStdinSaysSo) {
 }
 
 TEST(RunChannel, UpstreamSendsReportsOnItsStderr) {
-  EventLoop loop;
+  RunLoop loop;
   auto err = ddip::make_pipe(true);
   Terminal terminal(milliseconds(1000), -1, err.write.get());
   Heard heard;
@@ -116,7 +116,7 @@ TEST(RunChannel, UpstreamSendsReportsOnItsStderr) {
 
 TEST(RunChannel, DownstreamTellsPingsAndKillsLaunchers) {
   ::signal(SIGPIPE, SIG_IGN);
-  EventLoop loop;
+  RunLoop loop;
   std::vector<size_t> killed;
   // Link timeout 0.6 s: a ping every 0.1 s; the launchers' SIGKILL 0.1 s after Kill.
   Downstream down(loop, milliseconds(600), [&](size_t u) { killed.push_back(u); }, milliseconds(100));
@@ -149,7 +149,7 @@ TEST(RunChannel, DownstreamTellsPingsAndKillsLaunchers) {
 
 TEST(RunChannel, DownstreamShipsFilesWithoutBlockingAndMessagesQueueBehind) {
   ::signal(SIGPIPE, SIG_IGN);
-  EventLoop loop;
+  RunLoop loop;
   Downstream down(loop, milliseconds(30000), [](size_t) {});
   auto a = ddip::make_pipe(true);
   down.add(0, std::move(a.write));

@@ -22,7 +22,7 @@ std::string read_some(int fd) {
 }  // namespace
 
 TEST(RunLoop, RunsFdHandlersUntilDoneAndADeadlineEndsAWaitWithNoFd) {
-  EventLoop loop;
+  RunLoop loop;
   auto p = ddip::make_pipe(true);
   std::string got;
   loop.watch(p.read.get(), EPOLLIN, [&](uint32_t) { got += read_some(p.read.get()); });
@@ -44,7 +44,7 @@ TEST(RunLoop, RunsFdHandlersUntilDoneAndADeadlineEndsAWaitWithNoFd) {
 }
 
 TEST(RunLoop, DeadlinesRunOnceDueInTheOrderAdded) {
-  EventLoop loop;
+  RunLoop loop;
   const auto start = Clock::now();
   std::vector<std::pair<std::string, Clock::time_point>> fired;
   std::optional<Clock::time_point> a = start + milliseconds(60), b = start + milliseconds(30);
@@ -60,7 +60,7 @@ TEST(RunLoop, DeadlinesRunOnceDueInTheOrderAdded) {
 
 TEST(RunLoop, ADeadlineSetByAnFdHandlerIsAskedForBeforeTheNextWait) {
   // A unit's deadline follows its state (a heartbeat heard): no re-arming, the loop asks again.
-  EventLoop loop;
+  RunLoop loop;
   auto p = ddip::make_pipe(true);
   std::optional<Clock::time_point> when;
   std::optional<Clock::time_point> fired_at;

@@ -34,7 +34,7 @@ std::string labelled(std::initializer_list<std::string_view> pieces) {
   return out;
 }
 
-// A unit's pipes: the test writes, RankStreams reads.
+// A unit's pipes: the test writes, LabelledStreams reads.
 struct FakeProcess {
   ddip::Pipe out = ddip::make_pipe(true), err = ddip::make_pipe(true);
 };
@@ -57,11 +57,11 @@ TEST(RunOutput, LinesOf) {
 }
 
 TEST(RunOutput, RanksHostsTeeAndLogs) {
-  EventLoop loop;
+  RunLoop loop;
   auto term_out = ddip::make_pipe(true), term_err = ddip::make_pipe(true);
   Terminal terminal(std::chrono::milliseconds::zero(), term_out.write.get(), term_err.write.get());
   std::vector<std::pair<size_t, std::string>> records;
-  RankStreams streams(loop, terminal, "ddip run",
+  LabelledStreams streams(loop, terminal, "ddip run",
                       {[&](size_t u, std::string_view line) { records.emplace_back(u, line); }, nullptr});
   size_t r0 = streams.add_rank(0, true), r1 = streams.add_rank(1, false), h = streams.add_host();
   auto dir = std::filesystem::temp_directory_path() / ("ddip-test-run-output-" + std::to_string(::getpid()));
@@ -110,12 +110,12 @@ TEST(RunOutput, RanksHostsTeeAndLogs) {
 
 TEST(RunOutput, ATerminalThatGoesAwayIsSaidOnceAndWrittenNoMore) {
   ::signal(SIGPIPE, SIG_IGN);
-  EventLoop loop;
+  RunLoop loop;
   auto term_out = ddip::make_pipe(true), term_err = ddip::make_pipe(true);
   term_out.read.reset();  // nobody reads ddip run's stdout any more
   Terminal terminal(std::chrono::milliseconds::zero(), term_out.write.get(), term_err.write.get());
   int failed = 0;
-  RankStreams streams(loop, terminal, "ddip run", {[](size_t, std::string_view) {}, [&] { ++failed; }});
+  LabelledStreams streams(loop, terminal, "ddip run", {[](size_t, std::string_view) {}, [&] { ++failed; }});
   size_t r0 = streams.add_rank(0, true);
   FakeProcess p;
   streams.attach(r0, std::move(p.out.read), std::move(p.err.read));

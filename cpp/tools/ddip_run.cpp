@@ -72,7 +72,7 @@ struct UnitPlan {
 };
 
 
-// Starts every unit, hands their output to RankStreams, their exits, the signals and the
+// Starts every unit, hands their output to LabelledStreams, their exits, the signals and the
 // control channel's messages to the FailurePolicy, and carries out its decisions (the Crew).
 class Launcher final : Crew {
  public:
@@ -115,9 +115,9 @@ class Launcher final : Crew {
   std::vector<UnitPlan> plans_;
   std::vector<UnitEnd> ends_;  // per unit, as the Supervisor numbers them
   Supervisor sup_;
-  EventLoop loop_;
+  RunLoop loop_;
   Terminal terminal_;
-  RankStreams streams_;
+  LabelledStreams streams_;
   FailurePolicy policy_;
   Downstream downstream_;
   std::optional<Upstream> upstream_;  // node mode

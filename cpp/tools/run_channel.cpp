@@ -18,7 +18,7 @@ std::string seconds_text(milliseconds d) {
   return out.str();
 }
 
-Upstream::Upstream(EventLoop& loop, Terminal& terminal, milliseconds link_timeout, Hooks hooks)
+Upstream::Upstream(RunLoop& loop, Terminal& terminal, milliseconds link_timeout, Hooks hooks)
     : loop_(loop), terminal_(terminal), link_timeout_(link_timeout), hooks_(std::move(hooks)) {
   heard_at_ = Clock::now();
   loop_.deadline(
@@ -72,7 +72,7 @@ void Upstream::on_readable() {
 
 void Upstream::send(const protocol::Report& report) { terminal_.write(2, protocol::encode(report)); }
 
-Downstream::Downstream(EventLoop& loop, milliseconds link_timeout,
+Downstream::Downstream(RunLoop& loop, milliseconds link_timeout,
                        std::function<void(size_t unit)> kill_launcher, milliseconds kill_after)
     : loop_(loop),
       link_timeout_(link_timeout),

@@ -34,7 +34,7 @@ class Upstream {
     std::function<void(std::string why)> on_lost;
   };
   // Writes back through `terminal` (stderr, bounded by the link timeout).
-  Upstream(EventLoop& loop, Terminal& terminal, milliseconds link_timeout, Hooks hooks);
+  Upstream(RunLoop& loop, Terminal& terminal, milliseconds link_timeout, Hooks hooks);
 
   // Takes `fd` (this process's stdin, duplicated) as the channel. Returns "" or why it can't be
   // one (a file, /dev/null: the launcher gave no stdin).
@@ -46,7 +46,7 @@ class Upstream {
   void on_readable();
   void close();
 
-  EventLoop& loop_;
+  RunLoop& loop_;
   Terminal& terminal_;
   milliseconds link_timeout_;
   Hooks hooks_;
@@ -61,7 +61,7 @@ class Downstream {
  public:
   // `kill_launcher(unit)`: SIGKILL to a host's launcher that could not be told to kill.
   // `kill_after`: from Kill to the launchers' SIGKILL.
-  Downstream(EventLoop& loop, milliseconds link_timeout, std::function<void(size_t unit)> kill_launcher,
+  Downstream(RunLoop& loop, milliseconds link_timeout, std::function<void(size_t unit)> kill_launcher,
              milliseconds kill_after = milliseconds(3000));
 
   void add(size_t unit, Fd stdin_pipe);
@@ -88,7 +88,7 @@ class Downstream {
   void flush(Host& h);
   void drop(Host& h);
 
-  EventLoop& loop_;
+  RunLoop& loop_;
 
   milliseconds link_timeout_, kill_after_;
   std::function<void(size_t)> kill_launcher_;

@@ -2,11 +2,11 @@
 
 namespace ddip::run {
 
-void EventLoop::deadline(Next next, Due due) {
+void RunLoop::deadline(Next next, Due due) {
   deadlines_.push_back({std::move(next), std::move(due)});
 }
 
-void EventLoop::run_until(const std::function<bool()>& done) {
+void RunLoop::run_until(const std::function<bool()>& done) {
   while (!done()) {
     std::optional<Clock::time_point> next;
     for (size_t i = 0; i < deadlines_.size(); ++i)

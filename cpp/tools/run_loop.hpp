@@ -18,7 +18,7 @@ using Clock = ddip::EventLoop::Clock;
 
 // Deadlines are polled rather than timers: each unit's next deadline follows its state (a
 // heartbeat heard, every rank exited), so asking after each wake-up needs no re-arming.
-class EventLoop : public ddip::EventLoop {
+class RunLoop : public ddip::EventLoop {
  public:
   using Next = std::function<std::optional<Clock::time_point>()>;
   using Due = std::function<void(Clock::time_point now)>;

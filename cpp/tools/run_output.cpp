@@ -78,7 +78,7 @@ bool Terminal::write(int stream, std::string_view text) {
   return ok_[stream];
 }
 
-size_t RankStreams::add_rank(int rank, bool shown) {
+size_t LabelledStreams::add_rank(int rank, bool shown) {
   Unit& un = units_.emplace_back();
   un.first_rank = rank;
   un.shown = shown;
@@ -87,13 +87,13 @@ size_t RankStreams::add_rank(int rank, bool shown) {
   return units_.size() - 1;
 }
 
-size_t RankStreams::add_host() {
+size_t LabelledStreams::add_host() {
   Unit& un = units_.emplace_back();
   un.host = true;
   return units_.size() - 1;
 }
 
-void RankStreams::open_logs(const std::string& dir) {
+void LabelledStreams::open_logs(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw std::system_error(ec, "creating --log-dir " + dir);
@@ -108,7 +108,7 @@ void RankStreams::open_logs(const std::string& dir) {
   }
 }
 
-void RankStreams::attach(size_t u, Fd out, Fd err) {
+void LabelledStreams::attach(size_t u, Fd out, Fd err) {
   Unit& un = units_.at(u);
   un.pipe[1] = std::move(out);
   un.pipe[2] = std::move(err);
@@ -116,13 +116,13 @@ void RankStreams::attach(size_t u, Fd out, Fd err) {
     loop_.watch(un.pipe[s].get(), EPOLLIN, [this, u, s](uint32_t) { read(u, s); });
 }
 
-bool RankStreams::any_open() const {
+bool LabelledStreams::any_open() const {
   for (const auto& un : units_)
     if (un.pipe[1] || un.pipe[2]) return true;
   return false;
 }
 
-void RankStreams::read(size_t u, RankOutput::Stream s) {
+void LabelledStreams::read(size_t u, RankOutput::Stream s) {
   Unit& un = units_[u];
   Fd& fd = un.pipe[s];
   if (!fd) return;
@@ -148,7 +148,7 @@ void RankStreams::read(size_t u, RankOutput::Stream s) {
 }
 
 // Everything the exited unit wrote is in its pipes already; take it before reporting.
-void RankStreams::drain(size_t u) {
+void LabelledStreams::drain(size_t u) {
   Unit& un = units_[u];
   for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) {
     for (int i = 0; i < 4096 && un.pipe[s]; ++i) {
@@ -159,17 +159,17 @@ void RankStreams::drain(size_t u) {
   }
 }
 
-void RankStreams::flush(size_t u) {
+void LabelledStreams::flush(size_t u) {
   for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) deliver(u, s, units_[u].output.flush(s));
 }
 
-void RankStreams::flush_open() {
+void LabelledStreams::flush_open() {
   for (size_t u = 0; u < units_.size(); ++u)
     for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
       if (units_[u].pipe[s]) deliver(u, s, units_[u].output.flush(s));
 }
 
-void RankStreams::deliver(size_t u, RankOutput::Stream s, const std::string& text) {
+void LabelledStreams::deliver(size_t u, RankOutput::Stream s, const std::string& text) {
   if (units_[u].host && s == RankOutput::kStderr)
     host_text(u, text);
   else
@@ -178,7 +178,7 @@ void RankStreams::deliver(size_t u, RankOutput::Stream s, const std::string& tex
 
 // A host's stderr arrives in whole lines (RankOutput assembles them), its ddip run's records
 // among its ranks' lines.
-void RankStreams::host_text(size_t u, const std::string& text) {
+void LabelledStreams::host_text(size_t u, const std::string& text) {
   std::string shown;
   size_t start = 0;
   while (start < text.size()) {
@@ -202,7 +202,7 @@ void RankStreams::host_text(size_t u, const std::string& text) {
   emit(u, RankOutput::kStderr, shown);
 }
 
-void RankStreams::emit(size_t u, RankOutput::Stream s, std::string_view text) {
+void LabelledStreams::emit(size_t u, RankOutput::Stream s, std::string_view text) {
   Unit& un = units_[u];
   if (text.empty() || !terminal_.ok(s)) return;
   std::string labelled;
@@ -214,15 +214,15 @@ void RankStreams::emit(size_t u, RankOutput::Stream s, std::string_view text) {
   if (!terminal_.write(s, text) && hooks_.on_write_failed) hooks_.on_write_failed();
 }
 
-std::vector<std::string> RankStreams::stderr_tail(size_t u) const {
+std::vector<std::string> LabelledStreams::stderr_tail(size_t u) const {
   return lines_of(units_[u].output.stderr_tail());
 }
 
-std::vector<std::string> RankStreams::launcher_tail(size_t u) const {
+std::vector<std::string> LabelledStreams::launcher_tail(size_t u) const {
   return {units_[u].tail.begin(), units_[u].tail.end()};
 }
 
-void RankStreams::note(size_t u, std::string line) {
+void LabelledStreams::note(size_t u, std::string line) {
   auto& tail = units_[u].tail;
   tail.push_back(std::move(line));
   if (tail.size() > RankOutput::kTailLines) tail.pop_front();

@@ -52,7 +52,7 @@ class Terminal {
 };
 
 // Every supervised process's output, one unit each: a rank, or another host's launcher.
-class RankStreams {
+class LabelledStreams {
  public:
   struct Hooks {
     // A record from a host's ddip run (one line of its stderr, line end included).
@@ -61,7 +61,7 @@ class RankStreams {
     std::function<void()> on_write_failed;
   };
   // `me`: "ddip run" or "ddip run on HOST", for messages.
-  RankStreams(EventLoop& loop, Terminal& terminal, std::string me, Hooks hooks)
+  LabelledStreams(RunLoop& loop, Terminal& terminal, std::string me, Hooks hooks)
       : loop_(loop), terminal_(terminal), me_(std::move(me)), hooks_(std::move(hooks)) {}
 
   // A unit for a rank (`shown`: it reaches the terminal, --tee) or a host's launcher; returns
@@ -104,7 +104,7 @@ class RankStreams {
   void host_text(size_t u, const std::string& text);
   void emit(size_t u, RankOutput::Stream s, std::string_view text);
 
-  EventLoop& loop_;
+  RunLoop& loop_;
   Terminal& terminal_;
   std::string me_;
   Hooks hooks_;
