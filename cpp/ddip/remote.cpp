@@ -453,185 +453,245 @@ Channel connect_to_kernel(const LinkTicket& t, std::chrono::milliseconds connect
   throw std::runtime_error(why);
 }
 
+// One group on this host: the authenticated link to the kernel, this host's workers (a
+// Coordinator of its own) and the frames relayed between them, on one thread and one event loop;
+// the workers' events reach it from the Coordinator's IO thread as a posted command. One method
+// per event; run() turns the loop until the workers or the link are gone.
+class HostAgent::Relay {
+ public:
+  Relay(HostAgent& agent, Channel channel);
+  Relay(const Relay&) = delete;
+  Relay& operator=(const Relay&) = delete;
+  // 0 when the kernel ended the group, 1 when the link failed or the workers never started.
+  int run();
+
+ private:
+  using Clock = detail::Clock;
+  HostAgent& agent_;
+  const AgentOptions& options_;
+  // Declared before what watches fds on it: those go first.
+  EventLoop loop_{"the host agent has stopped"};
+  std::unique_ptr<Connection> link_;
+  std::optional<Coordinator> coord_;
+  std::vector<int> global_;   // local worker index -> the kernel's slot
+  std::map<int, int> local_;  // the kernel's slot -> local worker index
+  detail::HostSegments segments_;
+  std::vector<bool> exited_;
+  size_t alive_ = 0;
+  bool link_lost_ = false, failed_ = false, kernel_closed_ = false;
+  Clock::time_point last_frame_ = Clock::now();
+
+  void lose(std::string why);
+  void send(Frame f);
+  // The kernel's side.
+  void on_frame(Frame f);
+  void start_workers(const Frame& f);
+  void ack_host_heartbeat(const Frame& f);
+  void to_worker(int l, Frame f);
+  bool vouched(int l) const;
+  void on_link_end(Connection::End how, const std::string& why);
+  void watch_kernel();
+  // The workers' side, and the agent's stdin.
+  void on_worker_events();
+  void on_worker_event(Event& e);
+  void on_lifeline();
+};
+
+HostAgent::Relay::Relay(HostAgent& agent, Channel channel)
+    : agent_(agent), options_(agent.options_) {
+  link_ = std::make_unique<Connection>(
+      loop_, std::move(channel), [this](Frame f) { on_frame(std::move(f)); },
+      [this](Connection::End how, const std::string& why) { on_link_end(how, why); });
+  loop_.at(last_frame_ + options_.kernel_timeout, [this] { watch_kernel(); });
+  if (agent_.lifeline_ >= 0)
+    loop_.try_watch(agent_.lifeline_, EPOLLIN, [this](uint32_t) { on_lifeline(); });
+}
+
+int HostAgent::Relay::run() {
+  while (!link_lost_ && !failed_ && (!coord_ || alive_ > 0)) loop_.run_once();
+  // What is still queued for the kernel (the last exits) is written before the link closes.
+  auto flush_until = Clock::now() + options_.kernel_timeout;
+  while (!link_lost_ && link_->channel().wants_write() && Clock::now() < flush_until)
+    loop_.run_once(flush_until);
+  agent_.clean_ = alive_ == 0 && (!link_lost_ || kernel_closed_) && !agent_.let_go_;
+  if (!coord_) return 1;
+  // Gone with the link: every worker's process group, at once.
+  coord_->close(link_lost_ ? std::chrono::milliseconds(0) : std::chrono::milliseconds(2000));
+  coord_.reset();
+  loop_.close();
+  loop_.discard();
+  link_.reset();
+  return (link_lost_ && alive_ > 0) || failed_ ? 1 : 0;  // failed: the workers never started
+}
+
+void HostAgent::Relay::lose(std::string why) {
+  if (agent_.why_.empty()) agent_.why_ = std::move(why);
+  link_lost_ = true;
+}
+
+void HostAgent::Relay::send(Frame f) {
+  if (link_) link_->send(std::move(f));  // a failure ends the link (on_link_end)
+}
+
+void HostAgent::Relay::on_frame(Frame f) {
+  last_frame_ = Clock::now();
+  if (!coord_) {
+    if (failed_) return;
+    if (f.kind != kSpawn) return lose("the kernel's first frame was not the list of workers");
+    return start_workers(f);
+  }
+  if (f.kind == kSegment || f.kind == kForget || !f.refs.empty()) {
+    std::string bad = segments_.take(f);
+    if (!bad.empty()) return lose(bad);
+    if (f.kind == kSegment || f.kind == kForget) return;
+  }
+  if (f.kind == kHeartbeat && f.rank == kHostRank) return ack_host_heartbeat(f);
+  auto it = local_.find(f.rank);
+  if (it == local_.end()) return;  // not one of ours: nothing to do with it
+  to_worker(it->second, std::move(f));
+}
+
+void HostAgent::Relay::start_workers(const Frame& f) {
+  auto spawn = decode_spawn(f.data());
+  CoordinatorOptions co;
+  for (auto& [slot, spec] : spawn) {
+    spec.env = detail::merged_environment(spec.env);
+    plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
+    // The notebook's directory, where this host shares it; else the agent's own (the home).
+    if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
+    local_[slot] = static_cast<int>(co.workers.size());
+    global_.push_back(slot);
+    co.workers.push_back(std::move(spec));
+  }
+  co.rank_template = agent_.warm_template(co.workers);
+  last_frame_ = Clock::now();  // a wait for the template is no silence of the kernel's
+  co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
+  co.on_event = [this] {
+    try {
+      loop_.post([this] { on_worker_events(); });
+    } catch (const std::runtime_error&) {
+      // The agent is ending; its workers are being stopped.
+    }
+  };
+  exited_.assign(global_.size(), false);
+  alive_ = global_.size();
+  try {
+    coord_.emplace(std::move(co));
+  } catch (const std::exception& e) {
+    // Nothing was left running; every worker of this host is reported with why.
+    for (int slot : global_)
+      send(Frame::make(kExit, slot, 0,
+                       encode_exit(ExitStatus{127, 0, false},
+                                   std::string("could not start the worker: ") + e.what())));
+    alive_ = 0;
+    failed_ = true;
+    if (agent_.why_.empty()) agent_.why_ = e.what();
+  }
+}
+
+// Vouch for a worker only while it answers its own heartbeats here.
+bool HostAgent::Relay::vouched(int l) const {
+  long long age = coord_->heartbeat_age_ms(l);
+  return age >= 0 && age <= options_.worker_stale.count();
+}
+
+// One ack for the host: the workers that answer their own heartbeats here.
+void HostAgent::Relay::ack_host_heartbeat(const Frame& f) {
+  std::vector<int> fresh;
+  for (auto [slot, l] : local_)
+    if (vouched(l)) fresh.push_back(slot);
+  send(Frame::make(kHeartbeatAck, kHostRank, f.seq, encode_slots(fresh)));
+}
+
+void HostAgent::Relay::to_worker(int l, Frame f) {
+  try {
+    if (f.kind == kHeartbeat) {
+      if (vouched(l)) send(Frame::make(kHeartbeatAck, f.rank, f.seq));
+    } else if (f.kind == kSignal) {
+      auto [sig, whole] = decode_signal(f.data());
+      coord_->signal(l, sig, whole);
+    } else if (f.kind != kSpawn) {
+      coord_->send(l, std::move(f));
+    }
+  } catch (const std::exception&) {
+    // The worker is gone (its exit is on its way to the kernel) or the group is stopping.
+  }
+}
+
+void HostAgent::Relay::on_link_end(Connection::End how, const std::string& why) {
+  kernel_closed_ = how == Connection::End::kClosed;
+  if (how == Connection::End::kClosed)
+    lose("the kernel closed the connection");
+  else if (how == Connection::End::kFailed && why.starts_with("could not write"))
+    lose("could not write to the kernel");
+  else
+    lose("the link failed: " + why);
+}
+
+void HostAgent::Relay::watch_kernel() {
+  auto silent_until = last_frame_ + options_.kernel_timeout;
+  if (Clock::now() < silent_until) {
+    loop_.at(silent_until, [this] { watch_kernel(); });
+    return;
+  }
+  lose("no frame from the kernel for " + std::to_string(options_.kernel_timeout.count()) + " ms");
+}
+
+void HostAgent::Relay::on_worker_events() {
+  while (coord_ && alive_ > 0) {
+    auto e = coord_->next_event(std::chrono::milliseconds(0));
+    if (!e) break;
+    on_worker_event(*e);
+  }
+}
+
+void HostAgent::Relay::on_worker_event(Event& e) {
+  int slot = e.slot >= 0 ? global_[e.slot] : -1;
+  switch (e.kind) {
+    case Event::kOutput:
+      send(Frame::make(kOutput, slot, static_cast<uint64_t>(e.stream), std::move(e.text)));
+      break;
+    case Event::kFrame:
+    case Event::kTruncated:
+      e.frame.rank = slot;
+      send(std::move(e.frame));
+      break;
+    case Event::kExited:
+      exited_[e.slot] = true;
+      --alive_;
+      send(Frame::make(kExit, slot, 0, encode_exit(e.status, e.text)));
+      break;
+    case Event::kFailed:
+      for (size_t i = 0; i < global_.size(); ++i)
+        if (!exited_[i])
+          send(Frame::make(kExit, global_[i], 0, encode_exit(ExitStatus{0, 0, true}, e.text)));
+      alive_ = 0;
+      break;
+    default:
+      break;  // connections and heartbeats of our own workers are ours to judge
+  }
+}
+
+void HostAgent::Relay::on_lifeline() {
+  char buf[4096];
+  auto end = read_available(agent_.lifeline_, buf, sizeof buf, [this](std::string_view piece) {
+    agent_.input_.append(piece);  // the next ticket, early: kept for serve()
+    return true;
+  });
+  if (end != ReadEnd::kEnded) return;
+  loop_.unwatch(agent_.lifeline_);
+  agent_.let_go_ = true;
+  lose("the kernel let this host go (end of file on the agent's stdin)");
+}
+
 int HostAgent::run() {
-  using detail::Clock;
   if (options_.ticket.timeout_ms > 0)
     options_.kernel_timeout = std::chrono::milliseconds(options_.ticket.timeout_ms);
   Channel channel = connect_to_kernel(
       options_.ticket, options_.connect_timeout,
       options_.ticket.timeout_ms > 0 ? options_.kernel_timeout : std::chrono::milliseconds(0));
-
-  // One thread, one event loop: the link to the kernel, a timer for a silent kernel, and the
-  // workers' events, which the Coordinator's IO thread announces with a posted command.
-  EventLoop loop("the host agent has stopped");
-  std::unique_ptr<Connection> link;
-  std::optional<Coordinator> coord;
-  std::vector<int> global;  // local worker index -> the kernel's slot
-  std::map<int, int> local;
-  detail::HostSegments segments;
-  std::vector<bool> exited;
-  size_t alive = 0;
-  bool link_lost = false, failed = false;
-  auto last_frame = Clock::now();
-  auto lose = [&](std::string why) {
-    if (why_.empty()) why_ = std::move(why);
-    link_lost = true;
-  };
-  auto send = [&](Frame f) {
-    if (link) link->send(std::move(f));  // a failure ends the link (lose)
-  };
-  auto start_workers = [&](const Frame& f) {
-    auto spawn = decode_spawn(f.data());
-    CoordinatorOptions co;
-    for (auto& [slot, spec] : spawn) {
-      spec.env = detail::merged_environment(spec.env);
-      plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
-      // The notebook's directory, where this host shares it; else the agent's own (the home).
-      if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
-      local[slot] = static_cast<int>(co.workers.size());
-      global.push_back(slot);
-      co.workers.push_back(std::move(spec));
-    }
-    co.rank_template = warm_template(co.workers);
-    last_frame = Clock::now();  // a wait for the template is no silence of the kernel's
-    co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
-    co.on_event = [&loop, &coord, &send, &exited, &alive, &global, &failed] {
-      try {
-        loop.post([&] {
-          while (coord && alive > 0) {
-            auto e = coord->next_event(std::chrono::milliseconds(0));
-            if (!e) break;
-            int slot = e->slot >= 0 ? global[e->slot] : -1;
-            switch (e->kind) {
-              case Event::kOutput:
-                send(Frame::make(kOutput, slot, static_cast<uint64_t>(e->stream), std::move(e->text)));
-                break;
-              case Event::kFrame:
-              case Event::kTruncated:
-                e->frame.rank = slot;
-                send(std::move(e->frame));
-                break;
-              case Event::kExited:
-                exited[e->slot] = true;
-                --alive;
-                send(Frame::make(kExit, slot, 0, encode_exit(e->status, e->text)));
-                break;
-              case Event::kFailed:
-                for (size_t i = 0; i < global.size(); ++i)
-                  if (!exited[i])
-                    send(Frame::make(kExit, global[i], 0,
-                                     encode_exit(ExitStatus{0, 0, true}, e->text)));
-                alive = 0;
-                break;
-              default:
-                break;  // connections and heartbeats of our own workers are ours to judge
-            }
-          }
-        });
-      } catch (const std::runtime_error&) {
-        // The agent is ending; its workers are being stopped.
-      }
-    };
-    exited.assign(global.size(), false);
-    alive = global.size();
-    try {
-      coord.emplace(std::move(co));
-    } catch (const std::exception& e) {
-      // Nothing was left running; every worker of this host is reported with why.
-      for (int slot : global)
-        send(Frame::make(kExit, slot, 0,
-                         encode_exit(ExitStatus{127, 0, false},
-                                     std::string("could not start the worker: ") + e.what())));
-      alive = 0;
-      failed = true;
-      if (why_.empty()) why_ = e.what();
-    }
-  };
-  auto on_frame = [&](Frame f) {
-    last_frame = Clock::now();
-    if (!coord) {
-      if (failed) return;
-      if (f.kind != kSpawn) return lose("the kernel's first frame was not the list of workers");
-      return start_workers(f);
-    }
-    if (f.kind == kSegment || f.kind == kForget || !f.refs.empty()) {
-      std::string bad = segments.take(f);
-      if (!bad.empty()) return lose(bad);
-      if (f.kind == kSegment || f.kind == kForget) return;
-    }
-    if (f.kind == kHeartbeat && f.rank == kHostRank) {
-      // One ack for the host: the workers that answer their own heartbeats here.
-      std::vector<int> fresh;
-      for (auto [slot, l] : local) {
-        long long age = coord->heartbeat_age_ms(l);
-        if (age >= 0 && age <= options_.worker_stale.count()) fresh.push_back(slot);
-      }
-      return send(Frame::make(kHeartbeatAck, kHostRank, f.seq, encode_slots(fresh)));
-    }
-    auto it = local.find(f.rank);
-    if (it == local.end()) return;  // not one of ours: nothing to do with it
-    int l = it->second;
-    try {
-      if (f.kind == kHeartbeat) {
-        // Vouch for a worker only while it answers its own heartbeats here.
-        long long age = coord->heartbeat_age_ms(l);
-        if (age >= 0 && age <= options_.worker_stale.count())
-          send(Frame::make(kHeartbeatAck, f.rank, f.seq));
-      } else if (f.kind == kSignal) {
-        auto [sig, whole] = decode_signal(f.data());
-        coord->signal(l, sig, whole);
-      } else if (f.kind != kSpawn) {
-        coord->send(l, std::move(f));
-      }
-    } catch (const std::exception&) {
-      // The worker is gone (its exit is on its way to the kernel) or the group is stopping.
-    }
-  };
-  bool kernel_closed = false;
-  link = std::make_unique<Connection>(
-      loop, std::move(channel), on_frame, [&](Connection::End how, const std::string& why) {
-        kernel_closed = how == Connection::End::kClosed;
-        if (how == Connection::End::kClosed) lose("the kernel closed the connection");
-        else if (how == Connection::End::kFailed && why.starts_with("could not write"))
-          lose("could not write to the kernel");
-        else lose("the link failed: " + why);
-      });
-  std::function<void()> watch_kernel = [&] {
-    auto silent_until = last_frame + options_.kernel_timeout;
-    if (Clock::now() < silent_until) {
-      loop.at(silent_until, watch_kernel);
-      return;
-    }
-    lose("no frame from the kernel for " + std::to_string(options_.kernel_timeout.count()) + " ms");
-  };
-  loop.at(last_frame + options_.kernel_timeout, watch_kernel);
-  if (lifeline_ >= 0)
-    loop.try_watch(lifeline_, EPOLLIN, [&](uint32_t) {
-      char buf[4096];
-      auto end = read_available(lifeline_, buf, sizeof buf, [&](std::string_view piece) {
-        input_.append(piece);  // the next ticket, early: kept for serve()
-        return true;
-      });
-      if (end != ReadEnd::kEnded) return;
-      loop.unwatch(lifeline_);
-      let_go_ = true;
-      lose("the kernel let this host go (end of file on the agent's stdin)");
-    });
-
-  while (!link_lost && !failed && (!coord || alive > 0)) loop.run_once();
-  // What is still queued for the kernel (the last exits) is written before the link closes.
-  auto flush_until = Clock::now() + options_.kernel_timeout;
-  while (!link_lost && link->channel().wants_write() && Clock::now() < flush_until)
-    loop.run_once(flush_until);
-  clean_ = alive == 0 && (!link_lost || kernel_closed) && !let_go_;
-  if (!coord) return 1;
-  // Gone with the link: every worker's process group, at once.
-  coord->close(link_lost ? std::chrono::milliseconds(0) : std::chrono::milliseconds(2000));
-  coord.reset();
-  loop.close();
-  loop.discard();
-  link.reset();
-  return (link_lost && alive > 0) || failed ? 1 : 0;  // failed: the workers never started
+  Relay relay(*this, std::move(channel));
+  return relay.run();
 }
 
 }  // namespace ddip

@@ -116,6 +116,8 @@ class HostAgent {
   std::optional<SpawnSpec> template_spec_;
   std::unique_ptr<RankTemplate> template_;
   RankTemplate* warm_template(const std::vector<SpawnSpec>& workers);
+  // One group's link to the kernel and this host's workers, relayed on one thread.
+  class Relay;
 };
 
 // Why `rank` can't be a fork of a rank template started by `tmpl` (it runs another program, or
