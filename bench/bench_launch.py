@@ -92,7 +92,7 @@ def _ranch(kind):
 def _spawn(kind):
     import torch.multiprocessing as mp
 
-    from ddip.group import free_port
+    from ddip.kernel.group import free_port
 
     if kind == "noop":
         mp.spawn(noop, nprocs=2, join=True)
@@ -103,7 +103,7 @@ def _spawn(kind):
 def _accelerate(kind):
     from accelerate import notebook_launcher
 
-    from ddip.group import free_port
+    from ddip.kernel.group import free_port
 
     fn = noop if kind == "noop" else elastic_all_reduce
     notebook_launcher(fn, num_processes=2, use_port=str(free_port()))

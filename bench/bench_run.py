@@ -116,7 +116,7 @@ def _log(msg: str):
 
 
 def _free_port() -> int:
-    from ddip.group import free_port
+    from ddip.kernel.group import free_port
 
     return free_port()
 

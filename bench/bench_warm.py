@@ -79,7 +79,7 @@ def _ipp_torch(n: int, profile_dir: str, left) -> float:
 def _spawn_group(n: int) -> float:
     import torch.multiprocessing as mp
 
-    from ddip.group import free_port
+    from ddip.kernel.group import free_port
 
     t0 = time.perf_counter()
     mp.spawn(spawn_barrier, args=(free_port(), n), nprocs=n, join=True)

@@ -85,7 +85,7 @@ def render(text: str) -> list[str]:
     return lines + (["".join(cur)] if cur else [])
 
 
-requires_gpu = pytest.mark.skipif(ddip.group.gpu_count() == 0, reason="needs an NVIDIA GPU")
+requires_gpu = pytest.mark.skipif(ddip.kernel.group.gpu_count() == 0, reason="needs an NVIDIA GPU")
 PY = sys.executable
 
 

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 import ddip
-from ddip.displays import DisplayFrames
+from ddip.rank.displays import DisplayFrames
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_magics import Kernel, running_kernel  # noqa: E402

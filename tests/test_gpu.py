@@ -28,7 +28,7 @@ def _cuda_torch() -> bool:
 
 
 # The torch check only runs where there is a GPU (importing torch costs seconds).
-pytestmark = [requires_gpu, pytest.mark.skipif(ddip.group.gpu_count() > 0 and not _cuda_torch(),
+pytestmark = [requires_gpu, pytest.mark.skipif(ddip.kernel.group.gpu_count() > 0 and not _cuda_torch(),
                                                reason="needs PyTorch built with CUDA")]
 
 FRESH_TIMEOUT_S = 240
@@ -55,7 +55,7 @@ def run_fresh(code: str, env: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def ngpu():
-    return ddip.group.gpu_count()
+    return ddip.kernel.group.gpu_count()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 import ddip
 from ddip.gpus import GpuInfo, Selected, select, visible_entries
-from ddip.group import resolve_backend
+from ddip.kernel.group import resolve_backend
 from conftest import children_of
 from fake_nvidia_smi import fake_gpus  # noqa: F401  (a fixture)
 

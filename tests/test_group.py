@@ -253,7 +253,7 @@ def test_bad_input_is_a_clear_error_and_starts_nothing(kwargs, message):
     assert children_of(os.getpid()) == before
 
 
-@pytest.mark.skipif(ddip.group.gpu_count() > 0, reason="this machine has GPUs")
+@pytest.mark.skipif(ddip.kernel.group.gpu_count() > 0, reason="this machine has GPUs")
 def test_gpus_on_a_machine_without_gpus_suggests_cpu_ranks():
     with pytest.raises(ValueError, match=r"no NVIDIA GPU; to run CPU processes instead, use n=2 \(for example\)"):
         ddip.Group(gpus="all")
@@ -291,7 +291,7 @@ def test_torch_distributed_gloo_is_initialized_in_every_rank():
 
 @requires_gpu
 def test_gpu_list_in_any_order_maps_rank_i_to_the_ith_gpu():
-    n = ddip.group.gpu_count()
+    n = ddip.kernel.group.gpu_count()
     order = list(reversed(range(n)))
     with ddip.Group(gpus=order, backend="nccl") as g:
         res = g.run("import torch, torch.distributed as dist, os\n"

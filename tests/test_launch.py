@@ -497,7 +497,7 @@ def test_torch_ddp_ctx_rejects_bad_settings():
         ddip.TorchDDPCtx(backend="nccl")
     with pytest.raises(ValueError, match="port"):
         ddip.TorchDDPCtx(port=0)
-    if ddip.group.gpu_count() == 0:
+    if ddip.kernel.group.gpu_count() == 0:
         with pytest.raises(ValueError, match="GPU"):
             ddip.TorchDDPCtx(gpus=[0])
 
@@ -515,7 +515,7 @@ def gpu_placement():
 def test_gpu_ranks_land_on_the_listed_gpus_in_the_given_order():
     import subprocess
 
-    n = ddip.group.gpu_count()
+    n = ddip.kernel.group.gpu_count()
     gpus = list(reversed(range(min(n, 2))))  # [1, 0] where there are two
     uuids = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
                            capture_output=True, text=True, check=True).stdout

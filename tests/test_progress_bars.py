@@ -217,7 +217,7 @@ def test_ranch_lines_never_mix_and_bars_redraw_in_place(k):
 def test_a_bar_that_ends_under_another_writers_bar_takes_its_line_back():
     import io
 
-    from ddip.group import LabelledOutput
+    from ddip.kernel.group import LabelledOutput
 
     dest, out = io.StringIO(), LabelledOutput()
     for rank, text in ((0, "\rbar 0: 1/2"), (1, "\rbar 1: 1/2 ..."), (0, "\rbar 0: 2/2"),

@@ -17,7 +17,7 @@ import cloudpickle
 import pytest
 
 import ddip
-import ddip.launch
+import ddip.launch.oneshot
 from conftest import Tee
 from test_magics import running_kernel
 
@@ -125,7 +125,7 @@ def test_a_default_group_the_notebook_had_before_is_left_alone_and_new_groups_go
     import torch
     import torch.distributed as dist
 
-    from ddip.torchdist import process_groups
+    from ddip.rank.torchdist import process_groups
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -333,7 +333,7 @@ def test_a_child_failing_while_the_notebook_imports_waits_for_the_import(tmp_pat
     name = "ddip_test_gated_import"
     started, gate = gated_module(tmp_path, name)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(ddip.launch, "INTERRUPT_NOTICE_S", 1.0, raising=False)
+    monkeypatch.setattr(ddip.launch.oneshot, "INTERRUPT_NOTICE_S", 1.0, raising=False)
     err = Tee("still running fn")
     monkeypatch.setattr(sys, "stderr", err)
 
@@ -408,7 +408,7 @@ def test_a_sigint_handler_fn_leaves_in_the_notebook_is_undone():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.skipif(ddip.group.gpu_count() < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.skipif(ddip.kernel.group.gpu_count() < 2, reason="needs two NVIDIA GPUs")
 def test_the_notebooks_current_cuda_device_is_restored():
     import torch
 
@@ -430,8 +430,8 @@ def kernel(tmp_path_factory):
 def test_in_a_kernel_a_child_failing_during_the_notebooks_import_leaves_the_kernel_working(kernel, tmp_path):
     name = "ddip_kernel_gated_import"
     started, gate = gated_module(tmp_path, name)
-    setup = kernel.run(f"import sys, ddip, ddip.launch\nsys.path.insert(0, {str(tmp_path)!r})\n"
-                       f"ddip.launch.INTERRUPT_NOTICE_S = 1.0")
+    setup = kernel.run(f"import sys, ddip, ddip.launch.oneshot\nsys.path.insert(0, {str(tmp_path)!r})\n"
+                       f"ddip.launch.oneshot.INTERRUPT_NOTICE_S = 1.0")
     assert setup.ok, setup.outputs
     opened = []
 

@@ -7,9 +7,9 @@
 
 from .errors import (GroupClosedError, HealError, HealReport, RankBusyError, RankDeadError, RankError, RankFailure,
                      RankUnresponsiveError, RemoteError, StartError)
-from .group import Group, RankResult
-from .launch import ranch, torchddp_launch, TorchDDPCtx, import_star
-from .template import prewarm
+from .kernel.group import Group, RankResult
+from .kernel.template import prewarm
+from .launch.oneshot import ranch, torchddp_launch, TorchDDPCtx, import_star
 
 __all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "StartError", "HealError", "HealReport"]
 __all__ += ["RankError", "RankDeadError", "RankBusyError", "RankUnresponsiveError", "GroupClosedError"]

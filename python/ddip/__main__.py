@@ -1,5 +1,5 @@
 """`python -m ddip run ...` is `ddip run ...`."""
 
-from .cli import main
+from .launch.program import main
 
 main()

@@ -1,45 +1,11 @@
-"""`python -m ddip.remote`: a host's agent, started there by a launcher (ssh, srun, a template;
-see ddip.hosts).
+"""`python -m ddip.remote`, kept as a public path: it is the command line every launcher (ssh,
+srun, a template) runs on another host (cpp/ddip/plan.cpp). The agent is ddip.hosts.agent."""
 
-It reads a ticket line from stdin (the kernel's address, this host's index and the group's key),
-connects back to the kernel, proves it knows the key and checks that the kernel does too, then
-starts the ranks the kernel names and relays them (the C++ HostAgent does all of this).
-
-A one-shot ticket (`ddip run`-style): stdin is pointed at /dev/null once it is read, and the
-agent exits when its ranks are gone: when the kernel ends the group, or when the link drops or
-falls silent for DDIP_KERNEL_TIMEOUT_MS (10 s), after killing their process groups.
-
-A standing ticket (a notebook's groups): the agent stays for the kernel's life, one group per
-ticket, and keeps this host's rank template (ddip.template, torch preloaded, CUDA never touched)
-across groups, so later groups, restarts and `%makedip -r` fork their ranks from it. End of file
-on stdin (the kernel died, or let the host go: ddip.hosts.release()) stops everything under it.
-"""
-
-from __future__ import annotations
-
-import os
-import signal
-import socket
 import sys
 
+from .hosts.agent import host_spec, main
 
-def main() -> int:
-    # A terminal's Ctrl-C (ssh -t) must not leave ranks behind half-stopped: the link decides.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from ddip import _core, template
-
-    timeout_ms = int(os.environ.get("DDIP_KERNEL_TIMEOUT_MS") or 10000)
-    try:
-        # The tickets are read from fd 0 by the C++ agent itself, never through Python's
-        # buffered stdin, which could swallow the next group's ticket.
-        rc, why = _core.serve_host_agent(0, template.host_spec(), kernel_timeout_ms=timeout_ms)
-    except Exception as exc:  # can't connect, or the other end does not know the key
-        print(f"ddip.remote on {socket.gethostname()}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    if rc:
-        print(f"ddip.remote on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
-    return rc
-
+__all__ = ["host_spec", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -136,7 +136,7 @@ RANCH = [
 
 @pytest.mark.parametrize("what, call, error, message", RANCH, ids=[r[0] for r in RANCH])
 def test_bad_ranch_calls_start_nothing(what, call, error, message, monkeypatch):
-    if what.startswith("GPUs") and ddip.group.gpu_count() > 0:
+    if what.startswith("GPUs") and ddip.kernel.group.gpu_count() > 0:
         pytest.skip("this machine has GPUs")
     before = children_of(os.getpid())
     env_before = dict(os.environ)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import ddip
-from ddip import torchdist
+from ddip.rank import torchdist
 from conftest import children_of
 
 torch = pytest.importorskip("torch")
@@ -45,12 +45,12 @@ def test_a_child_dying_before_the_rendezvous_does_not_leave_the_notebook_waiting
 
 def test_the_rank_that_never_arrived_is_named():
     with pytest.raises(torchdist.RendezvousError, match=r"rank\(s\) 1, 2 never arrived within 0.5 s"):
-        torchdist.rendezvous(0, 3, "127.0.0.1", ddip.group.free_port(), timeout=0.5)
+        torchdist.rendezvous(0, 3, "127.0.0.1", ddip.kernel.group.free_port(), timeout=0.5)
 
 
 def test_an_abort_hook_ends_the_wait_with_its_reason():
     with pytest.raises(torchdist.RendezvousError, match="rank 1 died"):
-        torchdist.rendezvous(0, 2, "127.0.0.1", ddip.group.free_port(), timeout=30,
+        torchdist.rendezvous(0, 2, "127.0.0.1", ddip.kernel.group.free_port(), timeout=30,
                              abort=lambda: "rank 1 died")
 
 

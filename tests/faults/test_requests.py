@@ -146,7 +146,7 @@ def test_idle_output_is_bounded_and_shown_once_in_the_next_request(capsys, tmp_p
         assert wait_until(marker.exists, 30)  # the rank printed 1.2 MB while no request ran
         g.run("None")
         out, err = capsys.readouterr()
-        assert len(out) < 2 * ddip.group.BACKGROUND_KEEP_BYTES
+        assert len(out) < 2 * ddip.kernel.group.BACKGROUND_KEEP_BYTES
         assert "[rank 0] spam over" in out and "[rank 0] idle line 019999" in out
         assert "idle line 000000" not in out
         assert "bytes of earlier output from rank 0 were dropped" in err

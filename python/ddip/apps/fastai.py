@@ -16,7 +16,7 @@ setup can't do: it hard-codes NCCL), accelerate told whether it is on CPU or whi
 rank's, fastai's data-order broadcast working on CPU tensors, and accelerate's process-wide state
 reset between launches. Progress bars and metrics come from rank 0 only (fastai removes them
 from the other ranks); in a notebook's group they are fastprogress's notebook bar and results
-table, updating in place (ddip.displays switches fastprogress to its notebook classes in ranks
+table, updating in place (ddip.rank.displays switches fastprogress to its notebook classes in ranks
 whose kernel is a notebook). With BatchNorm on CPU, use `learn.distrib_ctx(sync_bn=False)`.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from ..launch import TorchDDPCtx
+from ..launch.oneshot import TorchDDPCtx
 
 __all__ = ["ctx", "FastaiCtx", "prepare_rank", "setup_group"]
 

@@ -18,7 +18,7 @@ become the notebook's own display/error outputs.
 
 from __future__ import annotations
 
-from .. import template as _template
+from ..kernel import template as _template
 from . import render
 from .cells import CellMagics
 from .data import DataMagics

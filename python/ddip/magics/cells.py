@@ -7,7 +7,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import GroupClosedError, RankDeadError, RankError, RemoteError
-from ..group import Group
+from ..kernel.group import Group
 from . import render
 from .data import push
 from .flags import cell_flags, parse, positive_seconds, rank_list, unquote, usage_error, without_comment

@@ -12,11 +12,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .. import hosts as _hosts
-from .. import template as _template
-from ..displays import notebook_env
+from ..hosts import placement as _hosts
+from ..kernel import template as _template
+from ..kernel.displays import notebook_env
 from ..errors import HealError, RemoteError, StartError
-from ..group import Group, parse_gpus, resolve_backend
+from ..kernel.group import Group, parse_gpus, resolve_backend
 from . import render
 from .flags import hosts_flags, parse, positive_seconds, rank_list, size_flags, unquote, usage_error
 from .session import Session

@@ -10,7 +10,7 @@ import sys
 
 from IPython.display import publish_display_data
 
-from ..displays import RankDisplays
+from ..kernel.displays import RankDisplays
 from ..errors import merge_failures
 from ..labels import LabelledOutput, rank_label as _rank_label
 

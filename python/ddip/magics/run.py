@@ -27,7 +27,7 @@ import tempfile
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..cli import binary
+from ..launch.program import binary
 from . import render
 from .flags import parse, size_flags, unquote, usage_error
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from ..group import Group
+from ..kernel.group import Group
 
 NO_GROUP = "no group: run %makedip -n 2 (or -g all) first"
 

@@ -8,7 +8,7 @@ rank's environment says.
 Ranks are numbered host by host, in the order given. The notebook's own host ("localhost",
 "127.0.0.1" or its hostname) may be one of them: its ranks start here as in a one-host group.
 Every other host is reached by a launcher that runs ``python -m ddip.remote`` there (see
-ddip/remote.py), which connects back to the notebook over TCP, authenticated with the group's
+ddip/hosts/agent.py), which connects back to the notebook over TCP, authenticated with the group's
 key, and starts that host's ranks.
 
 Launchers: "ssh" (the default; ``ssh -o BatchMode=yes HOST ...`` with the user's ssh config and
@@ -29,10 +29,21 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import _core
+from .. import _core
+from .keeper import release_hosts
 
 _plan = _core.plan
 Host = _plan.Host  # name, ranks, gpus (CUDA_VISIBLE_DEVICES entries; [] for CPU ranks), local
+
+
+def cpu_count() -> int:
+    return _core.plan.cpu_count()
+
+
+def omp_threads(local_ranks: int) -> int:
+    """OMP_NUM_THREADS for ranks that did not choose: the launch plan's one rule (this host's
+    cores divided among its ranks; see cpp/ddip/plan.hpp)."""
+    return _core.plan.omp_threads(cpu_count(), local_ranks)
 
 
 def is_local(name: str) -> bool:
@@ -212,6 +223,4 @@ def release(timeout: float = 5.0) -> int:
     """Lets the other hosts go: their standing agents (kept between groups, with each host's warm
     rank template) stop and exit; a group serving there lets its agent go when it ends. The next
     group on a host starts a new one. Returns how many agents were idle (see docs/warm.md)."""
-    from . import template
-
-    return template.release_hosts(timeout)
+    return release_hosts(timeout)

@@ -1,7 +1,7 @@
 """A request to some ranks (a cell, an apply, a push, a pull) and its wait policy.
 
 Every request is a `Request` object: it owns its sequence number, its per-rank results and its
-mailbox, which the runtime (ddip/runtime.py) fills. Its waiter, `collect()`, processes the
+mailbox, which the runtime (ddip/kernel/runtime.py) fills. Its waiter, `collect()`, processes the
 mailbox, calls the callbacks, and decides what a failure, a death, a timeout or Ctrl-C does to
 the others. So no caller can consume another's reply: `status()`, a concurrent
 `run(ranks=[1])`, or a callback that raises never drop a result. `Pending` is a thin view of a
@@ -20,9 +20,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import healing as _healing
-from .errors import GroupClosedError, HealReport, RankFailure, RemoteError, unresponsive_cause
-from .messages import loads, loads_framed
+from . import heal as _healing
+from ..errors import GroupClosedError, HealReport, RankFailure, RemoteError, unresponsive_cause
+from ..messages import loads, loads_framed
 
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
 INTERRUPT_GRACE_S = 5.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from . import torchdist
+from ..rank import torchdist
 
 _MISSING = object()
 # Packages that copy lightning.fabric.utilities.imports._IS_INTERACTIVE into their own modules.

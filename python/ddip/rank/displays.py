@@ -1,5 +1,5 @@
-"""Rich output from ranks: display frames with redraws coalesced, and progress bars in the
-notebook's form.
+"""Rich output from ranks, the rank's side: display frames with redraws coalesced, and progress
+bars in the notebook's form (the kernel's side, which shows the frames, is ddip.kernel.displays).
 
 In a rank, `display()`, `handle.update()` and `clear_output()` become display frames to the
 kernel (worker.RankDisplayPublisher). A progress bar may redraw its display thousands of times a
@@ -28,47 +28,7 @@ import weakref
 from typing import Callable
 
 UPDATE_INTERVAL_S = 0.1  # at most ~10 redraws a second reach the notebook per display id
-NOTEBOOK_ENV = "DDIP_NOTEBOOK"
-
-
-# -- in the kernel --------------------------------------------------------------------------------
-
-
-def notebook_env() -> dict:
-    """The environment to give ranks started from here: DDIP_NOTEBOOK=1 when this process is a
-    Jupyter kernel (whose display output a browser renders), else nothing."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return {}
-    shell = get_ipython()
-    if shell is None:
-        return {}
-    if type(shell).__name__ == "ZMQInteractiveShell" or "IPKernelApp" in getattr(shell, "config", {}):
-        return {NOTEBOOK_ENV: "1"}
-    return {}
-
-
-class RankDisplays:
-    """Shows ranks' display frames in the notebook as the same operations on the cell's output.
-    A rank's display id becomes one of its own ("ID@rankN"), so ranks never update each
-    other's displays; ids stay the same across cells, as in a plain notebook."""
-
-    @staticmethod
-    def display_id(rank: int, display_id: str) -> str:
-        return f"{display_id}@rank{rank}"
-
-    def show(self, rank: int, msg: dict) -> None:
-        from IPython.display import clear_output, publish_display_data
-
-        if msg.get("clear"):
-            clear_output(wait=msg.get("wait", False))
-            return
-        transient = dict(msg.get("transient") or {})
-        if "display_id" in transient:
-            transient["display_id"] = self.display_id(rank, transient["display_id"])
-        publish_display_data(msg["data"], msg.get("metadata") or {}, transient=transient,
-                             update=bool(msg.get("update", False)))
+NOTEBOOK_ENV = "DDIP_NOTEBOOK"  # set by the kernel (ddip.kernel.displays.notebook_env)
 
 
 # -- in a rank: display frames ----------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """Heal, kernel side: when a group's torch.distributed is healed, releasing the ranks a failure
 left waiting in a collective, and rebuilding the default group on every rank (`Group.heal()`, or
-by itself after a rank raised while its peers waited for it). The rank side is ddip/heal.py."""
+by itself after a rank raised while its peers waited for it). The rank side is ddip/rank/heal.py."""
 
 from __future__ import annotations
 
 import signal
 import time
 
-from . import heal as _heal
+from ..rank import heal as _heal
 from . import request as _request
-from .errors import GroupClosedError, HealError, HealReport, RankDeadError, RankError
+from ..errors import GroupClosedError, HealError, HealReport, RankDeadError, RankError
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
 # collective by themselves (gloo: at once) before they are interrupted too.

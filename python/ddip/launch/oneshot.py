@@ -25,12 +25,14 @@ import time
 import traceback as _traceback
 from typing import Callable
 
-from . import _core, gpus as _gpus, hosts as _hosts, torchdist
-from .displays import RankDisplays, notebook_env
-from .errors import RankFailure, RemoteError
-from .group import Group, free_port
-from .labels import LabelledOutput, rank_label
-from .messages import dumps
+from .. import _core, gpus as _gpus
+from ..errors import RankFailure, RemoteError
+from ..hosts import placement as _hosts
+from ..kernel.displays import RankDisplays, notebook_env
+from ..kernel.group import Group, free_port
+from ..labels import LabelledOutput, rank_label
+from ..messages import dumps
+from ..rank import torchdist
 from .notebook_rank import NotebookRank
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
@@ -855,6 +857,6 @@ def _call(fn, args, kwargs, ctx, on_error, on_entered=None):
 def _rank_main(fn, args, kwargs, ctx):
     """What a child rank runs: fn in ctx, telling the launch at once when ctx is entered and
     when something raised (its reply, or its death, reaches the launch by itself)."""
-    from ddip.worker import notify
+    from ddip.rank.worker import notify
 
     return _call(fn, args, kwargs, ctx, lambda: notify("failed"), lambda: notify("entered"))

@@ -6,7 +6,7 @@ busy, dead), the request each rank is running, and the mailboxes events are deli
 Whoever waits on the group pumps: one thread at a time takes events from the runtime and puts
 each into the mailbox of the request its rank is running (the frame's sequence number must
 match); the others wait on the condition. Callbacks never run here: each request's own waiter
-(ddip/request.py) processes its mailbox.
+(ddip/kernel/request.py) processes its mailbox.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import collections
 import threading
 import time
 
-from . import _core
-from .errors import RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
-from .labels import LabelledOutput
-from .messages import dumps_framed, loads
+from .. import _core
+from ..errors import RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
+from ..labels import LabelledOutput
+from ..messages import dumps_framed, loads
 from .request import Request, close_fds
 
 # Events from _core.Coordinator are _core.Event objects whose kind the runtime has classified

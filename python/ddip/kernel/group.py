@@ -3,9 +3,9 @@
 `Group` checks its configuration (everything before anything starts: bad input changes nothing),
 builds each rank's environment with the launch plan, starts and stops the ranks, and offers the
 requests (run, apply, push, pull), signals, stacks, status and heal. Underneath, each start is a
-`Runtime` (ddip/runtime.py: the Coordinator, its event stream, the ranks' state and mailboxes);
-each request is a `Request` with its wait policy (ddip/request.py); heal's kernel side is
-ddip/healing.py; labelled output is ddip/labels.py.
+`Runtime` (ddip/kernel/runtime.py: the Coordinator, its event stream, the ranks' state and mailboxes);
+each request is a `Request` with its wait policy (ddip/kernel/request.py); heal's kernel side is
+ddip/kernel/heal.py; labelled output is ddip/labels.py.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import time
 import weakref
 from typing import Callable, Iterable, Sequence
 
-from . import _core, gpus as _gpus
-from . import healing as _healing
-from . import hosts as _hosts
+from .. import _core, gpus as _gpus
+from ..errors import GroupClosedError, HealReport
+from ..hosts import keeper as _keeper
+from ..hosts import placement as _hosts
+from ..hosts.placement import cpu_count, omp_threads
+from ..labels import LabelledOutput  # noqa: F401  (ddip.kernel.group.LabelledOutput, as before)
+from ..messages import picklable
+from . import heal as _healing
 from . import template as _template
-from .errors import GroupClosedError, HealReport
-from .labels import LabelledOutput  # noqa: F401  (ddip.group.LabelledOutput, as before)
-from .messages import picklable
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
                       raise_failures)
 from .request import SLICE_S as _SLICE_S
@@ -65,16 +67,6 @@ def resolve_backend(backend, gpus) -> str | None:
     if importlib.util.find_spec("torch") is None:
         raise ValueError(f"backend={backend!r} needs PyTorch, which is not installed here")
     return backend
-
-
-def cpu_count() -> int:
-    return _core.plan.cpu_count()
-
-
-def omp_threads(local_ranks: int) -> int:
-    """OMP_NUM_THREADS for ranks that did not choose: the launch plan's one rule (this host's
-    cores divided among its ranks; see cpp/ddip/plan.hpp)."""
-    return _core.plan.omp_threads(cpu_count(), local_ranks)
 
 
 class Group:
@@ -224,8 +216,8 @@ class Group:
             remote = dict(hosts=[(name, argv, launcher_env, slots) for name, argv, slots in layout.launchers()],
                           bind_address=layout.bind)
             if remote["hosts"]:
-                remote.update(agent_keeper=_template.agent_keeper(),
-                              remote_warm=_template.remote_warm(self._warm, uses_torch))
+                remote.update(agent_keeper=_keeper.agent_keeper(),
+                              remote_warm=_keeper.remote_warm(self._warm, uses_torch))
         coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
                                   rank_template=tmpl, **remote)
         _template.after_start(tmpl, refusals)

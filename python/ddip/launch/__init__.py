@@ -1,0 +1,8 @@
+"""One-shot launches: `ranch` and `torchddp_launch` (oneshot), the notebook as their rank 0
+(notebook_rank), and the native `ddip run` program reached from Python (program).
+
+`from ddip.launch import ranch` keeps working, as it did when this was one module."""
+
+from .oneshot import TorchDDPCtx, import_star, ranch, torchddp_launch
+
+__all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
