@@ -10,6 +10,7 @@ from .errors import (GroupClosedError, HealError, HealReport, RankBusyError, Ran
 from .kernel.group import Group, RankResult
 from .kernel.template import prewarm
 from .launch.oneshot import ranch, torchddp_launch, TorchDDPCtx, import_star
+from . import template, torchdist  # noqa: F401  (reached after `import ddip`, as before)
 
 __all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "StartError", "HealError", "HealReport"]
 __all__ += ["RankError", "RankDeadError", "RankBusyError", "RankUnresponsiveError", "GroupClosedError"]
