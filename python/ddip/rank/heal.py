@@ -18,11 +18,9 @@ again by the user; the cell's error says so. A rank that died still needs a rest
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import signal
-import socket
 import sys
 import threading
 from datetime import timedelta
@@ -39,55 +37,6 @@ ABORT_SIGNAL = signal.SIGRTMAX - 2
 REJOIN_TIMEOUT_S = 60.0
 
 _store = None  # rank 0: the store opened for the rebuild, until rejoin() uses it
-_sockets: set[tuple[int, str]] = set()  # (fd, "socket:[inode]") opened by the last init
-
-
-def _open_sockets() -> set[tuple[int, str]]:
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # closed meanwhile (listdir's own fd, say)
-            continue
-        if target.startswith("socket:"):
-            found.add((int(name), target))
-    return found
-
-
-@contextlib.contextmanager
-def tracking_sockets():
-    """Remembers the sockets opened inside (init_process_group's: gloo's connections to its peers),
-    so that release() can close them even while a model still holds the process group."""
-    global _sockets
-    before = _open_sockets()
-    try:
-        yield
-    finally:
-        _sockets = _open_sockets() - before
-
-
-def _shutdown_sockets():
-    """Shuts down the last init's sockets that are still open (the same socket, by inode): a peer
-    blocked on one of them gets 'Connection closed by peer' at once."""
-    global _sockets
-    for fd, target in _sockets:
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != target:
-                continue
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            # Connections only: gloo's listener must stay (its thread aborts the process when its
-            # accept() fails), and nobody waits on it.
-            if s.family in (socket.AF_INET, socket.AF_INET6) and \
-                    not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                s.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not only on our dup
-        except OSError:  # not connected: nobody waits on it
-            pass
-        finally:
-            s.close()
-    _sockets = set()
 
 
 def release() -> bool:
@@ -116,7 +65,7 @@ def abort_here():
         return
     # A DDP model (or FSDP, or a subgroup) still holds the group: destroying or even aborting it
     # leaves gloo's connections open and the peers waiting. Closing them is what frees the peers.
-    _shutdown_sockets()
+    torchdist.shutdown_sockets()
     try:
         from torch.distributed.distributed_c10d import _abort_process_group
 

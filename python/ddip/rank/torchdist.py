@@ -13,7 +13,9 @@ listening yet) sleeps torch's connect backoff, 250 to 750 ms, before it tries ag
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -90,14 +92,12 @@ def init(backend: str, rank: int, world: int, *, collective_timeout: float | Non
     kw = {}
     if collective_timeout is not None:
         kw["timeout"] = timedelta(seconds=collective_timeout)
-    from . import heal
-
     if not dist.is_initialized():
         # torch names the default group by a per-process count that only destroy_process_group()
         # resets: an init that failed past naming its group (a peer died in connectFullMesh) left
         # it at 1, and this init would then wait forever for its peers' keys under another name.
         dist.distributed_c10d._world.group_count = 0
-    with heal.tracking_sockets():  # a heal may have to close them under a model still holding them
+    with tracking_sockets():  # a heal may have to close them under a model still holding them
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     store.set(f"ddip/built/{rank}", "1")
     global _kept, joined
@@ -187,3 +187,54 @@ def destroy_since(before: frozenset) -> list:
         except Exception as exc:
             errors.append((pg, exc))
     return errors
+
+
+_sockets: set[tuple[int, str]] = set()  # (fd, "socket:[inode]") opened by the last init
+
+
+def _open_sockets() -> set[tuple[int, str]]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (listdir's own fd, say)
+            continue
+        if target.startswith("socket:"):
+            found.add((int(name), target))
+    return found
+
+
+@contextlib.contextmanager
+def tracking_sockets():
+    """Remembers the sockets opened inside (init_process_group's: gloo's connections to its peers),
+    so that a heal (ddip.rank.heal.release) can close them even while a model still holds the process group."""
+    global _sockets
+    before = _open_sockets()
+    try:
+        yield
+    finally:
+        _sockets = _open_sockets() - before
+
+
+def shutdown_sockets():
+    """Shuts down the last init's sockets that are still open (the same socket, by inode): a peer
+    blocked on one of them gets 'Connection closed by peer' at once."""
+    global _sockets
+    for fd, target in _sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != target:
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            # Connections only: gloo's listener must stay (its thread aborts the process when its
+            # accept() fails), and nobody waits on it.
+            if s.family in (socket.AF_INET, socket.AF_INET6) and \
+                    not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                s.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not only on our dup
+        except OSError:  # not connected: nobody waits on it
+            pass
+        finally:
+            s.close()
+    _sockets = set()
