@@ -28,7 +28,7 @@ from ..hosts import placement as _hosts
 from ..hosts.placement import cpu_count, omp_threads
 from ..labels import LabelledOutput  # noqa: F401  (ddip.kernel.group.LabelledOutput, as before)
 from ..messages import picklable
-from . import heal as _healing
+from . import heal as _heal
 from . import template as _template
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
                       raise_failures)
@@ -313,7 +313,7 @@ class Group:
         return [pid if pid >= 0 else rt.info[slot].get("pid") for slot, pid in enumerate(rt.coord.pids)]
 
     def device(self, rank: int) -> str:
-        slot = self._slot(rank)
+        slot = self.slot_of(rank)
         if self._layout is not None:
             gpus = self._layout.gpus(slot)
             where = self._layout.hosts[self._layout.slot_host[slot]].name
@@ -366,7 +366,7 @@ class Group:
         _positive_timeout(timeout)
         if not isinstance(values, bool):
             raise TypeError(f"values must be True or False, got {values!r}")
-        req = self._send({"op": "run", "code": code, "values": values}, ranks, "code")
+        req = self.send_request({"op": "run", "code": code, "values": values}, ranks, "code")
         results = collect(self, req, Callbacks(on_output, on_display), timeout, interrupt=True)
         raise_failures(results, "code", req.heal.report if req.heal else None)
         return results
@@ -382,7 +382,7 @@ class Group:
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
         what = f"{getattr(fn, '__name__', 'function')}()"
-        req = self._send({"op": "apply", "fn": fn, "args": args, "kwargs": kwargs}, ranks, what)
+        req = self.send_request({"op": "apply", "fn": fn, "args": args, "kwargs": kwargs}, ranks, what)
         return Pending(self, req)
 
     def push(self, mapping: dict | None = None, /, ranks: Iterable[int] | None = None, **values):
@@ -397,7 +397,7 @@ class Group:
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
         try:
-            req = self._send({"op": "push", "ns": ns}, ranks, "push")
+            req = self.send_request({"op": "push", "ns": ns}, ranks, "push")
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             culprits = [k for k, v in ns.items() if not picklable(v)]
             if not culprits:
@@ -419,7 +419,7 @@ class Group:
             raise ValueError(f"pull needs variable names, got {bad!r}")
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be a rank number, got {rank!r}")
-        req = self._send({"op": "pull", "names": name_list}, [rank], "pull")
+        req = self.send_request({"op": "pull", "names": name_list}, [rank], "pull")
         results = collect(self, req, Callbacks(), None)
         raise_failures(results, "pull")
         values = results[0].value
@@ -454,7 +454,7 @@ class Group:
         collective broken by an earlier failure are released first (their peers' process groups
         are torn down). A dead rank still needs restart(). Raises HealError when it can't."""
         self._check_open()
-        return _healing.heal(self)
+        return self.healer().heal()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -464,7 +464,8 @@ class Group:
             raise GroupClosedError(self._broken or (rt.broken if rt is not None else None))
         return rt
 
-    def _slot(self, rank: int) -> int:
+    def slot_of(self, rank: int) -> int:
+        """The slot (index into rank_ids) of `rank`."""
         try:
             return self.rank_ids.index(rank)
         except ValueError:
@@ -479,14 +480,31 @@ class Group:
             ranks = list(ranks)
         except TypeError:
             raise TypeError(f"ranks must be a rank or a list of ranks, got {ranks!r}") from None
-        slots = [self._slot(r) for r in ranks]
+        slots = [self.slot_of(r) for r in ranks]
         if not slots:
             raise ValueError("no ranks selected")
         if len(set(slots)) != len(slots):
             raise ValueError(f"ranks={list(ranks)} lists a rank twice")
         return slots
 
-    def _send(self, msg, ranks, what):
+    # -- for this group's requests and heal (ddip.kernel.request, ddip.kernel.heal) -----------------
+
+    @property
+    def runtime(self) -> Runtime | None:
+        """The current start's Runtime; None once closed."""
+        return self._rt
+
+    @property
+    def generation(self) -> int:
+        """How many times this group has started: a Pending belongs to one start."""
+        return self._generation
+
+    def healer(self) -> "_heal.Healer":
+        """What heals this group (made for each use, so it keeps no group alive)."""
+        return _heal.Healer(self)
+
+    def send_request(self, msg, ranks, what):
+        """Sends `msg` to `ranks` as one Request (collect() waits for it)."""
         rt = self._check_open()
         return rt.send(self._slots(ranks), msg, what)
 

@@ -20,7 +20,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import heal as _healing
 from ..errors import GroupClosedError, HealReport, RankFailure, RemoteError, unresponsive_cause
 from ..messages import loads, loads_framed
 
@@ -72,7 +71,7 @@ class Request:
         self.interrupted_at = None
         self.why = None  # why its ranks were interrupted: "ctrl-c", "timeout", "failure", "death"
         self.callback_errors: list[str] = []
-        self.heal = None  # a healing.Healing, once its failure's peers are being released
+        self.heal = None  # a heal.Healing, once its failure's peers are being released
 
 
 @dataclass
@@ -89,7 +88,8 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
     and raise TimeoutError. stop_waiting_at: a deadline after which we stop waiting
     (TimeoutError) and leave the request running. on_failure: interrupt the other ranks when one
     fails (False: the caller handles failures itself, as ranch does)."""
-    rt = group._rt
+    rt = group.runtime
+    healer = group.healer()
     deadline = None if timeout is None else req.started + timeout
 
     def interrupt_pending(reason):
@@ -105,7 +105,7 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
         try:
             drain(rt, req, cb)
             if req.heal is not None:
-                _healing.release(group, req)  # ranks that left the collective release their peers
+                healer.release(req)  # ranks that left the collective release their peers
             if not req.pending:
                 break
             now = time.monotonic()
@@ -121,12 +121,12 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
                     continue
                 if req.failed_at is not None and on_failure:
                     if req.heal is not None:
-                        if now >= req.heal.started + _healing.HEAL_RELEASE_S:
+                        if now >= req.heal.started + healer.RELEASE_S:
                             interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
                             continue
-                        wake = min(wake, req.heal.started + _healing.HEAL_RELEASE_S)
+                        wake = min(wake, req.heal.started + healer.RELEASE_S)
                     elif now >= req.failed_at + FAILURE_GRACE_S:
-                        if not _healing.begin(group, req):
+                        if not healer.begin(req):
                             interrupt_pending("failure")
                         continue
                     else:
@@ -175,7 +175,7 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
     for msg in req.callback_errors:
         sys.stderr.write(msg)
     if req.heal is not None:
-        _healing.finish(group, req, stuck)
+        healer.finish(req, stuck)
     if req.why == "ctrl-c":
         still = f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy" if stuck else ""
         err = KeyboardInterrupt(f"interrupted rank(s) {ranks_text(rt, req.slots)}{still}")
@@ -337,12 +337,13 @@ class Pending:
 
     def __init__(self, group, req: Request):
         self._group_ref = weakref.ref(group)
-        self._generation = group._generation
+        self._generation = group.generation
         self._req = req
         self._what = req.what
         self._cb = Callbacks()
         self._results: list[RankResult] | None = None
-        self._on_failure = True  # interrupt the other ranks when one fails (ranch does its own)
+        # True: interrupt the other ranks when one fails; a caller that stops them itself (ranch) sets False
+        self.on_failure = True
         self._heal: HealReport | None = None
 
     @property
@@ -351,13 +352,13 @@ class Pending:
         if self._results is not None:
             return True
         group = self._live_group()
-        group._rt.pump(0)
-        drain(group._rt, self._req, self._cb)
+        group.runtime.pump(0)
+        drain(group.runtime, self._req, self._cb)
         return not self._req.pending
 
     def _live_group(self):
         group = self._group_ref()
-        if group is None or group._generation != self._generation or group._rt is None:
+        if group is None or group.generation != self._generation or group.runtime is None:
             raise GroupClosedError(restarted=True)
         return group
 
@@ -374,7 +375,7 @@ class Pending:
             self._cb = Callbacks(on_output, on_display, on_message, on_done)
             stop = None if timeout is None else time.monotonic() + timeout
             self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
-                                    on_failure=self._on_failure)
+                                    on_failure=self.on_failure)
             self._heal = self._req.heal.report if self._req.heal else None
             self._req = None  # nothing of the runtime is kept once collected
         return self._results
@@ -392,4 +393,4 @@ class Pending:
         if self._results is not None:
             return
         group = self._live_group()
-        group._rt.signal(list(self._req.pending), signal.SIGINT)
+        group.runtime.signal(list(self._req.pending), signal.SIGINT)

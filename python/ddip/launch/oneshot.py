@@ -449,7 +449,7 @@ class _Launch:
                     # not listening yet sleeps 250-750 ms (torch's connect backoff) before it retries.
                     self.store = _open_store(ctx, own_env)
             pending = self.group.apply_async(_rank_main, fn, args, kwargs, ctx)
-            pending._on_failure = False  # failure() below stops the right ranks at the right time
+            pending.on_failure = False  # failure() below stops the right ranks at the right time
         if self.caller_rank is None:
             results = self._collect(pending, out)
             own = None
