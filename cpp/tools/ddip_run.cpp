@@ -2,10 +2,10 @@
 // stdout/stderr pipes and pidfd, a signalfd, and deadlines; no Python anywhere, so a launch costs
 // what starting the ranks costs.
 //
-// This file plans the launch (main) and wires the launcher's units together: the event loop
-// (run_loop), the ranks' output (run_output), the channel to other hosts' ddip runs
-// (run_channel, speaking run_protocol), the failure policy (run_policy) and the report
-// (run_report).
+// main reads the command line, has the launch planned as data (run_plan) and runs it. The
+// Launcher here wires the launcher's units together: the event loop (run_loop), the ranks' output
+// (run_output), the channel to other hosts' ddip runs (run_channel, speaking run_protocol), the
+// failure policy (run_policy) and the report (run_report).
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <fcntl.h>
@@ -40,10 +40,9 @@
 #include "run_output.hpp"
 #include "run_policy.hpp"
 #include "run_protocol.hpp"
+#include "run_plan.hpp"
 #include "run_report.hpp"
 #include "run_ship.hpp"
-
-extern char** environ;
 
 namespace ddip::run {
 namespace {
@@ -60,17 +59,6 @@ struct CannotStart : std::system_error {
   using std::system_error::system_error;
   int exit_code() const { return code().value() == ENOENT ? 127 : 126; }
 };
-
-// What the launcher supervises: a rank of its own, or the launcher of another host's ddip run.
-struct UnitPlan {
-  bool host = false;
-  std::string name;  // host units: the host
-  int first_rank = 0, nranks = 1;
-  bool shown = true;  // rank units: reaches the terminal (--tee)
-  SpawnSpec spec;
-  std::string ship;  // host units: the shipped files, sent on its channel first
-};
-
 
 // Starts every unit, hands their output to LabelledStreams, their exits, the signals and the
 // control channel's messages to the FailurePolicy, and carries out its decisions (the Crew).
@@ -396,245 +384,48 @@ int Launcher::run() {
 namespace ddip::run {
 namespace {
 
-std::string self_path() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string("ddip") : p.string();
-}
-
-std::string join(const std::vector<std::string>& v) {
-  std::string out;
-  for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
-  return out;
-}
-
-// The ranks this machine starts itself: `n` of them (or one per GPU in `gpus`) from `launch`.
-// --env values replace what the environment here says; torchrun's variables replace both.
-std::vector<std::string> base_environment(const std::vector<std::string>& overrides) {
-  std::vector<std::string> base;
-  for (char** e = environ; *e; ++e) {
-    std::string entry(*e);
-    std::string key = entry.substr(0, entry.find('=') + 1);
-    if (std::none_of(overrides.begin(), overrides.end(),
-                     [&](const std::string& o) { return o.rfind(key, 0) == 0; }))
-      base.push_back(std::move(entry));
-  }
-  base.insert(base.end(), overrides.begin(), overrides.end());
-  return base;
-}
-
-// torchrun's elastic variables for every rank of the launch: one run id on every host, and each
-// rank's error file here (none under --check, which starts nothing).
-struct Elastic {
-  std::string run_id;
-  const ErrorFiles* errors = nullptr;
-};
-
-void add_ranks(std::vector<UnitPlan>& plans, const std::vector<std::string>& command,
-               const LaunchEnv& launch, const std::vector<bool>& shown,
-               const std::vector<std::string>& env, const Elastic& elastic) {
-  std::vector<std::string> base = base_environment(env);
-  for (int r = 0; r < launch.local_size(); ++r) {
-    UnitPlan p;
-    p.first_rank = launch.rank_offset + r;
-    p.shown = shown[static_cast<size_t>(p.first_rank)];
-    p.spec.argv = command;
-    p.spec.env = rank_environment(base, launch, r);
-    add_elastic_environment(p.spec.env, elastic.run_id,
-                            elastic.errors ? elastic.errors->path(p.first_rank) : std::string());
-    plans.push_back(std::move(p));
-  }
-}
-
-std::optional<std::string> env_var(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::optional<std::string>(v) : std::nullopt;
-}
-
-// What --gpus entries are resolved against: this process's CUDA_VISIBLE_DEVICES, else the
-// machine's GPUs.
-plan::GpuView gpu_view() {
-  plan::GpuView view;
-  view.env = env_var("CUDA_VISIBLE_DEVICES");
-  view.physical_count = plan::nvidia_device_count();
-  view.who = "ddip run";
-  view.cpu_hint = "; for CPU processes, give -n 2 (for example) instead of --gpus";
-  return view;
-}
-
-// --gpus entries -> CUDA_VISIBLE_DEVICES for every rank, in rank order.
-std::string resolved_gpus(const std::vector<std::string>& requested) {
-  std::string out;
-  for (const auto& g : plan::select_gpus(requested, gpu_view())) out += (out.empty() ? "" : ",") + g.entry;
-  return out;
-}
-
-// Ranks given no --gpus see no GPU here: CUDA_VISIBLE_DEVICES hides them all, or there is none.
-bool no_visible_gpu() {
-  auto view = gpu_view();
-  return plan::visible_gpus(view.env, view.physical_count).empty();
-}
-
-}  // namespace
-}  // namespace ddip::run
-
-int main(int argc, char** argv) {
-  using namespace ddip::run;
-  namespace plan = ddip::plan;
-  CommandLine cl;
-  RunOptions opts;
+// On another host: the files shipped with the launch, read first from the control channel, and
+// the command's arguments pointed at the copies. False when they could not be received (said).
+bool receive_shipped(RunOptions& opts, ShippedFiles& shipped, const std::string& prog) {
   try {
-    opts = cl.parse(std::vector<std::string>(argv + 1, argv + argc));
-  } catch (const CLI::Error& e) {
-    return cl.exit(e);
+    shipped.receive(0, static_cast<size_t>(opts.node->files),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::duration<double>(opts.link_timeout_s)));
+  } catch (const std::exception& e) {
+    std::cerr << prog << ": could not receive the files shipped with the launch: " << e.what()
+              << "\n";
+    return false;
   }
-  std::vector<UnitPlan> plans;
-  std::vector<bool> shown;
-  const std::string prog = opts.node ? "ddip run on " + opts.node->name : "ddip run";
-  // Outlives the launch: the copies go once every rank here has ended.
-  ShippedFiles shipped;
-  if (opts.node && opts.node->files > 0) {
-    try {
-      shipped.receive(0, static_cast<size_t>(opts.node->files),
-                      std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::duration<double>(opts.link_timeout_s)));
-    } catch (const std::exception& e) {
-      std::cerr << prog << ": could not receive the files shipped with the launch: " << e.what()
-                << "\n";
-      return 1;
-    }
-    opts.command = shipped.rewrite(opts.command);
-  }
-  // The ranks' error files: made before any rank starts, removed once every rank here has ended.
-  std::optional<ErrorFiles> errors;
-  Elastic elastic;
-  elastic.run_id = opts.node ? opts.node->run_id : new_run_id();
-  if (!opts.check) {
-    try {
-      elastic.errors = &errors.emplace();
-    } catch (const std::exception& e) {
-      std::cerr << prog << ": " << e.what() << "\n";
-      return 1;
-    }
-  }
-  std::string payload;
-  if (!opts.node && !opts.ship.empty()) {
-    try {
-      payload = ship_payload(opts.ship);
-    } catch (const std::invalid_argument& e) {
-      return cl.exit(CLI::ValidationError("--ship", e.what()));
-    }
-  }
-  try {
-    if (opts.node) {
-      // On another host, for the ddip run that started it: in that one's directory when it
-      // exists here too.
-      if (!opts.node->cwd.empty() && ::chdir(opts.node->cwd.c_str()) != 0) {
-        std::error_code ec;
-        auto here = std::filesystem::current_path(ec);
-        std::cerr << prog << ": " << opts.node->cwd << " does not exist here; running in "
-                  << (ec ? std::string("its launcher's directory") : here.string()) << "\n";
-      }
-    }
-    LaunchEnv launch;
-    launch.cores = plan::cpu_count();
-    if (!opts.gpus.empty()) {
-      launch.cuda_visible_devices = resolved_gpus(opts.gpus);
-      launch.world_size = static_cast<int>(plan::split_list(*launch.cuda_visible_devices).size());
-    } else if (opts.hosts.empty()) {
-      launch.world_size = opts.nproc;
-      launch.cpu_ranks = no_visible_gpu();
-    }
-    int world = opts.node ? opts.node->world_size : opts.world_size();
-    shown = tee_ranks(opts.tee, world);
+  opts.command = shipped.rewrite(opts.command);
+  return true;
+}
 
-    if (opts.hosts.empty()) {
-      if (opts.node) {
-        launch.local_world_size = launch.world_size;
-        launch.world_size = opts.node->world_size;
-        launch.rank_offset = opts.node->rank_offset;
-        launch.group_rank = opts.node->node_rank;
-        launch.group_world_size = opts.node->nnodes;
-      }
-      launch.master_addr = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
-      launch.master_port = opts.master_port ? opts.master_port : plan::free_port();
-      add_ranks(plans, opts.command, launch, shown, opts.env, elastic);
-    } else {
-      // Ranks host by host. Rank 0's host serves MASTER_ADDR:MASTER_PORT for torch.distributed.
-      plan::Layout layout = plan::lay_out(opts.hosts, opts.master_addr, "", false);
-      const std::string& addr = layout.master_addr;
-      int port = opts.master_port ? opts.master_port : plan::master_port(opts.hosts[0].local);
-      std::error_code ec;
-      std::string cwd = std::filesystem::current_path(ec).string();
-      std::string ddip = opts.remote_ddip.empty() ? self_path() : opts.remote_ddip;
-      for (size_t i = 0; i < opts.hosts.size(); ++i) {
-        const HostSpec& h = opts.hosts[i];
-        const int offset = layout.first_rank[i];
-        if (h.local) {
-          LaunchEnv here;
-          here.world_size = world;
-          here.local_world_size = h.ranks;
-          here.rank_offset = offset;
-          here.group_rank = static_cast<int>(i);
-          here.group_world_size = static_cast<int>(opts.hosts.size());
-          here.master_addr = addr;
-          here.master_port = port;
-          here.cores = plan::cpu_count();
-          if (!h.gpus.empty())
-            here.cuda_visible_devices = resolved_gpus(h.gpus);
-          else
-            here.cpu_ranks = no_visible_gpu();
-          add_ranks(plans, opts.command, here, shown, opts.env, elastic);
-        } else {
-          std::vector<std::string> remote_cmd = {
-              ddip, "run", "--node",
-              std::to_string(offset) + "," + std::to_string(world) + "," + std::to_string(i) +
-                  "," + std::to_string(opts.hosts.size()),
-              "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", addr,
-              "--master-port", std::to_string(port), "--tee", opts.tee};
-          if (!cwd.empty()) remote_cmd.insert(remote_cmd.end(), {"--node-cwd", cwd});
-          if (!payload.empty())
-            remote_cmd.insert(remote_cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
-          {
-            std::ostringstream t;
-            t << opts.link_timeout_s;
-            remote_cmd.insert(remote_cmd.end(), {"--link-timeout", t.str()});
-          }
-          for (const auto& e : opts.env) remote_cmd.insert(remote_cmd.end(), {"--env", e});
-          if (h.gpus.empty())
-            remote_cmd.insert(remote_cmd.end(), {"-n", std::to_string(h.ranks)});
-          else
-            remote_cmd.insert(remote_cmd.end(), {"--gpus", join(h.gpus)});
-          if (!opts.log_dir.empty()) {
-            auto abs = std::filesystem::absolute(opts.log_dir, ec);
-            remote_cmd.insert(remote_cmd.end(), {"--log-dir", ec ? opts.log_dir : abs.string()});
-          }
-          remote_cmd.push_back("--");
-          remote_cmd.insert(remote_cmd.end(), opts.command.begin(), opts.command.end());
-          UnitPlan p;
-          p.host = true;
-          p.name = h.name;
-          p.first_rank = offset;
-          p.nranks = h.ranks;
-          p.spec.argv = launcher_argv(opts.launcher, h.name, remote_cmd,
-                                      uniform_cpus(env_var("SLURM_JOB_CPUS_PER_NODE").value_or("")),
-                                      opts.link_timeout_s);
-          for (char** e = environ; *e; ++e) p.spec.env.emplace_back(*e);
-          p.spec.stdin_pipe = true;
-          p.ship = payload;
-          plans.push_back(std::move(p));
-        }
-      }
-    }
-  } catch (const std::invalid_argument& e) {
-    return cl.exit(CLI::ValidationError(opts.hosts.empty() ? "--gpus" : "--hosts", e.what()));
-  } catch (const CLI::Error& e) {
-    return cl.exit(e);
-  } catch (const std::exception& e) {  // finding a free port, say: nothing has started
+// The ranks' error files: made before any rank starts, removed once every rank here has ended.
+// False when they could not be made (said).
+bool make_error_files(std::optional<ErrorFiles>& errors, Elastic& elastic,
+                      const std::string& prog) {
+  try {
+    elastic.errors = &errors.emplace();
+  } catch (const std::exception& e) {
     std::cerr << prog << ": " << e.what() << "\n";
-    return 1;
+    return false;
   }
-  if (opts.check) return 0;  // the command line and the plan are good; nothing was started
+  return true;
+}
+
+// On another host, for the ddip run that started it: in that one's directory when it exists
+// here too.
+void enter_node_directory(const NodeOptions& node, const std::string& prog) {
+  if (node.cwd.empty() || ::chdir(node.cwd.c_str()) == 0) return;
+  std::error_code ec;
+  auto here = std::filesystem::current_path(ec);
+  std::cerr << prog << ": " << node.cwd << " does not exist here; running in "
+            << (ec ? std::string("its launcher's directory") : here.string()) << "\n";
+}
+
+// Starts the planned units and runs them to the end; the launcher's exit code.
+int launch(RunOptions opts, std::vector<UnitPlan> plans, const ErrorFiles& errors,
+           const std::string& prog) {
   try {
     if (opts.die_with_parent) {
       // SIGKILL: the ranks then die of their own PR_SET_PDEATHSIG.
@@ -645,9 +436,9 @@ int main(int argc, char** argv) {
     auto node = opts.node;
     // As torchrun's own: the root cause's error file is passed on to it at the end. On another
     // host, the ddip run that started this one does that.
-    std::string error_file = node ? std::string() : env_var("TORCHELASTIC_ERROR_FILE").value_or("");
-    Launcher launcher(std::move(opts), std::move(plans), std::move(node), *errors,
-                      std::move(error_file));
+    const char* own = node ? nullptr : std::getenv("TORCHELASTIC_ERROR_FILE");
+    Launcher launcher(std::move(opts), std::move(plans), std::move(node), errors,
+                      own ? std::string(own) : std::string());
     return launcher.run();
   } catch (const CannotStart& e) {
     std::cerr << prog << ": " << e.what() << "\n";
@@ -656,4 +447,47 @@ int main(int argc, char** argv) {
     std::cerr << prog << ": " << e.what() << "\n";
     return 1;
   }
+}
+
+}  // namespace
+}  // namespace ddip::run
+
+int main(int argc, char** argv) {
+  using namespace ddip::run;
+  CommandLine cl;
+  RunOptions opts;
+  try {
+    opts = cl.parse(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const CLI::Error& e) {
+    return cl.exit(e);
+  }
+  const std::string prog = opts.node ? "ddip run on " + opts.node->name : "ddip run";
+  // Outlives the launch: the copies go once every rank here has ended.
+  ShippedFiles shipped;
+  if (opts.node && opts.node->files > 0 && !receive_shipped(opts, shipped, prog)) return 1;
+  std::optional<ErrorFiles> errors;
+  Elastic elastic{opts.node ? opts.node->run_id : new_run_id(), nullptr};
+  if (!opts.check && !make_error_files(errors, elastic, prog)) return 1;
+  std::string shipping;
+  if (!opts.node && !opts.ship.empty()) {
+    try {
+      shipping = ship_payload(opts.ship);
+    } catch (const std::invalid_argument& e) {
+      return cl.exit(CLI::ValidationError("--ship", e.what()));
+    }
+  }
+  std::vector<UnitPlan> plans;
+  try {
+    if (opts.node) enter_node_directory(*opts.node, prog);
+    plans = plan_units(opts, this_machine(), elastic, shipping);
+  } catch (const std::invalid_argument& e) {
+    return cl.exit(CLI::ValidationError(opts.hosts.empty() ? "--gpus" : "--hosts", e.what()));
+  } catch (const CLI::Error& e) {
+    return cl.exit(e);
+  } catch (const std::exception& e) {  // finding a free port, say: nothing has started
+    std::cerr << prog << ": " << e.what() << "\n";
+    return 1;
+  }
+  if (opts.check) return 0;  // the command line and the plan are good; nothing was started
+  return launch(std::move(opts), std::move(plans), *errors, prog);
 }

@@ -1,5 +1,5 @@
-// `ddip run`'s command line and each rank's environment: everything the launcher decides before
-// it starts a process, kept apart from the event loop so it can be tested without one.
+// `ddip run`'s command line, checked: what the launch is planned from (run_plan.hpp), kept apart
+// from the event loop so it can be tested without one.
 #pragma once
 
 #include <CLI/CLI.hpp>

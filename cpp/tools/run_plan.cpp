@@ -1,0 +1,235 @@
+#include "run_plan.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <optional>
+#include <sstream>
+#include <system_error>
+
+#include "ddip/plan.hpp"
+
+extern char** environ;
+
+namespace ddip::run {
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
+  return out;
+}
+
+// The value `env` gives `name`, as getenv() reads it.
+std::optional<std::string> lookup(const std::vector<std::string>& env, const std::string& name) {
+  const std::string key = name + "=";
+  for (const auto& kv : env)
+    if (kv.rfind(key, 0) == 0) return kv.substr(key.size());
+  return std::nullopt;
+}
+
+// What --gpus entries are resolved against: this process's CUDA_VISIBLE_DEVICES, else the
+// machine's GPUs.
+plan::GpuView gpu_view(const Machine& m) {
+  plan::GpuView view;
+  view.env = lookup(m.env, "CUDA_VISIBLE_DEVICES");
+  view.physical_count = m.gpu_count();
+  view.who = "ddip run";
+  view.cpu_hint = "; for CPU processes, give -n 2 (for example) instead of --gpus";
+  return view;
+}
+
+// --gpus entries -> CUDA_VISIBLE_DEVICES for every rank, in rank order.
+std::string resolved_gpus(const std::vector<std::string>& requested, const Machine& m) {
+  std::string out;
+  for (const auto& g : plan::select_gpus(requested, gpu_view(m)))
+    out += (out.empty() ? "" : ",") + g.entry;
+  return out;
+}
+
+// Ranks given no --gpus see no GPU here: CUDA_VISIBLE_DEVICES hides them all, or there is none.
+bool no_visible_gpu(const Machine& m) {
+  auto view = gpu_view(m);
+  return plan::visible_gpus(view.env, view.physical_count).empty();
+}
+
+// --env values replace what the environment here says; torchrun's variables replace both.
+std::vector<std::string> base_environment(const std::vector<std::string>& here,
+                                          const std::vector<std::string>& overrides) {
+  std::vector<std::string> base;
+  for (const auto& entry : here) {
+    std::string key = entry.substr(0, entry.find('=') + 1);
+    if (std::none_of(overrides.begin(), overrides.end(),
+                     [&](const std::string& o) { return o.rfind(key, 0) == 0; }))
+      base.push_back(entry);
+  }
+  base.insert(base.end(), overrides.begin(), overrides.end());
+  return base;
+}
+
+// The ranks this machine starts itself, `launch.local_size()` of them.
+void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machine& m,
+               const LaunchEnv& launch, const std::vector<bool>& shown, const Elastic& elastic) {
+  std::vector<std::string> base = base_environment(m.env, opts.env);
+  for (int r = 0; r < launch.local_size(); ++r) {
+    UnitPlan p;
+    p.first_rank = launch.rank_offset + r;
+    p.shown = shown[static_cast<size_t>(p.first_rank)];
+    p.spec.argv = opts.command;
+    p.spec.env = rank_environment(base, launch, r);
+    add_elastic_environment(p.spec.env, elastic.run_id,
+                            elastic.errors ? elastic.errors->path(p.first_rank) : std::string());
+    plans.push_back(std::move(p));
+  }
+}
+
+// What every host of a launch shares.
+struct Meeting {
+  std::string master_addr;
+  int master_port = 0;
+  int world_size = 0;
+  int nhosts = 0;
+};
+
+// Host `i` (this machine) of several: its ranks' place among all of them.
+LaunchEnv this_host(const RunOptions& opts, const Machine& m, const Meeting& at, size_t i,
+                    int first_rank) {
+  const HostSpec& h = opts.hosts[i];
+  LaunchEnv here;
+  here.world_size = at.world_size;
+  here.local_world_size = h.ranks;
+  here.rank_offset = first_rank;
+  here.group_rank = static_cast<int>(i);
+  here.group_world_size = at.nhosts;
+  here.master_addr = at.master_addr;
+  here.master_port = at.master_port;
+  here.cores = m.cores;
+  if (!h.gpus.empty())
+    here.cuda_visible_devices = resolved_gpus(h.gpus, m);
+  else
+    here.cpu_ranks = no_visible_gpu(m);
+  return here;
+}
+
+// The ddip run that host `i` starts for its ranks (--node and its companions), and the flags of
+// this one it passes on.
+std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
+                                      const Meeting& at, size_t i, int first_rank,
+                                      const Elastic& elastic, bool shipping) {
+  const HostSpec& h = opts.hosts[i];
+  std::vector<std::string> cmd = {
+      opts.remote_ddip.empty() ? m.self : opts.remote_ddip, "run", "--node",
+      std::to_string(first_rank) + "," + std::to_string(at.world_size) + "," + std::to_string(i) +
+          "," + std::to_string(at.nhosts),
+      "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", at.master_addr,
+      "--master-port", std::to_string(at.master_port), "--tee", opts.tee};
+  if (!m.cwd.empty()) cmd.insert(cmd.end(), {"--node-cwd", m.cwd});
+  if (shipping) cmd.insert(cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
+  std::ostringstream t;
+  t << opts.link_timeout_s;
+  cmd.insert(cmd.end(), {"--link-timeout", t.str()});
+  for (const auto& e : opts.env) cmd.insert(cmd.end(), {"--env", e});
+  if (h.gpus.empty())
+    cmd.insert(cmd.end(), {"-n", std::to_string(h.ranks)});
+  else
+    cmd.insert(cmd.end(), {"--gpus", join(h.gpus)});
+  // Relative to this directory, which that host may not share.
+  if (!opts.log_dir.empty())
+    cmd.insert(cmd.end(),
+               {"--log-dir", (std::filesystem::path(m.cwd) / opts.log_dir).string()});
+  cmd.push_back("--");
+  cmd.insert(cmd.end(), opts.command.begin(), opts.command.end());
+  return cmd;
+}
+
+// Host `i`, another one: its launcher, with the host's ddip run as its command.
+UnitPlan other_host(const RunOptions& opts, const Machine& m, const Meeting& at, size_t i,
+                    int first_rank, const Elastic& elastic, const std::string& shipped) {
+  const HostSpec& h = opts.hosts[i];
+  UnitPlan p;
+  p.host = true;
+  p.name = h.name;
+  p.first_rank = first_rank;
+  p.nranks = h.ranks;
+  p.spec.argv = launcher_argv(
+      opts.launcher, h.name, node_command(opts, m, at, i, first_rank, elastic, !shipped.empty()),
+      uniform_cpus(lookup(m.env, "SLURM_JOB_CPUS_PER_NODE").value_or("")), opts.link_timeout_s);
+  p.spec.env = m.env;
+  p.spec.stdin_pipe = true;
+  p.ship = shipped;
+  return p;
+}
+
+// Ranks host by host. Rank 0's host serves MASTER_ADDR:MASTER_PORT for torch.distributed.
+void add_hosts(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machine& m, int world,
+               const std::vector<bool>& shown, const Elastic& elastic,
+               const std::string& shipped) {
+  plan::Layout layout = plan::lay_out(opts.hosts, opts.master_addr, "", false);
+  Meeting at;
+  at.master_addr = layout.master_addr;
+  at.master_port =
+      opts.master_port ? opts.master_port : m.master_port(opts.hosts[0].local, "0.0.0.0");
+  at.world_size = world;
+  at.nhosts = static_cast<int>(opts.hosts.size());
+  for (size_t i = 0; i < opts.hosts.size(); ++i) {
+    const int first_rank = layout.first_rank[i];
+    if (opts.hosts[i].local)
+      add_ranks(plans, opts, m, this_host(opts, m, at, i, first_rank), shown, elastic);
+    else
+      plans.push_back(other_host(opts, m, at, i, first_rank, elastic, shipped));
+  }
+}
+
+std::string self_path() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string("ddip") : p.string();
+}
+
+}  // namespace
+
+Machine this_machine() {
+  Machine m;
+  for (char** e = ::environ; *e; ++e) m.env.emplace_back(*e);
+  m.cores = plan::cpu_count();
+  m.gpu_count = plan::nvidia_device_count;
+  std::error_code ec;
+  m.cwd = std::filesystem::current_path(ec).string();
+  m.self = self_path();
+  m.master_port = [](bool rank0_here, const std::string& address) {
+    return plan::master_port(rank0_here, address);
+  };
+  return m;
+}
+
+std::vector<UnitPlan> plan_units(const RunOptions& opts, const Machine& m, const Elastic& elastic,
+                                 const std::string& shipped) {
+  LaunchEnv launch;
+  launch.cores = m.cores;
+  if (!opts.gpus.empty()) {
+    launch.cuda_visible_devices = resolved_gpus(opts.gpus, m);
+    launch.world_size = static_cast<int>(plan::split_list(*launch.cuda_visible_devices).size());
+  } else if (opts.hosts.empty()) {
+    launch.world_size = opts.nproc;
+    launch.cpu_ranks = no_visible_gpu(m);
+  }
+  const int world = opts.node ? opts.node->world_size : opts.world_size();
+  const std::vector<bool> shown = tee_ranks(opts.tee, world);
+  std::vector<UnitPlan> plans;
+  if (!opts.hosts.empty()) {
+    add_hosts(plans, opts, m, world, shown, elastic, shipped);
+    return plans;
+  }
+  if (opts.node) {
+    launch.local_world_size = launch.world_size;
+    launch.world_size = opts.node->world_size;
+    launch.rank_offset = opts.node->rank_offset;
+    launch.group_rank = opts.node->node_rank;
+    launch.group_world_size = opts.node->nnodes;
+  }
+  launch.master_addr = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
+  launch.master_port = opts.master_port ? opts.master_port : m.master_port(true, "127.0.0.1");
+  add_ranks(plans, opts, m, launch, shown, elastic);
+  return plans;
+}
+
+}  // namespace ddip::run
