@@ -24,6 +24,13 @@ CommandLine::CommandLine()
       "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and show every rank's output line by line, "
       "labelled [rank]. The first rank to fail stops the others; ddip run then exits with its "
       "code.");
+  // --help lists them in this order.
+  CLI::Option* nproc = add_rank_options();
+  add_host_options(nproc);
+  add_program_options();
+}
+
+CLI::Option* CommandLine::add_rank_options() {
   auto* n = run_->add_option("-n,--nproc-per-node", opts_.nproc,
                              "Number of ranks (CPU processes), default 1")
                 ->type_name("N")
@@ -70,6 +77,10 @@ CommandLine::CommandLine()
                    "pass no secrets this way")
       ->type_name("NAME[=VALUE]")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  return n;
+}
+
+void CommandLine::add_host_options(CLI::Option* n) {
   run_->add_option("--hosts", hosts_,
                    "Ranks on several hosts, numbered host by host: node1:4,node2:4 (CPU ranks), "
                    "'node1[0,1] node2[2,3]' (one rank per listed GPU), or node1,node2 with "
@@ -109,6 +120,9 @@ CommandLine::CommandLine()
                    "29500-30499 when rank 0 runs on another host)")
       ->type_name("PORT")
       ->check(CLI::Range(1, 65535));
+}
+
+void CommandLine::add_program_options() {
   // Set by a ddip run on the ddip run it starts on each other host; not for people.
   run_->add_option("--node", node_spec_, "RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES")->group("");
   run_->add_option("--node-name", node_.name)->group("");
@@ -156,10 +170,34 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
   env_.clear();
   node_spec_.clear();
   node_ = NodeOptions{};
+  std::vector<std::string> command;
+  app_.parse(split_command(args, command));
+  if (command.empty()) throw CLI::RequiredError("COMMAND");
+  opts_.command = std::move(command);
+  // --gpus says each host's GPUs when there are hosts: with --hosts node1,node2, or naming them.
+  bool across = run_->count("--hosts") || (run_->count("--gpus") && gpus_.find(':') != std::string::npos);
+  if (run_->count("--gpus") && !across) {
+    opts_.gpus = split_list(gpus_);
+    for (const auto& g : opts_.gpus)
+      if (g.empty())
+        throw CLI::ValidationError("--gpus", "an entry is empty; give GPUs like 0,3 or all");
+  }
+  if (!across) {
+    for (const char* flag : {"--launcher", "--ddip", "--ship"})
+      if (run_->count(flag))
+        throw CLI::ValidationError(flag, std::string(flag) + " requires --hosts");
+  }
+  read_env();
+  if (across) read_hosts();
+  if (run_->count("--node")) read_node();
+  return opts_;
+}
+
+std::vector<std::string> CommandLine::split_command(const std::vector<std::string>& args,
+                                                    std::vector<std::string>& command) const {
   // The command's own flags must never reach CLI11: it starts at the first token that is neither
   // one of our flags nor a flag's value, or after "--".
   std::vector<std::string> ours;
-  std::vector<std::string> command;
   bool in_run = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -184,22 +222,10 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
       ours.push_back(args[++i]);
   }
   std::reverse(ours.begin(), ours.end());  // CLI11 takes a vector last-first
-  app_.parse(ours);
-  if (command.empty()) throw CLI::RequiredError("COMMAND");
-  opts_.command = std::move(command);
-  // --gpus says each host's GPUs when there are hosts: with --hosts node1,node2, or naming them.
-  bool across = run_->count("--hosts") || (run_->count("--gpus") && gpus_.find(':') != std::string::npos);
-  if (run_->count("--gpus") && !across) {
-    opts_.gpus = split_list(gpus_);
-    for (const auto& g : opts_.gpus)
-      if (g.empty())
-        throw CLI::ValidationError("--gpus", "an entry is empty; give GPUs like 0,3 or all");
-  }
-  if (!across) {
-    for (const char* flag : {"--launcher", "--ddip", "--ship"})
-      if (run_->count(flag))
-        throw CLI::ValidationError(flag, std::string(flag) + " requires --hosts");
-  }
+  return ours;
+}
+
+void CommandLine::read_env() {
   for (const auto& e : env_) {
     auto eq = e.find('=');
     std::string name = e.substr(0, eq);
@@ -217,40 +243,41 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
       throw CLI::ValidationError("--env", name + " is not set here; give NAME=VALUE");
     }
   }
-  if (across) {
-    try {
-      std::string text = hosts_;
-      if (run_->count("--gpus"))
-        text = plan::hosts_with_gpus(run_->count("--hosts") ? std::optional<std::string>(hosts_)
-                                                      : std::nullopt,
-                               gpus_);
-      opts_.hosts = plan::parse_hosts(text);
-      std::vector<std::string> remote = {"true"};
-      for (const auto& h : opts_.hosts)
-        if (!h.local) launcher_argv(opts_.launcher, h.name, remote);
-    } catch (const std::invalid_argument& e) {
-      const char* flag = run_->count("--launcher") ? "--launcher"
-                         : run_->count("--gpus")   ? "--gpus"
-                                                   : "--hosts";
-      throw CLI::ValidationError(flag, e.what());
-    }
+}
+
+void CommandLine::read_hosts() {
+  try {
+    std::string text = hosts_;
+    if (run_->count("--gpus"))
+      text = plan::hosts_with_gpus(run_->count("--hosts") ? std::optional<std::string>(hosts_)
+                                                    : std::nullopt,
+                             gpus_);
+    opts_.hosts = plan::parse_hosts(text);
+    std::vector<std::string> remote = {"true"};
+    for (const auto& h : opts_.hosts)
+      if (!h.local) launcher_argv(opts_.launcher, h.name, remote);
+  } catch (const std::invalid_argument& e) {
+    const char* flag = run_->count("--launcher") ? "--launcher"
+                       : run_->count("--gpus")   ? "--gpus"
+                                                 : "--hosts";
+    throw CLI::ValidationError(flag, e.what());
   }
-  if (run_->count("--node")) {
-    auto parts = split_list(node_spec_);
-    std::vector<int> v;
-    for (const auto& p : parts)
-      if (auto i = parse_index(p)) v.push_back(*i);
-    if (parts.size() != 4 || v.size() != 4 || v[1] < 1 || v[3] < 1 || v[2] >= v[3] ||
-        v[0] + opts_.world_size() > v[1])
-      throw CLI::ValidationError("--node", "expected RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES "
-                                           "that fit this host's ranks, got " + node_spec_);
-    node_.rank_offset = v[0];
-    node_.world_size = v[1];
-    node_.node_rank = v[2];
-    node_.nnodes = v[3];
-    opts_.node = node_;
-  }
-  return opts_;
+}
+
+void CommandLine::read_node() {
+  auto parts = split_list(node_spec_);
+  std::vector<int> v;
+  for (const auto& p : parts)
+    if (auto i = parse_index(p)) v.push_back(*i);
+  if (parts.size() != 4 || v.size() != 4 || v[1] < 1 || v[3] < 1 || v[2] >= v[3] ||
+      v[0] + opts_.world_size() > v[1])
+    throw CLI::ValidationError("--node", "expected RANK_OFFSET,WORLD_SIZE,NODE_RANK,NNODES "
+                                         "that fit this host's ranks, got " + node_spec_);
+  node_.rank_offset = v[0];
+  node_.world_size = v[1];
+  node_.node_rank = v[2];
+  node_.nnodes = v[3];
+  opts_.node = node_;
 }
 
 std::vector<bool> tee_ranks(const std::string& tee, int world_size) {

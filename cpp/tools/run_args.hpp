@@ -84,6 +84,17 @@ class CommandLine {
   std::vector<std::string> env_;
   NodeOptions node_;
   std::vector<std::string> command_doc_;  // COMMAND is declared for --help only; see parse()
+  // The flags, by what they are about: the ranks (returns -n, which --hosts excludes), the hosts,
+  // and ddip run itself (with the hidden ones one ddip run gives another, and COMMAND).
+  CLI::Option* add_rank_options();
+  void add_host_options(CLI::Option* n);
+  void add_program_options();
+  // parse()'s steps. `args` without COMMAND, in CLI11's order; COMMAND into `command`.
+  std::vector<std::string> split_command(const std::vector<std::string>& args,
+                                         std::vector<std::string>& command) const;
+  void read_env();    // --env: NAME alone takes its value here
+  void read_hosts();  // --hosts, --gpus across hosts, and --launcher for each other host
+  void read_node();   // --node: this host's place in a launch across hosts
 };
 
 // Which ranks reach the terminal: "all", "none", or a comma list of ranks ("0", "0,2").
