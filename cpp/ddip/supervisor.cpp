@@ -128,6 +128,77 @@ ExitStatus decode(const siginfo_t& info) {
   return s;
 }
 
+
+// A child's stdin: its end (none: ours, inherited), and ours to write to for stdin_pipe.
+struct ChildStdin {
+  Fd child, ours;
+};
+
+ChildStdin child_stdin(const SpawnSpec& spec) {
+  ChildStdin in;
+  if (spec.stdin_pipe) {
+    Pipe p = make_pipe();
+    in.child = std::move(p.read);
+    in.ours = std::move(p.write);
+  } else if (!spec.stdin_data.empty()) {
+    // Written before the child exists: it fits the pipe's buffer, so nothing can block.
+    if (spec.stdin_data.size() > 60000)
+      throw std::invalid_argument("SpawnSpec.stdin_data is larger than a pipe holds");
+    Pipe p = make_pipe();
+    size_t done = 0;
+    while (done < spec.stdin_data.size()) {
+      ssize_t n =
+          ::write(p.write.get(), spec.stdin_data.data() + done, spec.stdin_data.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      check(n, "write", "filling a child's stdin");
+      done += static_cast<size_t>(n);
+    }
+    in.child = std::move(p.read);
+  } else if (spec.null_stdin) {
+    in.child = Fd(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open(/dev/null)",
+                        "giving a worker an empty stdin"));
+  }
+  return in;
+}
+
+// Starts the child that runs clone_entry(args); its pid, and its pidfd in `pidfd`.
+pid_t clone_child(ExecArgs& args, int& pidfd) {
+  // CLONE_VM | CLONE_VFORK, as posix_spawn does: no page-table copy of a multi-GiB notebook
+  // process, and the parent resumes once the child has exec'd (or failed to).
+  std::vector<char> stack(256 * 1024);
+  // No signal handler may run in the child while it shares our memory.
+  sigset_t all, old;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_BLOCK, &all, &old);
+  // CLONE_PIDFD: the pidfd comes with the child, so no moment exists where only a reusable pid
+  // names it. The exit signal stays SIGCHLD: execve resets any other to SIGCHLD anyway.
+  pid_t pid = ::clone(clone_entry, stack.data() + stack.size(),
+                      CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &args, &pidfd);
+  int clone_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  errno = clone_errno;
+  if (pid < 0) throw_errno("clone", "starting a worker process");
+  return pid;
+}
+
+// What the child reported on `report` before exec failed, if it did: then it is reaped and the
+// failure thrown, as std::system_error with the child's errno.
+void check_exec(const Fd& report, const Fd& pidfd, const std::string& program) {
+  char buf[32] = {};
+  ssize_t n;
+  do {
+    n = ::read(report.get(), buf, sizeof buf);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) return;
+  size_t len = ::strnlen(buf, sizeof buf);
+  int child_errno = 0;
+  std::memcpy(&child_errno, buf + len + 1, sizeof child_errno);
+  siginfo_t info{};
+  waitid_pidfd(pidfd.get(), &info, WEXITED);
+  throw std::system_error(child_errno, std::generic_category(),
+                          std::string(buf) + " failed while starting '" + program + "'");
+}
+
 }  // namespace detail
 
 std::string signal_name(int sig) {
@@ -176,29 +247,7 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
   auto argv = detail::c_strings(spec.argv);
   auto envp = detail::c_strings(spec.env);
   Pipe report = make_pipe();
-  Fd null_in, stdin_write;
-  if (spec.stdin_pipe) {
-    Pipe in = make_pipe();
-    null_in = std::move(in.read);
-    stdin_write = std::move(in.write);
-  } else if (!spec.stdin_data.empty()) {
-    // Written before the child exists: it fits the pipe's buffer, so nothing can block.
-    if (spec.stdin_data.size() > 60000)
-      throw std::invalid_argument("SpawnSpec.stdin_data is larger than a pipe holds");
-    Pipe in = make_pipe();
-    size_t done = 0;
-    while (done < spec.stdin_data.size()) {
-      ssize_t n =
-          ::write(in.write.get(), spec.stdin_data.data() + done, spec.stdin_data.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      check(n, "write", "filling a child's stdin");
-      done += static_cast<size_t>(n);
-    }
-    null_in = std::move(in.read);
-  } else if (spec.null_stdin) {
-    null_in = Fd(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open(/dev/null)",
-                       "giving a worker an empty stdin"));
-  }
+  auto [null_in, stdin_write] = detail::child_stdin(spec);
   Pipe out, err;
   if (spec.capture_output) {
     out = make_pipe(true);
@@ -213,41 +262,13 @@ size_t Supervisor::spawn(const SpawnSpec& spec) {
                         out.write.get(),
                         err.write.get(),
                         report.write.get()};
-  // CLONE_VM | CLONE_VFORK, as posix_spawn does: no page-table copy of a multi-GiB notebook
-  // process, and the parent resumes once the child has exec'd (or failed to).
-  std::vector<char> stack(256 * 1024);
-  // No signal handler may run in the child while it shares our memory.
-  sigset_t all, old;
-  sigfillset(&all);
-  ::pthread_sigmask(SIG_BLOCK, &all, &old);
-  // CLONE_PIDFD: the pidfd comes with the child, so no moment exists where only a reusable pid
-  // names it. The exit signal stays SIGCHLD: execve resets any other to SIGCHLD anyway.
-  int pidfd = -1;
-  pid_t pid = ::clone(detail::clone_entry, stack.data() + stack.size(),
-                      CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &args, &pidfd);
-  int clone_errno = errno;
-  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  errno = clone_errno;
-  if (pid < 0) throw_errno("clone", "starting a worker process");
-  // CLONE_VFORK: the child has exec'd (or failed) by now, in its own process group.
   Child c;
-  c.pid_ = pid;
+  int pidfd = -1;
+  c.pid_ = detail::clone_child(args, pidfd);
   c.pidfd_ = Fd(pidfd);
+  // CLONE_VFORK: the child has exec'd (or failed) by now, in its own process group.
   report.write.reset();
-  char buf[32] = {};
-  ssize_t n;
-  do {
-    n = ::read(report.read.get(), buf, sizeof buf);
-  } while (n < 0 && errno == EINTR);
-  if (n > 0) {
-    size_t len = ::strnlen(buf, sizeof buf);
-    int child_errno = 0;
-    std::memcpy(&child_errno, buf + len + 1, sizeof child_errno);
-    siginfo_t info{};
-    detail::waitid_pidfd(c.pidfd_.get(), &info, WEXITED);
-    throw std::system_error(child_errno, std::generic_category(),
-                            std::string(buf) + " failed while starting '" + spec.argv[0] + "'");
-  }
+  detail::check_exec(report.read, c.pidfd_, spec.argv[0]);
   if (spec.capture_output) {
     c.out_ = std::move(out.read);
     c.err_ = std::move(err.read);
