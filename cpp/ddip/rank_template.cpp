@@ -541,29 +541,7 @@ pid_t ForkServer::fork(Request& req) {
   ::sigprocmask(SIG_BLOCK, &all, &old);
   long pid = ::syscall(SYS_clone3, &args, sizeof args);
   if (pid == 0) {
-    if (tid_offset_ >= 0) {
-      pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
-      std::memcpy(reinterpret_cast<char*>(::pthread_self()) + tid_offset_, &tid, sizeof tid);
-    }
-    report.read.reset();
-    const char* step = detail::set_up_child(kernel_, req);
-    if (step) {
-      int err = errno;
-      char buf[64];
-      size_t n = std::strlen(step);
-      std::memcpy(buf, step, n + 1);
-      std::memcpy(buf + n + 1, &err, sizeof err);
-      ssize_t ignored = ::write(report.write.get(), buf, n + 1 + sizeof err);
-      (void)ignored;
-      ::_exit(err == ENOENT ? 127 : 126);
-    }
-    req.out.reset();
-    req.err.reset();
-    sock_.reset();
-    report.write.reset();  // EOF: the parent knows setup went well
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    become_rank(req, report);
     return 0;
   }
   int clone_errno = errno;
@@ -575,7 +553,36 @@ pid_t ForkServer::fork(Request& req) {
     throw std::system_error(clone_errno, std::generic_category(),
                             "clone3 failed while forking a rank");
   }
-  Fd own_pidfd(pidfd);
+  return answer(req, static_cast<pid_t>(pid), Fd(pidfd), report);
+}
+
+void ForkServer::become_rank(Request& req, Pipe& report) {
+  if (tid_offset_ >= 0) {
+    pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+    std::memcpy(reinterpret_cast<char*>(::pthread_self()) + tid_offset_, &tid, sizeof tid);
+  }
+  report.read.reset();
+  const char* step = detail::set_up_child(kernel_, req);
+  if (step) {
+    int err = errno;
+    char buf[64];
+    size_t n = std::strlen(step);
+    std::memcpy(buf, step, n + 1);
+    std::memcpy(buf + n + 1, &err, sizeof err);
+    ssize_t ignored = ::write(report.write.get(), buf, n + 1 + sizeof err);
+    (void)ignored;
+    ::_exit(err == ENOENT ? 127 : 126);
+  }
+  req.out.reset();
+  req.err.reset();
+  sock_.reset();
+  report.write.reset();  // EOF: the parent knows setup went well
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+}
+
+pid_t ForkServer::answer(Request& req, pid_t pid, Fd pidfd, Pipe& report) {
   req.out.reset();
   req.err.reset();
   report.write.reset();
@@ -593,16 +600,16 @@ pid_t ForkServer::fork(Request& req) {
         std::string(buf) + " failed while starting a rank: " + std::strerror(child_errno);
     f = Frame::make(kForkRefused, 0, 0, what);
     f.fds = std::make_shared<std::vector<Fd>>();
-    f.fds->push_back(std::move(own_pidfd));
+    f.fds->push_back(std::move(pidfd));
     sock_->send(std::move(f));
     throw std::system_error(child_errno, std::generic_category(),
                             std::string(buf) + " failed while starting a rank");
   }
   f = Frame::make(kForked, 0, 0, std::to_string(pid));
   f.fds = std::make_shared<std::vector<Fd>>();
-  f.fds->push_back(std::move(own_pidfd));
+  f.fds->push_back(std::move(pidfd));
   sock_->send(std::move(f));
-  return static_cast<pid_t>(pid);
+  return pid;
 }
 
 }  // namespace ddip

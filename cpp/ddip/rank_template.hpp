@@ -147,6 +147,11 @@ class ForkServer {
   std::optional<Channel> sock_;
   pid_t kernel_ = -1;
   long tid_offset_ = -1;  // where glibc keeps the thread's tid in its descriptor, if found
+
+  // fork()'s two sides: the child sets itself up (or reports the step that failed on `report`
+  // and exits); the parent reads that report and answers the kernel (kForked, kForkRefused).
+  void become_rank(Request& req, Pipe& report);
+  pid_t answer(Request& req, pid_t pid, Fd pidfd, Pipe& report);
 };
 
 // The kernel went away (the template's socket reached EOF).
