@@ -136,6 +136,25 @@ struct Channel::Incoming {
     for (auto& r : fds) n += r.size;
     return n;
   }
+  // On to the first fd from `from` that has bytes to receive, else to the payload.
+  void next_fd(size_t from) {
+    for (entry = from; entry < fds.size(); ++entry) {
+      auto& r = fds[entry];
+      if (r.fd && r.size > 0) {
+        stage = kFd;
+        filled = 0;
+        return;
+      }
+    }
+    start_payload();
+  }
+  void start_payload() {
+    uint64_t used = 0;
+    for (auto& r : fds) used += r.size;
+    payload = std::make_shared<std::string>(h.length - used, '\0');
+    stage = kPayload;
+    filled = 0;
+  }
 };
 
 Channel::Channel(Fd sock) : sock_(std::move(sock)) {}
@@ -389,24 +408,6 @@ void Channel::sealed_advance(size_t n) {
   Incoming& in = *in_;
   in.filled += n;
   // Moves on through pieces that are complete (or empty).
-  auto start_payload = [&] {
-    uint64_t used = 0;
-    for (auto& r : in.fds) used += r.size;
-    in.payload = std::make_shared<std::string>(in.h.length - used, '\0');
-    in.stage = Incoming::kPayload;
-    in.filled = 0;
-  };
-  auto next_fd = [&](size_t from) {
-    for (in.entry = from; in.entry < in.fds.size(); ++in.entry) {
-      auto& r = in.fds[in.entry];
-      if (r.fd && r.size > 0) {
-        in.stage = Incoming::kFd;
-        in.filled = 0;
-        return;
-      }
-    }
-    start_payload();
-  };
   while (true) {
     if (in.target().second > 0) return;
     switch (in.stage) {
@@ -419,72 +420,79 @@ void Channel::sealed_advance(size_t n) {
         in.stage = Incoming::kHeadRest;
         break;
       }
-      case Incoming::kHeadRest: {
-        // Nothing is allocated for the frame before its header and fd table are authenticated.
-        std::string_view head(in.head, in.head_size - kMacBytes);
-        recv_mac_.verify_header(head, std::string_view(in.head + head.size(), kMacBytes));
-        in.mac.emplace(recv_mac_.body_mac(head));
-        in.entries.resize(in.h.nfds);
-        if (in.h.nfds > 0)
-          std::memcpy(in.entries.data(), in.head + sizeof in.h, in.h.nfds * sizeof(uint64_t));
-        // Authenticated: what is wrong now is a bug on the other end; still, never trust lengths.
-        if (in.h.length > kMaxSealedFrame) throw std::runtime_error("corrupt TCP frame (length)");
-        uint64_t left = in.h.length;
-        in.fds.resize(in.entries.size());
-        for (size_t i = 0; i < in.entries.size(); ++i) {
-          uint64_t e = in.entries[i];
-          if (e & kRefBit) {
-            if ((e & ~kRefBit) == 0) throw std::runtime_error("corrupt TCP frame (segment ref)");
-            continue;
-          }
-          if (e > left) throw std::runtime_error("corrupt TCP frame (fd length)");
-          left -= e;
-          auto& r = in.fds[i];
-          r.fd = detail::memfd_sized(e);
-          r.size = e;
-        }
+      case Incoming::kHeadRest:
+        sealed_header();
         in.filled = 0;
-        next_fd(0);
+        in.next_fd(0);
         break;
-      }
       case Incoming::kFd:
-        next_fd(in.entry + 1);
+        in.next_fd(in.entry + 1);
         break;
       case Incoming::kPayload:
         in.stage = Incoming::kMac;
         in.filled = 0;
         break;
-      case Incoming::kMac: {
-        if (!same_mac(in.mac->final(), std::string_view(in.body_mac, kMacBytes)))
-          throw AuthError(
-              "a frame failed authentication (wrong key, tampered, replayed or reordered)");
-        recv_mac_.advance();
-        Frame f;
-        f.kind = in.h.kind;
-        f.rank = in.h.rank;
-        f.seq = in.h.seq;
-        f.payload = std::move(in.payload);
-        if (!in.fds.empty()) {
-          f.fds = std::make_shared<std::vector<Fd>>();
-          for (size_t i = 0; i < in.fds.size(); ++i) {
-            auto& r = in.fds[i];
-            if (in.entries[i] & kRefBit) {
-              if (f.refs.empty()) f.refs.assign(in.fds.size(), 0);
-              f.refs[i] = in.entries[i] & ~kRefBit;
-            } else {
-              // Its size is final, as a rank's reply memfd's is: no mapping of it can be cut short.
-              check(::fcntl(r.fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW),
-                    "fcntl(F_ADD_SEALS)", "sealing a buffer received over TCP");
-            }
-            f.fds->push_back(std::move(r.fd));
-          }
-        }
-        in_.reset();
-        complete_.push_back(std::move(f));
+      case Incoming::kMac:
+        complete_.push_back(sealed_frame());
         return;
-      }
     }
   }
+}
+
+void Channel::sealed_header() {
+  Incoming& in = *in_;
+  // Nothing is allocated for the frame before its header and fd table are authenticated.
+  std::string_view head(in.head, in.head_size - kMacBytes);
+  recv_mac_.verify_header(head, std::string_view(in.head + head.size(), kMacBytes));
+  in.mac.emplace(recv_mac_.body_mac(head));
+  in.entries.resize(in.h.nfds);
+  if (in.h.nfds > 0)
+    std::memcpy(in.entries.data(), in.head + sizeof in.h, in.h.nfds * sizeof(uint64_t));
+  // Authenticated: what is wrong now is a bug on the other end; still, never trust lengths.
+  if (in.h.length > kMaxSealedFrame) throw std::runtime_error("corrupt TCP frame (length)");
+  uint64_t left = in.h.length;
+  in.fds.resize(in.entries.size());
+  for (size_t i = 0; i < in.entries.size(); ++i) {
+    uint64_t e = in.entries[i];
+    if (e & kRefBit) {
+      if ((e & ~kRefBit) == 0) throw std::runtime_error("corrupt TCP frame (segment ref)");
+      continue;
+    }
+    if (e > left) throw std::runtime_error("corrupt TCP frame (fd length)");
+    left -= e;
+    auto& r = in.fds[i];
+    r.fd = detail::memfd_sized(e);
+    r.size = e;
+  }
+}
+
+Frame Channel::sealed_frame() {
+  Incoming& in = *in_;
+  if (!same_mac(in.mac->final(), std::string_view(in.body_mac, kMacBytes)))
+    throw AuthError("a frame failed authentication (wrong key, tampered, replayed or reordered)");
+  recv_mac_.advance();
+  Frame f;
+  f.kind = in.h.kind;
+  f.rank = in.h.rank;
+  f.seq = in.h.seq;
+  f.payload = std::move(in.payload);
+  if (!in.fds.empty()) {
+    f.fds = std::make_shared<std::vector<Fd>>();
+    for (size_t i = 0; i < in.fds.size(); ++i) {
+      auto& r = in.fds[i];
+      if (in.entries[i] & kRefBit) {
+        if (f.refs.empty()) f.refs.assign(in.fds.size(), 0);
+        f.refs[i] = in.entries[i] & ~kRefBit;
+      } else {
+        // Its size is final, as a rank's reply memfd's is: no mapping of it can be cut short.
+        check(::fcntl(r.fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), "fcntl(F_ADD_SEALS)",
+              "sealing a buffer received over TCP");
+      }
+      f.fds->push_back(std::move(r.fd));
+    }
+  }
+  in_.reset();
+  return f;
 }
 
 Channel::ReadResult Channel::read_some() {

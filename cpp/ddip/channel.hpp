@@ -158,6 +158,8 @@ class Channel {
   ReadResult read_sealed();
   void sealed_take(const char* src, size_t n);
   void sealed_advance(size_t n);
+  void sealed_header();  // authenticates a frame's header and fd table, makes its memfds
+  Frame sealed_frame();   // authenticates the whole frame and hands it over
 
   Fd sock_;
   std::deque<Outgoing> out_;
