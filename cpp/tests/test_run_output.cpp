@@ -115,7 +115,8 @@ TEST(RunOutput, ATerminalThatGoesAwayIsSaidOnceAndWrittenNoMore) {
   term_out.read.reset();  // nobody reads ddip run's stdout any more
   Terminal terminal(std::chrono::milliseconds::zero(), term_out.write.get(), term_err.write.get());
   int failed = 0;
-  LabelledStreams streams(loop, terminal, "ddip run", {[](size_t, std::string_view) {}, [&] { ++failed; }});
+  LabelledStreams streams(loop, terminal, "ddip run",
+                          {[](size_t, std::string_view) {}, [&] { ++failed; }});
   size_t r0 = streams.add_rank(0, true);
   FakeProcess p;
   streams.attach(r0, std::move(p.out.read), std::move(p.err.read));

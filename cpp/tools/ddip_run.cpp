@@ -91,7 +91,8 @@ class Launcher final : Crew {
   void on_record(size_t u, std::string_view line);
   int finish();
   bool all_exited() const {
-    return std::all_of(ends_.begin(), ends_.end(), [](const UnitEnd& e) { return e.status.has_value(); });
+    return std::all_of(ends_.begin(), ends_.end(),
+                       [](const UnitEnd& e) { return e.status.has_value(); });
   }
   std::string me() const { return node_ ? "ddip run on " + node_->name : std::string("ddip run"); }
 
@@ -157,10 +158,13 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
       [](Clock::time_point) {});  // run_until's condition ends the loop
   if (node_)
     upstream_.emplace(loop_, terminal_, link_timeout_,
-                      Upstream::Hooks{
-                          [this](const protocol::Control& m) { on_control(m); },
-                          [this](std::string why) { policy_.link_closed(std::move(why), Clock::now()); },
-                          [this](std::string why) { policy_.link_lost(std::move(why), Clock::now()); }});
+                      Upstream::Hooks{[this](const protocol::Control& m) { on_control(m); },
+                                      [this](std::string why) {
+                                        policy_.link_closed(std::move(why), Clock::now());
+                                      },
+                                      [this](std::string why) {
+                                        policy_.link_lost(std::move(why), Clock::now());
+                                      }});
 }
 
 void Launcher::start_units() {
@@ -170,7 +174,8 @@ void Launcher::start_units() {
       sup_.spawn(p.spec);
     } catch (const std::system_error& e) {
       std::string what = std::string(e.what()).substr(0, std::string(e.what()).rfind(':'));
-      throw CannotStart(e.code(), p.host ? "cannot start the launcher of host " + p.name + ": " + what
+      throw CannotStart(e.code(), p.host ? "cannot start the launcher of host " + p.name + ": " +
+                                               what
                                          : "cannot start rank " + std::to_string(p.first_rank) +
                                                ": " + what);
     }

@@ -175,7 +175,8 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
   if (command.empty()) throw CLI::RequiredError("COMMAND");
   opts_.command = std::move(command);
   // --gpus says each host's GPUs when there are hosts: with --hosts node1,node2, or naming them.
-  bool across = run_->count("--hosts") || (run_->count("--gpus") && gpus_.find(':') != std::string::npos);
+  bool across = run_->count("--hosts") ||
+                (run_->count("--gpus") && gpus_.find(':') != std::string::npos);
   if (run_->count("--gpus") && !across) {
     opts_.gpus = split_list(gpus_);
     for (const auto& g : opts_.gpus)

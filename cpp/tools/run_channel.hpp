@@ -61,7 +61,8 @@ class Downstream {
  public:
   // `kill_launcher(unit)`: SIGKILL to a host's launcher that could not be told to kill.
   // `kill_after`: from Kill to the launchers' SIGKILL.
-  Downstream(RunLoop& loop, milliseconds link_timeout, std::function<void(size_t unit)> kill_launcher,
+  Downstream(RunLoop& loop, milliseconds link_timeout,
+             std::function<void(size_t unit)> kill_launcher,
              milliseconds kill_after = milliseconds(3000));
 
   void add(size_t unit, Fd stdin_pipe);
