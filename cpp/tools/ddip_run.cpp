@@ -6,13 +6,9 @@
 // Launcher here wires the launcher's units together: the event loop (run_loop), the ranks' output
 // (run_output), the channel to other hosts' ddip runs (run_channel, speaking run_protocol), the
 // failure policy (run_policy) and the report (run_report).
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,11 +18,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <memory>
 #include <iostream>
+#include <memory>
 #include <optional>
-#include <random>
-#include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -38,9 +32,9 @@
 #include "run_elastic.hpp"
 #include "run_loop.hpp"
 #include "run_output.hpp"
+#include "run_plan.hpp"
 #include "run_policy.hpp"
 #include "run_protocol.hpp"
-#include "run_plan.hpp"
 #include "run_report.hpp"
 #include "run_ship.hpp"
 
