@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -25,6 +26,11 @@ struct Coordinator::Slot {
   // unwatched and looked at again on each tick.
   bool exit_pending = false;
   bool unresponsive = false;
+  // When the oldest heartbeat it has not answered was sent. Unresponsive means a heartbeat left
+  // unanswered for the timeout, not the time since the last answer: a kernel that was itself
+  // descheduled (a loaded machine) or a timeout no longer than the interval would otherwise
+  // take a healthy worker for a silent one.
+  std::optional<Clock::time_point> unanswered_since;
   // Shared-memory segments this worker was sent and has not released.
   std::unordered_multiset<uint64_t> segments;
 };
@@ -300,8 +306,12 @@ void Coordinator::finish() noexcept {
 }
 
 void Coordinator::tick() {
+  auto now = Clock::now();
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
+    // A remote worker's heartbeat goes out with its host's, in links_->tick() just below.
+    bool beating = s.conn || (s.remote && s.said_hello && !s.exited);
+    if (beating && !s.unanswered_since) s.unanswered_since = now;
     if (s.conn) send_now(i, Frame::make(kHeartbeat, static_cast<int32_t>(i), 0));
     if (s.exit_pending) on_exit(i);
   }
@@ -314,13 +324,13 @@ void Coordinator::check_responsive(Clock::time_point now) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = slots_[i];
     bool live = s.conn || (s.said_hello && !s.exited);
-    if (!live || s.unresponsive) continue;
+    if (!live || s.unresponsive || !s.unanswered_since) continue;
+    if (now - *s.unanswered_since <= options_.heartbeat_timeout) continue;
     Clock::time_point last;
     {
       std::lock_guard lock(mu_);
       last = last_ack_[i];
     }
-    if (now - last <= options_.heartbeat_timeout) continue;
     s.unresponsive = true;
     Event e;
     e.kind = Event::kUnresponsive;
@@ -465,6 +475,7 @@ void Coordinator::heard_from(size_t slot) {
     last_ack_[slot] = Clock::now();
   }
   Slot& s = slots_[slot];
+  s.unanswered_since.reset();
   if (s.unresponsive) {
     s.unresponsive = false;
     Event e;

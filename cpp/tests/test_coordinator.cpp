@@ -368,6 +368,32 @@ TEST(Coordinator, StoppedWorkerIsReportedUnresponsiveThenResponsive) {
   EXPECT_EQ(request(c, 0, 3, "echo:1").frame.data(), "echoed");
 }
 
+// Unresponsive is a heartbeat left unanswered for the timeout, not the time since the last
+// answer: with a timeout as long as the interval, the latter flags healthy workers at each tick.
+TEST(Coordinator, HealthyWorkersAreNotUnresponsiveWhenTheTimeoutEqualsTheInterval) {
+  CoordinatorOptions o = options(2);
+  o.heartbeat_interval = 50ms;
+  o.heartbeat_timeout = 50ms;
+  Coordinator c(std::move(o));
+  wait_for(c, Event::kFrame, 0);  // hello
+  wait_for(c, Event::kFrame, 1);
+  auto until = std::chrono::steady_clock::now() + 1500ms;
+  bool flagged = false;
+  for (auto now = std::chrono::steady_clock::now(); now < until;
+       now = std::chrono::steady_clock::now()) {
+    auto e = c.next_event(std::chrono::duration_cast<std::chrono::milliseconds>(until - now));
+    if (!e || e->kind != Event::kUnresponsive) continue;
+    ADD_FAILURE() << "slot " << e->slot << " reported unresponsive after " << e->age_ms << " ms";
+    flagged = true;
+  }
+  ASSERT_FALSE(flagged);
+  ::kill(c.pids()[1], SIGSTOP);
+  Event e = wait_for(c, Event::kUnresponsive, 1);  // and a silent one still is
+  EXPECT_GE(e.age_ms, 50);
+  ::kill(c.pids()[1], SIGCONT);
+  wait_for(c, Event::kResponsive, 1);
+}
+
 TEST(Coordinator, AReplyWhoseFdsCouldNotBeReceivedIsDeliveredTruncated) {
   if (FdStarvation::sanitized()) GTEST_SKIP() << "needs fds the sanitizers would lack";
   Coordinator c(options(1));
