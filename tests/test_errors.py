@@ -102,7 +102,7 @@ def test_a_rank_that_stops_while_running_fails_its_request_then_refuses_the_next
             with pytest.raises(ddip.RemoteError) as e:
                 pending.result()
             [f] = e.value.failures
-            assert f.rank == 1 and f.ename == "Unresponsive" and f.evalue.startswith("no heartbeat for")
+            assert f.rank == 1 and f.kind == ddip.FailureKind.UNRESPONSIVE and f.evalue.startswith("no heartbeat for")
             assert e.value.headline == str(e.value).splitlines()[0]
             assert e.value.headline.endswith("failed on rank 1; root cause on rank 1: Unresponsive: " + f.evalue)
             with pytest.raises(ddip.RankUnresponsiveError) as e:
@@ -152,3 +152,30 @@ def test_a_rank_that_exits_at_start_is_a_start_error_with_its_failure(tmp_path):
     assert err.timeout is None and len(err.ranks) == 1 and err.failure.rank == err.ranks[0]
     assert err.failure.died and err.failure.exit_code == 4
     assert str(err).startswith(f"rank {err.ranks[0]} exited while starting (exit code 4)")
+
+
+def test_one_rule_puts_the_root_cause_first_whatever_the_order_failures_arrive_in():
+    # The rule Group, ranch and the magics share: what vanished (died, lost, unresponsive) first,
+    # then exceptions by when they were heard of, ddip's own interrupts after them, and ranks
+    # ddip stopped or that never stopped last, by rank.
+    F, K = ddip.RankFailure, ddip.FailureKind
+    failures = [
+        F(4, kind=K.STOPPED, evalue="stopped", at=1.0),
+        F(3, "KeyboardInterrupt", at=2.0),
+        F(2, "ValueError", "late", at=3.0),
+        F(5, kind=K.STILL_RUNNING, at=0.5),
+        F(1, "RuntimeError", "early", at=2.5),
+        F(0, kind=K.DIED, evalue="killed by SIGKILL", exit_signal=9, at=4.0),
+        F(6, kind=K.CLOSED, at=0.1),
+        F(7, "TypeError", "never heard of"),
+    ]
+    ordered = ddip.errors.root_cause_first(failures)
+    assert [f.rank for f in ordered] == [0, 1, 2, 7, 3, 4, 5, 6]
+    assert [f.ename for f in ordered][:1] == ["RankDied"] and ordered[0].died
+    assert [f.kind for f in ordered] == ["died", "raised", "raised", "raised", "raised", "stopped",
+                                         "still running", "closed"]
+    err = ddip.RemoteError(ordered)
+    assert err.headline == ("code failed on ranks 0, 1, 2, 3, 4, 5, 6, 7; root cause on rank 0: "
+                            "RankDied: killed by SIGKILL")
+    with pytest.raises(ValueError):
+        F(0, kind="exploded")  # a kind outside the model is refused, not carried as a string

@@ -29,7 +29,9 @@ void FailurePolicy::failed(RootCause cause, Clock::time_point now) {
   }
   if (root || stopping_) return;  // a later failure, or one of the ranks being stopped
   // Told now, not at the end: the first failure anywhere is the root cause, and the other
-  // hosts' ranks fail soon after (their peer is gone).
+  // hosts' ranks fail soon after (their peer is gone). The rule the notebook's side follows too
+  // (python/ddip/errors.py, root_cause_first): here every failure is an exit, so "a death
+  // first, then by when it was heard of" is the first reported; ranks ddip stopped never are.
   if (opts_.node) crew_.report_upstream(cause);
   root = std::move(cause);
   if (outcome_.first_signal) {

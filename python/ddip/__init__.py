@@ -5,14 +5,14 @@
         g.run("import os; os.environ['RANK']")
 """
 
-from .errors import (GroupClosedError, HealError, HealReport, RankBusyError, RankDeadError, RankError, RankFailure,
+from .errors import (FailureKind, GroupClosedError, HealError, HealReport, RankBusyError, RankDeadError, RankError, RankFailure,
                      RankUnresponsiveError, RemoteError, StartError)
 from .kernel.group import Group, RankResult
 from .kernel.template import prewarm
 from .launch.oneshot import ranch, torchddp_launch, TorchDDPCtx, import_star
 from . import template, torchdist  # noqa: F401  (reached after `import ddip`, as before)
 
-__all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "StartError", "HealError", "HealReport"]
+__all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "FailureKind", "StartError", "HealError", "HealReport"]
 __all__ += ["RankError", "RankDeadError", "RankBusyError", "RankUnresponsiveError", "GroupClosedError"]
 __all__ += ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star", "prewarm"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 
@@ -12,22 +13,65 @@ def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
 
 
+class FailureKind(str, enum.Enum):
+    """How a rank failed. A str, so `f.kind == "died"` reads as well as `FailureKind.DIED`."""
+
+    RAISED = "raised"  # its code raised (ename/evalue/traceback are the exception's)
+    DIED = "died"  # its process exited (exit_code / exit_signal, stderr_tail)
+    LOST = "lost"  # it ran on another host whose link (or launcher) is gone
+    UNRESPONSIVE = "unresponsive"  # it answered no heartbeat for the heartbeat timeout
+    STILL_RUNNING = "still running"  # interrupted after another failure, it did not stop
+    STOPPED = "stopped"  # ddip stopped it because another rank failed (ranch)
+    CLOSED = "closed"  # the group was closed (or its runtime failed) while it ran
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The label a failure that is not an exception shows where an exception shows its type; these
+# are the words docs/troubleshooting.md lists. Code tests `kind`, never these.
+_LABELS = {FailureKind.DIED: "RankDied", FailureKind.LOST: "RankDied", FailureKind.UNRESPONSIVE: "Unresponsive",
+           FailureKind.STILL_RUNNING: "StillRunning", FailureKind.STOPPED: "Stopped", FailureKind.CLOSED: "Closed"}
+
+# Root cause first: a rank that vanished is what the others then trip over; then what ranks
+# raised, in the order the kernel heard of it (KeyboardInterrupt after the others: ddip's own
+# interrupts of the peers); last, ranks that ddip stopped or that never stopped. `ddip run`
+# orders by the same rule in C++ (cpp/tools/run_policy.cpp: the first failure reported is the
+# root cause, ranks it stopped come after).
+_ORDER = {FailureKind.DIED: 0, FailureKind.LOST: 0, FailureKind.UNRESPONSIVE: 0, FailureKind.RAISED: 1,
+          FailureKind.STOPPED: 3, FailureKind.STILL_RUNNING: 3, FailureKind.CLOSED: 4}
+
+
 @dataclass
 class RankFailure:
-    """Why one rank failed: an exception it raised, or its death (exit code / signal)."""
+    """Why one rank failed: `kind` says how (an exception it raised, its death, ...). For a
+    raised exception `ename` is its type; for the other kinds, the label its message shows."""
 
     rank: int
-    ename: str  # exception type name, or "RankDied"
-    evalue: str  # exception message, or "killed by SIGKILL" / "exit code 3"
+    ename: str = ""  # the exception's type name; for other kinds, filled in from `kind`
+    evalue: str = ""  # exception message, or "killed by SIGKILL" / "exit code 3"
     traceback: list[str] = field(default_factory=list)  # IPython's lines, with ANSI colours
     stderr_tail: str = ""  # for a dead rank: the last lines it wrote to stderr
     exit_code: int | None = None
     exit_signal: int | None = None
     exception: BaseException | None = None  # the remote exception object, when it could be pickled
+    kind: FailureKind = FailureKind.RAISED
+    at: float | None = None  # time.monotonic() when the kernel heard of it: orders the root cause
+
+    def __post_init__(self):
+        self.kind = FailureKind(self.kind)
+        if not self.ename:
+            self.ename = _LABELS.get(self.kind, "Exception")
 
     @property
     def died(self) -> bool:
-        return self.ename == "RankDied"
+        """The rank's process is gone: it exited, or its host is lost."""
+        return self.kind in (FailureKind.DIED, FailureKind.LOST)
+
+    @property
+    def caused_by_peer(self) -> bool:
+        """Not a failure of its own: stopped, left running, or closed after another one."""
+        return _ORDER[self.kind] >= 3
 
     def describe(self) -> str:
         """Plain text: the headline and the remote traceback (or stderr tail)."""
@@ -36,6 +80,18 @@ class RankFailure:
         if self.died and self.stderr_tail:
             body = "last lines of its stderr:\n" + "\n".join("    " + l for l in self.stderr_tail.splitlines())
         return head + ("\n" + body if body else "")
+
+
+def root_cause_first(failures) -> list[RankFailure]:
+    """The failures, root cause first, by one rule for Group, ranch and the magics (above _ORDER)."""
+    def key(f: RankFailure):
+        order = _ORDER[f.kind]
+        if f.kind is FailureKind.RAISED and f.ename == "KeyboardInterrupt":
+            order = 2
+        if order >= 3:  # ddip's own doing after the root cause: by rank, not by when
+            return order, 0.0, f.rank
+        return order, f.at if f.at is not None else float("inf"), f.rank
+    return sorted(failures, key=key)
 
 
 def merge_failures(failures) -> list[tuple[RankFailure, list[int]]]:

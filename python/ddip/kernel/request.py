@@ -20,7 +20,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import GroupClosedError, HealReport, RankFailure, RemoteError, unresponsive_cause
+from ..errors import (FailureKind, GroupClosedError, HealReport, RankFailure, RemoteError, root_cause_first,
+                      unresponsive_cause)
 from ..messages import loads, loads_framed
 
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
@@ -164,7 +165,7 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
                 r.error = unresponsive_failure(r.rank, rt.unresponsive[s], rt.hosts[s])
             else:
                 r.error = RankFailure(
-                    rank=r.rank, ename="StillRunning",
+                    rank=r.rank, kind=FailureKind.STILL_RUNNING, at=time.monotonic(),
                     evalue=f"did not stop within {DEATH_REPORT_S if req.why == 'death' else INTERRUPT_GRACE_S:g} s "
                            f"of being interrupted (waiting in C code, or in a collective for a failed "
                            f"rank?); it stays busy until it finishes: g.restart() (%makedip -r) ends it",
@@ -197,7 +198,7 @@ def ranks_text(rt, slots) -> str:
 
 
 def unresponsive_failure(rank, age, host=None) -> RankFailure:
-    return RankFailure(rank=rank, ename="Unresponsive",
+    return RankFailure(rank=rank, kind=FailureKind.UNRESPONSIVE,
                        evalue=f"no heartbeat for {age:.1f} s ({unresponsive_cause([host] if host else [])}); "
                               f"%makedip -r / g.restart() replaces it")
 
@@ -283,10 +284,10 @@ def _handle(req: Request, item, cb: Callbacks):
         req.died_at = req.died_at or time.monotonic()
         _finish(req, slot, cb)
     elif tag == "broken":
-        r.error = RankFailure(rank=r.rank, ename="RuntimeFailure", evalue=item[2])
+        r.error = RankFailure(rank=r.rank, kind=FailureKind.CLOSED, ename="RuntimeFailure", evalue=item[2])
         _finish(req, slot, cb)
     elif tag == "closed":
-        r.error = RankFailure(rank=r.rank, ename="Closed", evalue="the group was closed while it ran")
+        r.error = RankFailure(rank=r.rank, kind=FailureKind.CLOSED, evalue="the group was closed while it ran")
         _finish(req, slot, cb)
 
 
@@ -294,9 +295,10 @@ def _finish(req: Request, slot: int, cb: Callbacks):
     r = req.results[slot]
     req.pending.discard(slot)
     r.finished_at = time.monotonic()
-    if r.error is not None and not r.error.died and r.error.ename not in ("Unresponsive", "Closed") \
-            and req.failed_at is None:
-        req.failed_at = r.finished_at  # the others may be waiting for it in a collective
+    if r.error is not None:
+        r.error.at = r.finished_at
+        if r.error.kind is FailureKind.RAISED and req.failed_at is None:
+            req.failed_at = r.finished_at  # the others may be waiting for it in a collective
     _call(req, cb, "on_done", r)
 
 
@@ -311,17 +313,10 @@ def _fill(result: RankResult, reply: dict):
 
 
 def raise_failures(results: list[RankResult], what: str, heal: HealReport | None = None):
-    """RemoteError for the failed ranks, root cause first: a death, then exceptions in the order
-    they came; interrupts we caused, and ranks that never stopped, last."""
-    failed = [r for r in results if r.error is not None]
-    if failed:
-        def rank_of(r):
-            e = r.error
-            kind = 0 if (e.died or e.ename == "Unresponsive") else 2 if e.ename == "KeyboardInterrupt" else \
-                3 if e.ename == "StillRunning" else 1
-            return kind, r.finished_at if r.finished_at is not None else float("inf")
-        failed.sort(key=rank_of)
-        raise RemoteError([r.error for r in failed], results, what, heal)
+    """RemoteError for the failed ranks, root cause first (errors.root_cause_first)."""
+    failures = [r.error for r in results if r.error is not None]
+    if failures:
+        raise RemoteError(root_cause_first(failures), results, what, heal)
 
 
 def positive_timeout(timeout, what="timeout"):

@@ -16,7 +16,7 @@ import threading
 import time
 
 from .. import _core
-from ..errors import RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
+from ..errors import FailureKind, RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
 from ..labels import LabelledOutput
 from ..messages import dumps_framed, loads
 from .request import Request, close_fds
@@ -88,7 +88,7 @@ class Runtime:
 
     def lost(self, slot, why: bytes) -> RankFailure:
         """A rank on another host, gone with its host's link (or launcher): a death."""
-        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=why.decode(errors="replace"))
+        f = RankFailure(rank=self.rank_ids[slot], kind=FailureKind.LOST, evalue=why.decode(errors="replace"))
         self.state[slot] = "dead"
         self.exits[slot] = f
         return f
@@ -96,7 +96,7 @@ class Runtime:
     def death(self, slot, ev) -> RankFailure:
         """An "exited" event: its cause in the runtime's words (ExitStatus::describe)."""
         code, sig = ev.code, ev.signal
-        f = RankFailure(rank=self.rank_ids[slot], ename="RankDied", evalue=ev.why,
+        f = RankFailure(rank=self.rank_ids[slot], kind=FailureKind.DIED, evalue=ev.why,
                         stderr_tail=ev.data.decode(errors="replace"),
                         exit_code=None if sig or code < 0 else code, exit_signal=sig or None)
         self.state[slot] = "dead"

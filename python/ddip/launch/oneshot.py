@@ -26,7 +26,7 @@ import traceback as _traceback
 from typing import Callable
 
 from .. import _core, gpus as _gpus
-from ..errors import RankFailure, RemoteError
+from ..errors import FailureKind, RankFailure, RemoteError, root_cause_first
 from ..hosts import placement as _hosts
 from ..kernel.displays import RankDisplays, notebook_env
 from ..kernel.group import Group, free_port
@@ -714,8 +714,9 @@ class _Launch:
                 continue
             if r.rank in self.stopped and f.died and f.exit_signal == signal.SIGKILL:
                 # Killed by us because another rank failed: not a failure of its own.
-                f = RankFailure(rank=r.rank, ename="Stopped", evalue="stopped", stderr_tail=f.stderr_tail,
+                f = RankFailure(rank=r.rank, kind=FailureKind.STOPPED, evalue="stopped", stderr_tail=f.stderr_tail,
                                 exit_signal=f.exit_signal)
+            f.at = self.failed_at.get(r.rank, f.at)  # when this launch heard of it
             failures.append(f)
         if own is not None and own[0] == "error":
             exc = own[1]
@@ -723,15 +724,16 @@ class _Launch:
             if isinstance(exc, KeyboardInterrupt) and not ours:
                 raise exc  # the user's Ctrl-C: the children are already stopped
             if ours:
-                failures.append(RankFailure(rank=self.caller_rank, ename="Stopped", evalue="interrupted"))
+                failures.append(RankFailure(rank=self.caller_rank, kind=FailureKind.STOPPED, evalue="interrupted"))
             else:
                 failures.append(RankFailure(rank=self.caller_rank, ename=type(exc).__name__, evalue=str(exc),
-                                            traceback=[l.rstrip("\n") for l in own[2]], exception=exc))
+                                            traceback=[l.rstrip("\n") for l in own[2]], exception=exc,
+                                            at=self.failed_at.get(self.caller_rank)))
         if failures:
-            failures.sort(key=self._failure_order)
+            failures = root_cause_first(failures)
             root = failures[0]
             for f in failures[1:]:
-                if f.ename == "Stopped":
+                if f.kind is FailureKind.STOPPED:
                     f.evalue = f"{f.evalue} after rank {root.rank} failed"
             for f in failures:
                 where = self._remote_host(f.rank)
@@ -754,13 +756,6 @@ class _Launch:
             return None
         host = self.layout.hosts[self.layout.plan.slot_host[rank]]
         return None if host.local else host.name
-
-    def _failure_order(self, f: RankFailure):
-        # Deaths first (a dead peer is what the others then trip over), then by when the launch
-        # heard of them; ranks stopped by us last.
-        if f.ename == "Stopped":
-            return (2, 0.0, f.rank)
-        return (0 if f.died else 1, self.failed_at.get(f.rank, float("inf")), f.rank)
 
     def cleanup(self):
         self._restore_env()

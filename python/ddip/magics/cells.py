@@ -119,7 +119,7 @@ class CellMagics(Magics):
                                       *render.stuck_lines(getattr(exc, "results", None))) from None
         except (RankError, GroupClosedError) as exc:  # refused before it was sent: nothing ran
             # A dead rank is named as a rank that dies while running a cell is.
-            ename = "RankDied" if isinstance(exc, RankDeadError) else type(exc).__name__
+            ename = exc.failures[0].ename if isinstance(exc, RankDeadError) else type(exc).__name__
             raise render.CellError.of(ename, exc.describe(restart=RESTART)) from None
         except RuntimeError as exc:  # anything else from the runtime: its message, not our frames
             raise render.CellError.of(type(exc).__name__, str(exc)) from None
