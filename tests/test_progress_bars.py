@@ -240,3 +240,31 @@ def test_diprun_tqdm_bars_of_two_ranks_redraw_in_place(k):
     for r in (0, 1):
         [line] = [x for x in err if x.startswith(f"[{r}] ")]
         assert re.fullmatch(rf"\[{r}\] rank {r}: 100%\|█+\| 30/30 \[.*\]", line), line
+
+
+def test_one_splitter_keeps_each_line_end_and_labels_every_rank_alike():
+    import io
+
+    from ddip.labels import LabelledOutput, pieces, rank_label
+
+    assert list(pieces("a\nbar 1\rbar 2\r\n\nwin\r\ntail")) == [
+        ("a", "\n"), ("bar 1", "\r"), ("bar 2", "\r\n"), ("", "\n"), ("win", "\r\n"), ("tail", "")]
+    assert list(pieces("")) == []
+    assert rank_label(3) == "[rank 3]"
+    # Lines labelled (ranch, output between cells) and headed runs of one rank (%%dip) use the
+    # same label; the headed form starts a new line when a rank's line was left open.
+    import sys
+    saved = sys.stdout
+    try:
+        sys.stdout = io.StringIO()
+        LabelledOutput()(2, "stdout", "x\ny\n")
+        lines = sys.stdout.getvalue()
+        sys.stdout = io.StringIO()
+        headed = LabelledOutput(headers=True)
+        for rank, text in ((0, "a"), (1, "b\n"), (1, "c\n"), (0, "d\n")):
+            headed(rank, "stdout", text)
+        blocks = sys.stdout.getvalue()
+    finally:
+        sys.stdout = saved
+    assert lines == "[rank 2] x\n[rank 2] y\n"
+    assert blocks == "[rank 0]\na\n[rank 1]\nb\nc\n[rank 0]\nd\n"

@@ -88,22 +88,16 @@ std::string RankOutput::flush(Stream s, bool force) {
 }
 
 void RankOutput::remember(std::string_view text) {
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find_first_of("\r\n", start);
-    if (end == std::string_view::npos) {
-      tail_partial_.append(text.substr(start));
-      return;
-    }
-    tail_partial_.append(text.substr(start, end - start));
+  for_each_line(text, [this](std::string_view body, std::string_view end) {
+    tail_partial_.append(body);
+    if (end.empty()) return;
     // A '\r' rewrites the line in place: keep only what is finally shown.
-    if (text[end] == '\n') {
+    if (end != "\r") {
       tail_.push_back(std::move(tail_partial_));
       if (tail_.size() > kTailLines) tail_.pop_front();
     }
     tail_partial_.clear();
-    start = end + 1;
-  }
+  });
 }
 
 std::string RankOutput::stderr_tail() const {

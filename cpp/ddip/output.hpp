@@ -9,6 +9,25 @@
 
 namespace ddip {
 
+// Calls fn(body, end) for each piece of `text`: `end` is "\n", "\r\n", "\r" (a redrawn progress
+// bar), or empty for text after the last line end. The C++ side's one line splitter (the Python
+// package's is ddip.labels.pieces).
+template <class Fn>
+void for_each_line(std::string_view text, Fn&& fn) {
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find_first_of("\r\n", start);
+    if (end == std::string_view::npos) {
+      fn(text.substr(start), std::string_view{});
+      return;
+    }
+    size_t after = end + 1;
+    if (text[end] == '\r' && after < text.size() && text[after] == '\n') ++after;
+    fn(text.substr(start, end - start), text.substr(end, after - end));
+    start = after;
+  }
+}
+
 class LineAssembler {
  public:
   // Appends `data`; returns everything up to and including the last '\n' or '\r'.

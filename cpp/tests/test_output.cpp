@@ -123,3 +123,21 @@ TEST(RankOutput, PartialFlushKeepsUtf8WholeOnBothStreams) {
   EXPECT_EQ(o.flush(RankOutput::kStderr, false), "\xC3\xA9");
   EXPECT_EQ(o.stderr_tail(), "\xC3\xA9");
 }
+
+TEST(ForEachLine, SplitsAtEveryLineEndAndKeepsWhichOne) {
+  std::vector<std::pair<std::string, std::string>> got;
+  for_each_line("a\nbar 1\rbar 2\r\n\nwin\r\ntail",
+                [&](std::string_view body, std::string_view end) { got.emplace_back(body, end); });
+  std::vector<std::pair<std::string, std::string>> want{
+      {"a", "\n"}, {"bar 1", "\r"}, {"bar 2", "\r\n"}, {"", "\n"}, {"win", "\r\n"}, {"tail", ""}};
+  EXPECT_EQ(got, want);
+  got.clear();
+  for_each_line("", [&](std::string_view body, std::string_view end) { got.emplace_back(body, end); });
+  EXPECT_TRUE(got.empty());
+}
+
+TEST(RankOutput, AStderrLineEndedByCrLfKeepsItsText) {
+  RankOutput o;
+  o.feed(RankOutput::kStderr, "Traceback\r\nValueError: bad\r\n");
+  EXPECT_EQ(o.stderr_tail(), "Traceback\nValueError: bad");
+}

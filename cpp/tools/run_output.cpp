@@ -43,16 +43,12 @@ bool write_all(int fd, std::string_view data, milliseconds limit) {
 std::string label(std::string_view text, const std::string& tag, bool& after_cr) {
   std::string out;
   out.reserve(text.size() + tag.size() * 4);
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find_first_of("\r\n", start);
-    if (end == std::string_view::npos) end = text.size();
-    if (end > start || (end < text.size() && text[end] == '\n' && !after_cr)) out += tag;
-    out.append(text.substr(start, end - start));
-    if (end < text.size()) out += text[end];
-    after_cr = end < text.size() && text[end] == '\r';
-    start = end + 1;
-  }
+  for_each_line(text, [&](std::string_view body, std::string_view end) {
+    if (!body.empty() || (!end.empty() && end != "\r" && !after_cr)) out += tag;
+    out.append(body);
+    out.append(end);
+    after_cr = end == "\r";
+  });
   if (!out.empty() && out.back() != '\n' && out.back() != '\r') {
     out += '\n';
     after_cr = false;
@@ -180,25 +176,18 @@ void LabelledStreams::deliver(size_t u, RankOutput::Stream s, const std::string&
 // among its ranks' lines.
 void LabelledStreams::host_text(size_t u, const std::string& text) {
   std::string shown;
-  size_t start = 0;
-  while (start < text.size()) {
-    // A line ends at '\n', or at '\r' (a redrawn progress bar): a record can follow either.
-    size_t end = text.find_first_of("\r\n", start);
-    end = end == std::string::npos ? text.size() : end + 1;
-    if (end < text.size() && text[end - 1] == '\r' && text[end] == '\n') ++end;
-    std::string_view line(text.data() + start, end - start);
+  // A line ends at '\n', or at '\r' (a redrawn progress bar): a record can follow either.
+  for_each_line(text, [&](std::string_view body, std::string_view end) {
+    std::string_view line(body.data(), body.size() + end.size());
     if (protocol::is_record(line)) {
       hooks_.on_record(u, line);
     } else {
       shown.append(line);
-      std::string l(line);
-      while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
       // ssh's and the host's own messages (not the ranks', which are labelled) explain a failed
       // launcher.
-      if (!l.empty() && l[0] != '[') note(u, std::move(l));
+      if (!body.empty() && body[0] != '[') note(u, std::string(body));
     }
-    start = end;
-  }
+  });
   emit(u, RankOutput::kStderr, shown);
 }
 

@@ -1,22 +1,39 @@
-"""Ranks' output in the notebook (or a terminal): each line labelled with its rank, written live."""
+"""Ranks' output in the notebook (or a terminal): labelled with its rank, written live. The one
+labelling path of the notebook's side: %%dip, output between cells, ranch and %%diprun all write
+through a LabelledOutput, and `pieces` is the one '\r'/'\n' splitter of the Python package (the
+C++ runtime's is ddip::for_each_line)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
+from typing import Callable, Iterator
 
-
-# How a rank's output is labelled in the notebook, everywhere (groups, ranch, the magics).
-# `ddip run`, a terminal tool, writes torchrun's shorter "[3] "; %%diprun shows its output as is.
-RANK_LABEL = "[rank {}] "
+_PIECE = re.compile(r"([^\r\n]*)(\r\n|\r|\n|\Z)")
 
 
 def rank_label(rank) -> str:
-    return RANK_LABEL.format(rank)
+    """How a rank is named in the notebook, everywhere: "[rank 3]". `ddip run`, a terminal tool,
+    writes torchrun's shorter "[3] " instead."""
+    return f"[rank {rank}]"
+
+
+def pieces(text: str) -> Iterator[tuple[str, str]]:
+    """`text` as (body, end) pieces: `end` is "\n", "\r\n", "\r" (a redrawn progress bar), or ""
+    for text after the last line end."""
+    for m in _PIECE.finditer(text):
+        body, end = m.group(1), m.group(2)
+        if body or end:
+            yield body, end
 
 
 class LabelledOutput:
-    """An on_output callback: ranks' output written live, each line labelled with its rank.
+    """An on_output callback: ranks' output written live, labelled with its rank.
+
+    Each line is labelled ("[rank 3] text"), or, with headers=True (a %%dip cell: its output reads
+    as a notebook cell's), a "[rank 3]" line heads each run of one rank's output. label=None: the
+    text as it is (one rank shown).
 
     Writers share the streams, so a line is never continued by another writer: text that comes
     while another's line is unfinished starts a new line. A line redrawn with '\r' (a text
@@ -25,33 +42,53 @@ class LabelledOutput:
     manager (ranch), this process's own sys.stdout/sys.stderr (the notebook's rank) go through it
     too, unlabelled."""
 
-    def __init__(self, label: str = RANK_LABEL):
+    def __init__(self, label: Callable[[int], str] | None = rank_label, headers: bool = False):
         self._label = label
+        self._headers = headers
         self._lock = threading.RLock()
         self._lines: dict[str, dict] = {}  # stream -> its open line (_new_line)
         self._writers: dict = {}  # writer -> its state (_writer)
         self._replaced: dict = {}  # stream name -> the stream __enter__ replaced
+        self._headed = None  # headers: the rank whose output came last
+        self._at_start = {"stdout": True, "stderr": True}  # headers: each stream at a line's start
 
     def __call__(self, rank, stream, text):
-        self.write((rank, stream), self._label.format(rank), stream, text)
+        if self._headers or self._label is None:
+            return self.headed(rank, stream, text)
+        self.write((rank, stream), self._label(rank) + " ", stream, text)
+
+    def headed(self, rank, stream: str, text: str = "") -> None:
+        """Writes `text` of `rank` to sys.<stream>, after a header line when another rank's output
+        came last (text "": only the header, as before a rank's display)."""
+        with self._lock:
+            dest = getattr(sys, stream)
+            if self._label is not None and rank != self._headed:
+                dest.write(("" if self._at_start[stream] else "\n") + self._label(rank) + "\n")
+                self._at_start[stream] = True
+            self._headed = rank
+            if text:
+                dest.write(text)
+                self._at_start[stream] = text.endswith("\n")
+            dest.flush()  # live: sent now, not at ipykernel's next flush interval
+
+    def forget(self) -> None:
+        """The output shown so far was cleared: the next output is headed again."""
+        with self._lock:
+            self._headed = None
+            self._at_start = {"stdout": True, "stderr": True}
 
     def write(self, writer, label: str, stream: str, text: str, dest=None) -> None:
-        """Writes `writer`'s text to sys.<stream> (or `dest`), labelled with `label`."""
+        """Writes `writer`'s text to sys.<stream> (or `dest`), each line labelled with `label`."""
         if not text:
             return
         with self._lock:
             line = self._lines.setdefault(stream, self._new_line())
             out: list[str] = []
-            i = 0
-            while i < len(text):
-                ends = [j for j in (text.find("\r", i), text.find("\n", i)) if j >= 0]
-                j = min(ends) if ends else len(text)
-                end = text[j:j + 2] if text.startswith("\r\n", j) else text[j:j + 1]
-                if j > i:
-                    self._body(line, writer, label, text[i:j], end == "\r", out)
+            for body, end in pieces(text):
+                if body:
+                    self._body(line, writer, label, body, end == "\r", out)
                 if end:
                     self._end(line, writer, label, end, out)
-                i = j + len(end)
             if dest is None:
                 dest = self._replaced.get(stream) or getattr(sys, stream)
             if out:

@@ -30,7 +30,7 @@ from ..errors import FailureKind, RankFailure, RemoteError, root_cause_first
 from ..hosts import placement as _hosts
 from ..kernel.displays import RankDisplays, notebook_env
 from ..kernel.group import Group, free_port
-from ..labels import LabelledOutput, rank_label
+from ..labels import LabelledOutput
 from ..messages import dumps
 from ..rank import torchdist
 from .notebook_rank import NotebookRank
@@ -362,6 +362,7 @@ class _Launch:
         self.caller_rank = caller_rank
         self.child_ranks = child_ranks
         self.group: Group | None = None
+        self.out: LabelledOutput | None = None  # the children's output (and the notebook's), labelled
         self.lock = threading.Lock()
         self.failed_at: dict[int, float] = {}  # rank -> when the launch heard it failed
         self.running: set[int] = set()  # child ranks past ctx.__enter__, not yet done or failed
@@ -434,7 +435,7 @@ class _Launch:
                 self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
                                    rank_ids=self.child_ranks, warm=self.warm, env=env)
             port = self.group.master_port
-            out = LabelledOutput()
+            out = self.out = LabelledOutput()
             if imports.strip():
                 try:
                     self.group.run(imports, on_output=out, on_display=self._on_display)
@@ -656,7 +657,7 @@ class _Launch:
         elif not msg.get("clear") and not msg.get("update"):
             text = (msg.get("data") or {}).get("text/plain", "")
             if text:
-                print("\n".join(rank_label(rank) + line for line in text.splitlines()), flush=True)
+                self.out(rank, "stdout", text if text.endswith("\n") else text + "\n")
 
     def _kill(self, ranks, sig=signal.SIGKILL):
         """Signals child ranks (their whole process groups) through the runtime, which knows

@@ -12,12 +12,7 @@ from IPython.display import publish_display_data
 
 from ..kernel.displays import RankDisplays
 from ..errors import merge_failures
-from ..labels import LabelledOutput, rank_label as _rank_label
-
-
-def rank_label(rank) -> str:
-    """The label as a header line of its own ("[rank 3]")."""
-    return _rank_label(rank).rstrip()
+from ..labels import LabelledOutput, pieces, rank_label
 
 
 def header(text: str) -> str:
@@ -112,32 +107,17 @@ def healed(report) -> str:
 # -- a %%dip cell's output --------------------------------------------------------------------------
 
 class RankOutput:
-    """Writes the shown ranks' output into the notebook live, labelling it when the rank changes."""
+    """Writes the shown ranks' output into the notebook live, a "[rank N]" line heading each run
+    of one rank's output (none when one rank is shown)."""
 
     def __init__(self, shown: list[int]):
         self.shown = set(shown)
-        self.labelled = len(shown) > 1
-        self.last_rank = None
-        self.at_line_start = {"stdout": True, "stderr": True}
+        self.out = LabelledOutput(rank_label if len(shown) > 1 else None, headers=True)
         self.displays = RankDisplays()
 
-    def _label(self, rank, stream_name):
-        if self.labelled and rank != self.last_rank:
-            stream = getattr(sys, stream_name)
-            if not self.at_line_start[stream_name]:
-                stream.write("\n")
-            stream.write(rank_label(rank) + "\n")
-            self.at_line_start[stream_name] = True
-        self.last_rank = rank
-
     def on_output(self, rank, stream_name, text):
-        if rank not in self.shown or not text:
-            return
-        self._label(rank, stream_name)
-        stream = getattr(sys, stream_name)
-        stream.write(text)
-        stream.flush()  # live: send it now, not at ipykernel's next flush interval
-        self.at_line_start[stream_name] = text.endswith("\n")
+        if rank in self.shown and text:
+            self.out.headed(rank, stream_name, text)
 
     def on_display(self, rank, msg):
         if rank not in self.shown:
@@ -145,10 +125,9 @@ class RankOutput:
         if msg.get("clear"):
             # The cell's output goes (now, or with wait=True when the next output comes), labels
             # with it: the next output is labelled again.
-            self.last_rank = None
-            self.at_line_start = {"stdout": True, "stderr": True}
+            self.out.forget()
         elif not msg.get("update"):  # an update redraws a display in place: nothing new to label
-            self._label(rank, "stdout")
+            self.out.headed(rank, "stdout")
         # Keep display output after the text printed before it.
         sys.stdout.flush()
         sys.stderr.flush()
@@ -209,7 +188,7 @@ class RunOutput:
     _TAG = re.compile(r"\[(\d+)\] ")
 
     def __init__(self):
-        self.out = LabelledOutput("[{}] ")
+        self.out = LabelledOutput()
         self.partial = {"stdout": "", "stderr": ""}  # a read can end inside a piece
         self.last = {"stdout": None, "stderr": None}  # whose text came last, per stream
 
@@ -217,7 +196,8 @@ class RunOutput:
         text = self.partial[stream] + text
         cut = len(text) if final else max(text.rfind("\n"), text.rfind("\r")) + 1
         self.partial[stream] = text[cut:]
-        for piece in re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+", text[:cut]):
+        for body, end in pieces(text[:cut]):
+            piece = body + end
             tag = self._TAG.match(piece)
             if tag:
                 rank, piece = int(tag.group(1)), piece[tag.end():]
