@@ -85,44 +85,14 @@ class Group:
                  hosts=None, launcher: str | None = None, python: str | None = None,
                  bind: str | None = None):
         # Everything is checked before anything starts: bad input changes nothing.
-        # hosts= (see ddip.hosts): ranks on several hosts, reached by `launcher` (ssh, slurm or a
-        # template) running `python` there, connecting back to this machine's address `bind`.
-        self._layout = None
-        if gpus is not None and (hosts is not None or _hosts.host_qualified(gpus)):
-            # hosts='node1,node2' with gpus='0,1' (every host) or gpus='node1:0,1 node2:2,3'.
-            hosts, gpus = _hosts.with_gpus(hosts, gpus), None
-        if hosts is not None:
-            if n is not None or rank_ids is not None or world_size is not None:
-                raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
-                                 "leave out n=, rank_ids= and world_size=")
-            self._layout = _hosts.layout(hosts, launcher, python, bind)
-            n = self._layout.size
-            # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
-            rank_ids, world_size = self._layout.rank_ids, self._layout.world_size
-            master_addr = self._layout.master_addr
-        elif launcher is not None or python is not None or bind is not None:
-            raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
-        if n is not None and gpus is not None:
-            raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"n must be a positive number of processes, got {n!r}")
-        if env is not None and not (isinstance(env, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-            raise ValueError("env must be a dict of strings to strings, e.g. env={'OMP_NUM_THREADS': '1'}")
+        self._layout, gpus, n, rank_ids, world_size, master_addr = _lay_out_hosts(
+            hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind)
+        rank_ids = None if rank_ids is None else list(rank_ids)
+        _check_sizes(n, gpus, env, rank_ids)
         self._env = dict(env or {})
-        gpu_ids = None
-        if gpus is not None:
-            # The user's own CUDA_VISIBLE_DEVICES (in env=) is the list that positions refer to.
-            visible_env = self._env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-            who = "the group's env=" if "CUDA_VISIBLE_DEVICES" in self._env else "the notebook"
-            gpu_ids = [s.entry for s in _gpus.select(gpus, visible_env, _gpus.physical_gpus(), who)]
+        gpu_ids = None if gpus is None else _select_gpus(gpus, self._env)
         if n is None and gpu_ids is None:
             raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
-        if rank_ids is not None:
-            rank_ids = list(rank_ids)
-            if not rank_ids or len(set(rank_ids)) != len(rank_ids) or not all(
-                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank_ids):
-                raise ValueError(f"rank_ids must be distinct ranks (integers >= 0), got {rank_ids!r}")
         size = n if n is not None else (len(rank_ids) if rank_ids is not None else len(gpu_ids))
         _positive_timeout(timeout)
         if timeout is None:
@@ -527,3 +497,44 @@ def _close_all():
             g.close(0.5)
         except Exception:
             pass
+
+
+def _lay_out_hosts(hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind):
+    """hosts= (see ddip.hosts): ranks on several hosts, reached by `launcher` (ssh, slurm or a
+    template) running `python` there, connecting back to this machine's address `bind`. Returns
+    (layout or None, gpus, n, rank_ids, world_size, master_addr) as the group takes them."""
+    layout = None
+    if gpus is not None and (hosts is not None or _hosts.host_qualified(gpus)):
+        # hosts='node1,node2' with gpus='0,1' (every host) or gpus='node1:0,1 node2:2,3'.
+        hosts, gpus = _hosts.with_gpus(hosts, gpus), None
+    if hosts is not None:
+        if n is not None or rank_ids is not None or world_size is not None:
+            raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
+                             "leave out n=, rank_ids= and world_size=")
+        layout = _hosts.layout(hosts, launcher, python, bind)
+        # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
+        return layout, gpus, layout.size, layout.rank_ids, layout.world_size, layout.master_addr
+    if launcher is not None or python is not None or bind is not None:
+        raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
+    return layout, gpus, n, rank_ids, world_size, master_addr
+
+
+def _check_sizes(n, gpus, env, rank_ids):
+    if n is not None and gpus is not None:
+        raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be a positive number of processes, got {n!r}")
+    if env is not None and not (isinstance(env, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ValueError("env must be a dict of strings to strings, e.g. env={'OMP_NUM_THREADS': '1'}")
+    if rank_ids is not None:
+        if not rank_ids or len(set(rank_ids)) != len(rank_ids) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank_ids):
+            raise ValueError(f"rank_ids must be distinct ranks (integers >= 0), got {rank_ids!r}")
+
+
+def _select_gpus(gpus, env: dict) -> list:
+    # The user's own CUDA_VISIBLE_DEVICES (in env=) is the list that positions refer to.
+    visible_env = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    who = "the group's env=" if "CUDA_VISIBLE_DEVICES" in env else "the notebook"
+    return [s.entry for s in _gpus.select(gpus, visible_env, _gpus.physical_gpus(), who)]

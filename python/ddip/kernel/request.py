@@ -89,75 +89,117 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
     and raise TimeoutError. stop_waiting_at: a deadline after which we stop waiting
     (TimeoutError) and leave the request running. on_failure: interrupt the other ranks when one
     fails (False: the caller handles failures itself, as ranch does)."""
-    rt = group.runtime
-    healer = group.healer()
-    deadline = None if timeout is None else req.started + timeout
+    waiting = _Waiting(group, req, cb, timeout if interrupt else None, stop_waiting_at, on_failure)
+    waiting.until_done()
+    stuck = waiting.settle_stuck()
+    for r in req.results.values():
+        r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
+    for msg in req.callback_errors:
+        sys.stderr.write(msg)
+    if req.heal is not None:
+        waiting.healer.finish(req, stuck)
+    _raise_if_interrupted(group.runtime, req, stuck, timeout)
+    return [req.results[s] for s in req.slots]
 
-    def interrupt_pending(reason):
+
+class _Waiting:
+    """collect()'s wait: drains the replies, and applies the failure policy as time passes."""
+
+    def __init__(self, group, req: Request, cb: Callbacks, timeout, stop_waiting_at, on_failure):
+        self.rt, self.req, self.cb = group.runtime, req, cb
+        self.healer = group.healer()
+        self.deadline = None if timeout is None else req.started + timeout
+        self.stop_waiting_at = stop_waiting_at
+        self.on_failure = on_failure
+
+    def interrupt_pending(self, reason):
+        req = self.req
         req.why, req.interrupted_at = reason, time.monotonic()
-        coord = rt.coord
+        coord = self.rt.coord
         if coord is not None:
             for s in req.pending:
                 coord.signal(s, signal.SIGINT)
 
-    while True:
-        # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
-        # ranks and keeps collecting their replies; a second one stops waiting.
-        try:
-            drain(rt, req, cb)
-            if req.heal is not None:
-                healer.release(req)  # ranks that left the collective release their peers
-            if not req.pending:
-                break
-            now = time.monotonic()
-            if req.interrupted_at is not None:
-                grace = DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S
-                wake = req.interrupted_at + grace
-                if now >= wake:
-                    break
-            else:
-                wake = now + 0.25
-                if req.died_at is not None and on_failure:
-                    interrupt_pending("death")  # final: the others can't finish without it
+    def until_done(self):
+        """Returns once every rank replied, or the grace after interrupting them ran out."""
+        req = self.req
+        while True:
+            # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
+            # ranks and keeps collecting their replies; a second one stops waiting.
+            try:
+                drain(self.rt, req, self.cb)
+                if req.heal is not None:
+                    self.healer.release(req)  # ranks that left the collective release their peers
+                if not req.pending:
+                    return
+                now = time.monotonic()
+                if req.interrupted_at is not None:
+                    wake = req.interrupted_at + (DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S)
+                    if now >= wake:
+                        return
+                else:
+                    wake = self._act(now)
+                    if wake is None:
+                        continue
+                wake = self._stop_waiting(now, wake)
+                if self.rt.coord is None and not req.mailbox:
+                    for s in list(req.pending):  # closed under us (another thread)
+                        req.mailbox.append(("closed", s))
                     continue
-                if req.failed_at is not None and on_failure:
-                    if req.heal is not None:
-                        if now >= req.heal.started + healer.RELEASE_S:
-                            interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
-                            continue
-                        wake = min(wake, req.heal.started + healer.RELEASE_S)
-                    elif now >= req.failed_at + FAILURE_GRACE_S:
-                        if not healer.begin(req):
-                            interrupt_pending("failure")
-                        continue
-                    else:
-                        wake = min(wake, req.failed_at + FAILURE_GRACE_S)
-                if deadline is not None and interrupt:
-                    if now >= deadline:
-                        interrupt_pending("timeout")
-                        continue
-                    wake = min(wake, deadline)
-            if stop_waiting_at is not None:
-                if now >= stop_waiting_at:
-                    err = TimeoutError(
-                        f"{req.what}: stopped waiting after {stop_waiting_at - now + (now - req.started):.1f} s; "
-                        f"rank(s) {ranks_text(rt, req.pending)} are still running it (result() again to "
-                        f"wait more, cancel() to interrupt them)")
-                    err.results = [req.results[s] for s in req.slots]
-                    raise err
-                wake = min(wake, stop_waiting_at)
-            if rt.coord is None and not req.mailbox:
-                for s in list(req.pending):  # closed under us (another thread)
-                    req.mailbox.append(("closed", s))
-                continue
-            rt.pump(max(0.0, min(wake - now, SLICE_S)))
-        except KeyboardInterrupt:
-            if req.why == "ctrl-c":
-                raise  # the request stays registered: its late replies still free the ranks
-            interrupt_pending("ctrl-c")
-    stuck = set(req.pending)
-    if stuck:
+                self.rt.pump(max(0.0, min(wake - now, SLICE_S)))
+            except KeyboardInterrupt:
+                if req.why == "ctrl-c":
+                    raise  # the request stays registered: its late replies still free the ranks
+                self.interrupt_pending("ctrl-c")
+
+    def _act(self, now) -> float | None:
+        """The failure policy before any interrupt: None when it acted now, else when to look again."""
+        req, healer = self.req, self.healer
+        wake = now + 0.25
+        if req.died_at is not None and self.on_failure:
+            self.interrupt_pending("death")  # final: the others can't finish without it
+            return None
+        if req.failed_at is not None and self.on_failure:
+            if req.heal is not None:
+                if now >= req.heal.started + healer.RELEASE_S:
+                    self.interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
+                    return None
+                wake = min(wake, req.heal.started + healer.RELEASE_S)
+            elif now >= req.failed_at + FAILURE_GRACE_S:
+                if not healer.begin(req):
+                    self.interrupt_pending("failure")
+                return None
+            else:
+                wake = min(wake, req.failed_at + FAILURE_GRACE_S)
+        if self.deadline is not None:
+            if now >= self.deadline:
+                self.interrupt_pending("timeout")
+                return None
+            wake = min(wake, self.deadline)
+        return wake
+
+    def _stop_waiting(self, now, wake) -> float:
+        """stop_waiting_at: past it, TimeoutError with the request left running."""
+        at, req = self.stop_waiting_at, self.req
+        if at is None:
+            return wake
+        if now >= at:
+            err = TimeoutError(
+                f"{req.what}: stopped waiting after {at - now + (now - req.started):.1f} s; "
+                f"rank(s) {ranks_text(self.rt, req.pending)} are still running it (result() again to "
+                f"wait more, cancel() to interrupt them)")
+            err.results = [req.results[s] for s in req.slots]
+            raise err
+        return min(wake, at)
+
+    def settle_stuck(self) -> set:
+        """Ranks that did not stop when interrupted: their stacks, and why they failed."""
+        rt, req = self.rt, self.req
+        stuck = set(req.pending)
+        if not stuck:
+            return stuck
         stacks = rt.stacks(sorted(stuck), 2.0, SLICE_S) if rt.coord is not None else {}
+        grace = DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S
         for s in stuck:
             r = req.results[s]
             r.stacks = stacks.get(s)
@@ -166,17 +208,16 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
             else:
                 r.error = RankFailure(
                     rank=r.rank, kind=FailureKind.STILL_RUNNING, at=time.monotonic(),
-                    evalue=f"did not stop within {DEATH_REPORT_S if req.why == 'death' else INTERRUPT_GRACE_S:g} s "
-                           f"of being interrupted (waiting in C code, or in a collective for a failed "
-                           f"rank?); it stays busy until it finishes: g.restart() (%makedip -r) ends it",
+                    evalue=f"did not stop within {grace:g} s of being interrupted (waiting in C code, or in "
+                           f"a collective for a failed rank?); it stays busy until it finishes: g.restart() "
+                           f"(%makedip -r) ends it",
                     traceback=(["where it was:"] + r.stacks.splitlines()) if r.stacks else [])
         req.pending.clear()
-    for r in req.results.values():
-        r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
-    for msg in req.callback_errors:
-        sys.stderr.write(msg)
-    if req.heal is not None:
-        healer.finish(req, stuck)
+        return stuck
+
+
+def _raise_if_interrupted(rt, req: Request, stuck: set, timeout):
+    """KeyboardInterrupt or TimeoutError when the user's Ctrl-C or the timeout interrupted it."""
     if req.why == "ctrl-c":
         still = f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy" if stuck else ""
         err = KeyboardInterrupt(f"interrupted rank(s) {ranks_text(rt, req.slots)}{still}")
@@ -190,7 +231,6 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
                               f"; they stopped after {time.monotonic() - req.started:.1f} s"))
         err.results = [req.results[s] for s in req.slots]
         raise err
-    return [req.results[s] for s in req.slots]
 
 
 def ranks_text(rt, slots) -> str:

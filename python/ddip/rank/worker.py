@@ -247,93 +247,15 @@ def _shutdown_torch():
 
 
 def main():
-    global _endpoint, _current_seq, _busy, _displays
-    kernel_gone = False
     signal.signal(signal.SIGINT, _on_sigint)
-    from traitlets.config import Config
-
-    config = Config()
-    # No sqlite history file: it costs milliseconds per cell and ranks must not share one.
-    config.HistoryManager.enabled = False
-    shell = RankShell.instance(config=config)
-    shell.ddip_format = None
-    shell.ddip_error = None
-    # IPython sets sys.ps1 "so that scripts can decide if they are running interactively", and
-    # libraries do (Lightning refuses strategy='ddp' then); a rank is launched from outside, like
-    # torchrun's, so it must not look interactive. The shell's features don't depend on these.
-    for prompt in ("ps1", "ps2", "ps3"):
-        if hasattr(sys, prompt):
-            delattr(sys, prompt)
-    # Rank code runs as the notebook's would: in __main__, with IPython's features.
-    sys.modules["__main__"] = shell.user_module
+    shell = _make_shell()
     backend = os.environ.get("DDIP_BACKEND")
     if backend:
         _init_torch(backend)
-    hello = {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
-             "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
-    _displays = DisplayFrames(_send_display)
-    install_notebook_progress()  # only in a notebook's group (DDIP_NOTEBOOK=1)
-    # Stack dumps on request, answered even while Python is stuck in C code (faulthandler's handler
-    # is C-level). A real-time signal: SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX
-    # is the runtime's kernel-death one. Code that resets every handler (Lightning's teardown)
-    # would make it a kill: the endpoint raises it itself, after putting its handler back.
-    stack_signal = signal.SIGRTMAX - 1
-    dump_r, dump_w = os.pipe()
-    os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
-    faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
-    _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
-    if backend:  # only groups whose torch.distributed ddip set up are healed
-        _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
-        _endpoint.enable_abort(_heal.ABORT_SIGNAL)  # asked through the endpoint, which keeps the handler
+    _connect(backend)
+    kernel_gone = False
     try:
-        while True:
-            try:
-                frame = _endpoint.recv(-1)
-            except _core.EndpointClosed:
-                kernel_gone = True
-                break
-            kind, seq, payload, fds, truncated = frame
-            if kind == _core.SHUTDOWN:
-                break
-            if kind != _core.REQUEST:
-                for fd in fds:
-                    os.close(fd)
-                continue
-            if truncated:  # out of fds: some of the request's buffers never arrived
-                for fd in fds:
-                    os.close(fd)
-                try:  # the kernel holds its segments for us until we release them
-                    (count,) = struct.unpack_from("<I", payload)
-                    for segment in struct.unpack_from(f"<{2 * count}Q", payload, 4)[0::2]:
-                        _release_segment(segment)
-                except struct.error:
-                    pass
-                _reply(seq, {"op": "?", "value": None, "error": {
-                    "ename": "OSError",
-                    "evalue": "out of file descriptors: the request's shared-memory buffers could not "
-                              "be received (raise `ulimit -n`, or close files/DataLoader workers)",
-                    "traceback": [], "exception": None}})
-                continue
-            _current_seq = seq
-            try:
-                _busy = True
-                req = loads_framed(payload, fds, _release_segment)
-                reply = _serve(shell, req)
-            except KeyboardInterrupt as exc:
-                reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
-            except Exception as exc:
-                reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
-            finally:
-                _busy = False
-                req = None  # drop the request's buffers now, so their segments can be reused
-            try:
-                _reply(seq, reply)
-            except Exception as exc:  # the reply itself failed: say so rather than go quiet
-                traceback.print_exc()
-                _endpoint.send(_core.DONE, seq, dumps_framed({"op": "?", "value": None, "error": {
-                    "ename": type(exc).__name__, "evalue": f"the reply could not be sent: {exc}",
-                    "traceback": [], "exception": None}}, None, None)[0])
+        kernel_gone = _serve_forever(shell)
     except BaseException:
         traceback.print_exc()  # the last lines of stderr are what the notebook reports
         exit_code = 1
@@ -352,6 +274,107 @@ def main():
         # rank started must not outlive it either (the parent-death handler would do the same).
         os.killpg(0, signal.SIGKILL)
     os._exit(exit_code)
+
+
+def _make_shell():
+    from traitlets.config import Config
+
+    config = Config()
+    # No sqlite history file: it costs milliseconds per cell and ranks must not share one.
+    config.HistoryManager.enabled = False
+    shell = RankShell.instance(config=config)
+    shell.ddip_format = None
+    shell.ddip_error = None
+    # IPython sets sys.ps1 "so that scripts can decide if they are running interactively", and
+    # libraries do (Lightning refuses strategy='ddp' then); a rank is launched from outside, like
+    # torchrun's, so it must not look interactive. The shell's features don't depend on these.
+    for prompt in ("ps1", "ps2", "ps3"):
+        if hasattr(sys, prompt):
+            delattr(sys, prompt)
+    # Rank code runs as the notebook's would: in __main__, with IPython's features.
+    sys.modules["__main__"] = shell.user_module
+    return shell
+
+
+def _connect(backend):
+    """The rank's endpoint to the kernel: hello, displays, stack dumps and (with torch) aborts."""
+    global _endpoint, _displays
+    hello = {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
+             "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
+    _displays = DisplayFrames(_send_display)
+    install_notebook_progress()  # only in a notebook's group (DDIP_NOTEBOOK=1)
+    # Stack dumps on request, answered even while Python is stuck in C code (faulthandler's handler
+    # is C-level). A real-time signal: SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX
+    # is the runtime's kernel-death one. Code that resets every handler (Lightning's teardown)
+    # would make it a kill: the endpoint raises it itself, after putting its handler back.
+    stack_signal = signal.SIGRTMAX - 1
+    dump_r, dump_w = os.pipe()
+    os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
+    faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
+    _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
+    if backend:  # only groups whose torch.distributed ddip set up are healed
+        _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
+        _endpoint.enable_abort(_heal.ABORT_SIGNAL)  # asked through the endpoint, which keeps the handler
+
+
+def _serve_forever(shell) -> bool:
+    """Serves requests until the kernel says to stop (False) or is gone (True)."""
+    while True:
+        try:
+            frame = _endpoint.recv(-1)
+        except _core.EndpointClosed:
+            return True
+        kind, seq, payload, fds, truncated = frame
+        if kind == _core.SHUTDOWN:
+            return False
+        if kind != _core.REQUEST:
+            for fd in fds:
+                os.close(fd)
+        elif truncated:
+            _refuse_truncated(seq, payload, fds)
+        else:
+            _serve_one(shell, seq, payload, fds)
+
+
+def _refuse_truncated(seq, payload, fds):
+    """Out of fds: some of the request's buffers never arrived."""
+    for fd in fds:
+        os.close(fd)
+    try:  # the kernel holds its segments for us until we release them
+        (count,) = struct.unpack_from("<I", payload)
+        for segment in struct.unpack_from(f"<{2 * count}Q", payload, 4)[0::2]:
+            _release_segment(segment)
+    except struct.error:
+        pass
+    _reply(seq, {"op": "?", "value": None, "error": {
+        "ename": "OSError",
+        "evalue": "out of file descriptors: the request's shared-memory buffers could not "
+                  "be received (raise `ulimit -n`, or close files/DataLoader workers)",
+        "traceback": [], "exception": None}})
+
+
+def _serve_one(shell, seq, payload, fds):
+    global _current_seq, _busy
+    _current_seq = seq
+    try:
+        _busy = True
+        req = loads_framed(payload, fds, _release_segment)
+        reply = _serve(shell, req)
+    except KeyboardInterrupt as exc:
+        reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
+    except Exception as exc:
+        reply = {"op": "?", "value": None, "error": _format_exception(shell, exc)}
+    finally:
+        _busy = False
+        req = None  # drop the request's buffers now, so their segments can be reused
+    try:
+        _reply(seq, reply)
+    except Exception as exc:  # the reply itself failed: say so rather than go quiet
+        traceback.print_exc()
+        _endpoint.send(_core.DONE, seq, dumps_framed({"op": "?", "value": None, "error": {
+            "ename": type(exc).__name__, "evalue": f"the reply could not be sent: {exc}",
+            "traceback": [], "exception": None}}, None, None)[0])
 
 
 if __name__ == "__main__":
