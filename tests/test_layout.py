@@ -96,3 +96,15 @@ def test_a_rank_imports_nothing_of_the_kernel_hosts_or_launches():
         if name.startswith("ddip.rank"):
             bad = sorted(e for e in edges if e.startswith(("ddip.kernel", "ddip.hosts", "ddip.launch", "ddip.magics")))
             assert not bad, f"{name} imports {bad}"
+
+
+def test_every_function_of_the_package_reads_on_one_screen():
+    # contributing.md's rule: a function over 60 lines is split where its steps are.
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "\n".join(long)
