@@ -102,7 +102,8 @@ def test_a_rank_that_stops_while_running_fails_its_request_then_refuses_the_next
             with pytest.raises(ddip.RemoteError) as e:
                 pending.result()
             [f] = e.value.failures
-            assert f.rank == 1 and f.kind == ddip.FailureKind.UNRESPONSIVE and f.evalue.startswith("no heartbeat for")
+            assert f.rank == 1 and f.ename == "Unresponsive" and f.evalue.startswith("no heartbeat for")
+            assert f.kind == ddip.FailureKind.UNRESPONSIVE
             assert e.value.headline == str(e.value).splitlines()[0]
             assert e.value.headline.endswith("failed on rank 1; root cause on rank 1: Unresponsive: " + f.evalue)
             with pytest.raises(ddip.RankUnresponsiveError) as e:

@@ -416,6 +416,7 @@ def test_a_timeout_is_a_timeout_error_even_when_ranks_ignore_the_interrupt(group
     with pytest.raises(TimeoutError, match=r"rank\(s\) 0 did not stop and are still busy") as e:
         group2.run("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(8)\n",
                    ranks=[0], timeout=0.5)
+    assert e.value.results[0].error.ename == "StillRunning"
     assert e.value.results[0].error.kind == "still running"
     with pytest.raises(RuntimeError, match="still busy"):
         group2.run("1")  # refused at once, not queued behind the stuck request

@@ -235,7 +235,8 @@ def test_ranch_names_the_host_of_a_failing_child_behind_a_launcher():
         ddip.ranch(2, raise_on_rank_1, hosts="localhost:1,here:1", launcher=HERE, bind="127.0.0.1")
     first = ei.value.failures[0]
     assert first.rank == 1 and first.ename == "KeyError" and first.evalue == "'missing on rank 1' (on here)"
-    assert ei.value.failures[1].rank == 0 and ei.value.failures[1].kind == ddip.FailureKind.STOPPED
+    assert ei.value.failures[1].rank == 0 and ei.value.failures[1].ename == "Stopped"
+    assert ei.value.failures[1].kind == ddip.FailureKind.STOPPED
 
 
 def test_ranch_across_hosts_bad_input_starts_nothing():

@@ -360,7 +360,8 @@ def test_a_child_failing_while_the_notebook_imports_waits_for_the_import(tmp_pat
     assert module is not None and module.COMPLETE, "the import was interrupted half-way"
     root, rest = ei.value.failures[0], ei.value.failures[1:]
     assert (root.rank, root.ename) == (1, "ValueError")
-    assert [(f.rank, f.kind) for f in rest] == [(0, "stopped")]  # interrupted after the import
+    assert [(f.rank, f.ename) for f in rest] == [(0, "Stopped")]  # interrupted after the import
+    assert [f.kind for f in rest] == ["stopped"]
     assert f"ddip: rank 1 failed, but the notebook's rank 0 is still running fn: it is inside `import {name}`" \
         in err.text
     assert ddip.ranch(2, dynamo_all_reduce, ctx=ddip.TorchDDPCtx()) == [2.0, 2.0]

@@ -111,6 +111,7 @@ def test_a_death_is_reported_at_once_even_when_the_others_ignore_the_interrupt()
         elapsed = time.monotonic() - t0
         first = ei.value.failures[0]
         assert first.rank == 1 and first.evalue == "exit code 3"
+        assert {f.ename for f in ei.value.failures[1:]} == {"StillRunning"}
         assert {f.kind for f in ei.value.failures[1:]} == {ddip.FailureKind.STILL_RUNNING}
         # Before: 3 s of failure grace, then 5 s of interrupt grace. Now: under a second after
         # the death (generous bound: this is behaviour, not a benchmark).
