@@ -180,9 +180,10 @@ class Layout:
     def gpus(self, slot: int) -> list[str] | None:
         return self.host(slot).gpus or None
 
-    def launch_env(self, slot: int) -> dict:
-        """The plan's per-host part of rank `slot`'s environment (rank_environment's arguments)."""
-        h = self.slot_host[slot]
+    def launch_env(self, slot: int | None = None, *, rank: int | None = None) -> dict:
+        """The plan's per-host part of rank `slot`'s environment (rank_environment's arguments);
+        or, with rank=, of the plan's rank `rank` (one the notebook plays has no slot)."""
+        h = self.slot_host[slot] if rank is None else self.plan.slot_host[rank]
         return dict(local_world_size=self.plan.hosts[h].ranks, rank_offset=self.plan.first_rank[h],
                     group_rank=h, group_world_size=len(self.plan.hosts))
 
