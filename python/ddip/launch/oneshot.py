@@ -14,7 +14,6 @@ connections closed and returns; the notebook is never left waiting.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib
 import os
@@ -25,7 +24,7 @@ import time
 import traceback as _traceback
 from typing import Callable
 
-from .. import _core, gpus as _gpus
+from .. import gpus as _gpus
 from ..errors import FailureKind, RankFailure, RemoteError, root_cause_first
 from ..hosts import placement as _hosts
 from ..kernel.displays import RankDisplays, notebook_env
@@ -33,7 +32,11 @@ from ..kernel.group import Group, free_port
 from ..labels import LabelledOutput
 from ..messages import dumps
 from ..rank import torchdist
+from . import interrupts as _interrupts
+from .interrupts import SigintGuard, drop_handler_frame
+from .notebook_env import NotebookRankEnv
 from .notebook_rank import NotebookRank
+from .spec import LaunchSpec
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
 
@@ -48,12 +51,8 @@ INTERRUPT_DELAY_S = 0.5
 # ...and how long after that failure the notebook is told why its rank is still running, when our
 # interrupt has not landed yet (fn is importing, or in a call that doesn't return to Python).
 INTERRUPT_NOTICE_S = 10.0
-# How often the notebook's stack is looked at while our interrupt waits for a safe point.
-_POLL_FIRST_S, _POLL_MAX_S = 0.005, 0.05
-# Frames of the import system: every import that runs a module's code runs it under
-# importlib._bootstrap._find_and_load (CPython 3.3 to 3.13, frozen or not).
-_IMPORT_SYSTEM = frozenset({"importlib._bootstrap", "importlib._bootstrap_external", "_frozen_importlib",
-                            "_frozen_importlib_external"})
+# The notebook's traceback starts at the user's code: frames of these files before it are ours.
+_OUR_FILES = frozenset({__file__, _interrupts.__file__})
 
 
 # -- the public API -----------------------------------------------------------------------------
@@ -213,7 +212,7 @@ class TorchDDPCtx:
         return torch.device("cuda", index)
 
 
-# -- the launch ---------------------------------------------------------------------------------
+# -- ranch's arguments, checked: the launch's spec -------------------------------------------------
 
 
 def _parse_need(need) -> list[str]:
@@ -325,291 +324,128 @@ def _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx):
     return layout, total
 
 
-def _ranch(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, need="", imports="",
-           gpus=None, caller_globals=None, warm=None, hosts=None, launcher=None, python=None, bind=None,
-           env=None):
+def _ranch(nprocs, fn, args, kwargs, **options):
+    launch = _Launch(_spec(nprocs, fn, args, kwargs, **options))
+    try:
+        return launch.run()
+    finally:
+        launch.cleanup()
+
+
+def _spec(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, need="", imports="",
+          gpus=None, caller_globals=None, warm=None, hosts=None, launcher=None, python=None, bind=None,
+          env=None) -> LaunchSpec:
+    """ranch()'s arguments, checked, as the launch's spec."""
     # Everything is checked, and everything that travels is pickled, before anything starts.
     child_env = _check_env(env)
     layout, nprocs = _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx)
     needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
     selected = _select_gpus(nprocs, gpus, ctx) if layout is None else None
-    child_ranks = [r for r in range(nprocs) if r != caller_rank]
-    if child_ranks:
+    spec = LaunchSpec(fn=fn, args=args, kwargs=kwargs, ctx=ctx, nprocs=nprocs, caller_rank=caller_rank,
+                      gather=gather, needed=needed, imports=imports, selected=selected, layout=layout,
+                      warm=warm, env=child_env)
+    if spec.child_ranks:
         _check_picklable("fn, its arguments or ctx", (fn, args, kwargs, ctx))
-    if needed and child_ranks:
         for name, value in needed.items():
             _check_picklable(f"need={name!r}", value)
-    launch = _Launch(nprocs, caller_rank, child_ranks, selected)
-    launch.warm = warm
-    launch.layout = layout
-    launch.env = child_env
-    try:
-        return launch.run(fn, args, kwargs, ctx, needed, imports, gather)
-    finally:
-        launch.cleanup()
+    return spec
+
+
+# -- the launch ---------------------------------------------------------------------------------
 
 
 class _Launch:
-    """One ranch() call: the children's Group, the failures it hears of, and the notebook's rank.
+    """One ranch() call, run: the children's Group, the failures it hears of (the first one stops
+    the rest), the notebook's rank, and the results.
 
     Children tell of their progress with ddip.worker.notify(): "entered" once ctx is entered,
     "failed" the moment fn (or ctx) raises, before ctx exits. Their replies and deaths come as
     on_done from the Group's Pending. All of it arrives in the collecting thread, as it happens."""
 
-    def __init__(self, nprocs, caller_rank, child_ranks, selected=None):
-        self.nprocs = nprocs
-        self.selected = selected  # one ddip.gpus.Selected per rank, or None for CPU
-        self.caller_rank = caller_rank
-        self.child_ranks = child_ranks
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
         self.group: Group | None = None
         self.out: LabelledOutput | None = None  # the children's output (and the notebook's), labelled
         self.lock = threading.Lock()
         self.failed_at: dict[int, float] = {}  # rank -> when the launch heard it failed
         self.running: set[int] = set()  # child ranks past ctx.__enter__, not yet done or failed
         self.stopped: set[int] = set()  # child ranks we killed because another failed
-        self.main_in_fn = False
-        self.interrupt_sent = False  # ddip interrupted (or decided not to start) the notebook's fn
-        self.interrupt_seen = False  # ...and fn got it
-        self.main_ident = None
-        self._sigint_prev = None  # the SIGINT handler _on_sigint stands in for while fn runs
-        self._own_sigints = collections.deque()  # our SIGINTs sent, not yet taken by _on_sigint
-        self._in_flight = False  # one of ours is sent and not put off: none more until it is
-        self._stopper: threading.Thread | None = None
-        self.saved_env: dict[str, str] | None = None
         self.store = None  # the notebook's (rank 0's) TCPStore, when ranch opened it for TorchDDPCtx
-        self.warm = None  # Group(warm=...) for the children
-        self.layout = None  # ddip.hosts.Layout across hosts (without the notebook's rank), or None
-        self.env = {}  # env= for the children
         self.displays = RankDisplays()  # the children's display() calls, shown in the notebook
-        self.notebook = NotebookRank()  # what fn changes in the notebook's process, undone after
+        self.caller = _CallerRank(self)  # the notebook's own rank (when it plays one)
 
-    # The notebook's environment is restored exactly, whatever fn or ctx did to it.
-    def _rank_env(self, rank, port) -> dict:
-        """The notebook's environment as rank `rank`: the variable set its children get (the launch
-        plan's), on top of its own environment; OMP_NUM_THREADS is not its to change now."""
-        base = [f"{k}={v}" for k, v in os.environ.items()]
-        if self.layout is None:
-            env = _core.plan.rank_environment(base, rank, world_size=self.nprocs, master_port=port,
-                                              cpu_ranks=self.selected is None)
-        else:
-            # Its place on this host among the host list's ranks; MASTER_ADDR is the address the
-            # other hosts reach this machine at (the plan's), as for every child.
-            plan = self.layout.plan
-            h = plan.slot_host[rank]
-            host = plan.hosts[h]
-            env = _core.plan.rank_environment(
-                base + [f"DDIP_HOST={host.name}"], plan.local_rank[rank], world_size=self.nprocs,
-                local_world_size=host.ranks, rank_offset=plan.first_rank[h], group_rank=h,
-                group_world_size=len(plan.hosts), master_addr=plan.master_addr, master_port=port,
-                cpu_ranks=not host.gpus)
-        return dict(e.split("=", 1) for e in env)
+    def run(self):
+        spec = self.spec
+        pending = own_env = None
+        if spec.child_ranks:
+            pending, own_env = self._start_children()
+        if spec.caller_rank is None:
+            return self._finish(self._collect(pending, self.out), None)
+        collector = None
+        if spec.child_ranks:
+            collector = _Collector(self, pending, self.out)
+            collector.start()
+        own = self.caller.play(own_env, self.out if spec.child_ranks else LabelledOutput())
+        # The user's Ctrl-C ended the notebook's rank (inside fn or around it): the children
+        # stop now, not when they next need rank 0 (a rendezvous may wait minutes for it).
+        ctrl_c = own[0] == "error" and isinstance(own[1], KeyboardInterrupt) and not self.caller.sigint.sent
+        results = self._join(collector, stop=ctrl_c) if collector else []
+        return self._finish(results, own)
 
-    def _set_env(self, new: dict):
-        self.saved_env = dict(os.environ)
-        for k in [k for k in os.environ if k not in new]:
-            del os.environ[k]
-        os.environ.update(new)
-
-    def _restore_env(self):
-        saved, self.saved_env = self.saved_env, None
-        if saved is None:
-            return
-        for k in [k for k in os.environ if k not in saved]:
-            del os.environ[k]
-        for k, v in saved.items():
-            if os.environ.get(k) != v:
-                os.environ[k] = v
-
-    def run(self, fn, args, kwargs, ctx, needed, imports, gather):
-        port = own_env = None
-        if self.child_ranks:
-            env = {**notebook_env(), **self.env} or None
-            if self.layout is not None:
-                # The children on every host, numbered as in the host list (the notebook's left out).
-                self.group = Group(hosts=self.layout, backend=None, warm=self.warm, env=env)
-            elif self.selected is not None:
-                gpus = [s.position if s.position is not None else s.entry for s in self.selected]
-                self.group = Group(gpus=gpus, backend=None, world_size=self.nprocs, rank_ids=self.child_ranks,
-                                   warm=self.warm, env=env)
-            else:
-                self.group = Group(n=len(self.child_ranks), backend=None, world_size=self.nprocs,
-                                   rank_ids=self.child_ranks, warm=self.warm, env=env)
-            port = self.group.master_port
-            out = self.out = LabelledOutput()
-            if imports.strip():
-                try:
-                    self.group.run(imports, on_output=out, on_display=self._on_display)
-                except RemoteError as exc:
-                    raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
-            if needed:
-                self.group.push(needed)
-            if self.caller_rank is not None:
-                own_env = self._rank_env(self.caller_rank, port)
-                if self.caller_rank == 0 and isinstance(ctx, TorchDDPCtx):
-                    # Listening before the children are told to connect: a child refused by a port
-                    # not listening yet sleeps 250-750 ms (torch's connect backoff) before it retries.
-                    self.store = _open_store(ctx, own_env)
-            pending = self.group.apply_async(_rank_main, fn, args, kwargs, ctx)
-            pending.on_failure = False  # failure() below stops the right ranks at the right time
-        if self.caller_rank is None:
-            results = self._collect(pending, out)
-            own = None
-        else:
-            collector = None
-            if self.child_ranks:
-                collector = _Collector(self, pending, out)
-                collector.start()
-            self._set_env(own_env or self._rank_env(self.caller_rank, free_port()))
-            self.notebook.as_launched()
+    def _start_children(self):
+        """The children's Group, its imports= and need= done, started on fn. Returns its Pending
+        and the notebook's environment as its rank (None when it plays none)."""
+        spec = self.spec
+        self.group = self._children()
+        out = self.out = LabelledOutput()
+        if spec.imports.strip():
             try:
-                # The notebook's own text goes through `out` too: its lines and its children's never mix.
-                with out if self.child_ranks else LabelledOutput():
-                    own = self._run_caller(fn, args, kwargs, ctx)
-            finally:
-                self._restore_env()
-                self.notebook.look_interactive()
-            # The user's Ctrl-C ended the notebook's rank (inside fn or around it): the children
-            # stop now, not when they next need rank 0 (a rendezvous may wait minutes for it).
-            ctrl_c = own is not None and own[0] == "error" and isinstance(own[1], KeyboardInterrupt) \
-                and not self.interrupt_sent
-            results = self._join(collector, stop=ctrl_c) if collector else []
-        return self._finish(results, own, gather)
+                self.group.run(spec.imports, on_output=out, on_display=self._on_display)
+            except RemoteError as exc:
+                raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
+        if spec.needed:
+            self.group.push(spec.needed)
+        own_env = None
+        if spec.caller_rank is not None:
+            own_env = self.caller.env.for_rank(spec.caller_rank, self.group.master_port)
+            if spec.caller_rank == 0 and isinstance(spec.ctx, TorchDDPCtx):
+                # Listening before the children are told to connect: a child refused by a port
+                # not listening yet sleeps 250-750 ms (torch's connect backoff) before it retries.
+                self.store = _open_store(spec.ctx, own_env)
+        pending = self.group.apply_async(_rank_main, spec.fn, spec.args, spec.kwargs, spec.ctx)
+        pending.on_failure = False  # failure() below stops the right ranks at the right time
+        return pending, own_env
 
-    # -- the notebook's own rank ------------------------------------------------------------------
+    def _children(self) -> Group:
+        spec = self.spec
+        env = {**notebook_env(), **spec.env} or None
+        if spec.layout is not None:
+            # The children on every host, numbered as in the host list (the notebook's left out).
+            return Group(hosts=spec.layout, backend=None, warm=spec.warm, env=env)
+        if spec.selected is not None:
+            gpus = [s.position if s.position is not None else s.entry for s in spec.selected]
+            return Group(gpus=gpus, backend=None, world_size=spec.nprocs, rank_ids=spec.child_ranks,
+                         warm=spec.warm, env=env)
+        return Group(n=len(spec.child_ranks), backend=None, world_size=spec.nprocs, rank_ids=spec.child_ranks,
+                     warm=spec.warm, env=env)
 
-    def _run_caller(self, fn, args, kwargs, ctx):
-        """Runs fn as the caller's rank: ("ok", value) or ("error", exc, formatted traceback)."""
-        if threading.current_thread() is threading.main_thread():
-            self.main_ident = threading.get_ident()
+    # -- what the notebook's rank asks ------------------------------------------------------------
 
-        def body(*a, **kw):
-            # Our interrupt (another rank failed) is only ever delivered inside here, never
-            # while ctx sets up or tears down, and never inside an import.
-            self._guard_sigint()
-            try:
-                with self.lock:
-                    late = bool(self.failed_at)  # a rank failed while ctx was entering: don't start
-                    self.main_in_fn = not late
-                    self.interrupt_sent |= late
-                if late:
-                    self.interrupt_seen = True
-                    raise KeyboardInterrupt("another rank failed")
-                return fn(*a, **kw)
-            finally:
-                try:
-                    with self.lock:
-                        self.main_in_fn = False
-                finally:
-                    self._unguard_sigint()
-
-        def on_error():
-            exc = sys.exc_info()[1]
-            if isinstance(exc, KeyboardInterrupt) and self.interrupt_sent:
-                return  # ours: another rank failed first
-            self.failure(self.caller_rank)
-
-        if isinstance(ctx, TorchDDPCtx):
-            ctx._abort = self._abort_reason  # a child that fails ends the notebook's rendezvous
-            ctx._store = self.store
-        try:
-            return ("ok", _call(body, args, kwargs, ctx, on_error))
-        except BaseException as exc:
-            _drop_sigint_handler_frame(exc)
-            tb = exc.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-                tb = tb.tb_next  # start at the user's code, not at ours
-            return ("error", exc, _traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
-        finally:
-            if isinstance(ctx, TorchDDPCtx):
-                ctx._abort = ctx._store = None
-
-    def _abort_reason(self):
+    def any_failed(self) -> bool:
         with self.lock:
-            failed = sorted(r for r in self.failed_at if r != self.caller_rank)
+            return bool(self.failed_at)
+
+    def first_failed(self) -> int | None:
+        """The rank other than the notebook's whose failure the launch heard of first, or None."""
+        with self.lock:
+            failed = sorted((t, r) for r, t in self.failed_at.items() if r != self.spec.caller_rank)
+        return failed[0][1] if failed else None
+
+    def abort_reason(self):
+        """Why the notebook's rendezvous gives up: a child failed before it arrived (or None)."""
+        with self.lock:
+            failed = sorted(r for r in self.failed_at if r != self.spec.caller_rank)
         return f"rank {failed[0]} failed before it arrived" if failed else None
-
-    def _interrupt_main(self):
-        """Gives the notebook control back when its fn waits, in Python, for a rank that failed.
-        (A wait inside gloo ends by itself: the failed rank's peers are killed, so their
-        connections close.)"""
-        with self.lock:
-            if not self.main_in_fn or self._stopper is not None or self._sigint_prev is None:
-                return
-            self._stopper = threading.Thread(target=self._stop_main, name="ddip-ranch-stopper", daemon=True)
-        self._stopper.start()
-
-    def _stop_main(self):
-        """Sends our SIGINT to the notebook's fn, after a moment's delay that lets fn end by itself,
-        and again each time the handler put it off (fn was importing), until it lands or fn ends."""
-        started = time.monotonic()
-        time.sleep(INTERRUPT_DELAY_S)
-        poll, told = _POLL_FIRST_S, False
-        while True:
-            with self.lock:
-                if not self.main_in_fn or self.interrupt_seen or self._sigint_prev is None:
-                    return
-                frame = sys._current_frames().get(self.main_ident)
-                importing = _inside_import(frame)
-                if importing is None and not self._in_flight:
-                    self.interrupt_sent = self._in_flight = True
-                    self._own_sigints.append(True)
-                    signal.pthread_kill(self.main_ident, signal.SIGINT)
-                unreached = self._in_flight
-            if not told and time.monotonic() - started >= INTERRUPT_NOTICE_S and (importing or unreached):
-                told = True
-                self._tell_still_running(importing, frame)
-            del frame
-            time.sleep(poll)
-            poll = min(poll * 2, _POLL_MAX_S)
-
-    def _on_sigint(self, signum, frame):
-        """SIGINT while fn runs in the notebook: the user's goes on as always; ours raises
-        KeyboardInterrupt only where unwinding is safe, else _stop_main sends it again later."""
-        # Only this handler takes from the deque (other threads append), so a look is enough; the
-        # user's KeyboardInterrupt must not be raised inside an except block, or its traceback
-        # carries that exception as its context.
-        if not self._own_sigints:
-            return self._sigint_prev(signum, frame)  # the user's Ctrl-C: as always
-        self._own_sigints.popleft()
-        if not self.main_in_fn:
-            return  # fn has ended: ctx's teardown is never interrupted
-        if _inside_import(frame) is not None:
-            self._in_flight = False  # half-initialized modules would break the kernel until a restart
-            return
-        self.interrupt_seen = True
-        raise KeyboardInterrupt("another rank failed")
-
-    def _guard_sigint(self):
-        # Only where SIGINT means KeyboardInterrupt, as in a kernel running a cell.
-        if self.main_ident is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._sigint_prev = signal.signal(signal.SIGINT, self._on_sigint)
-
-    def _unguard_sigint(self):
-        if self._sigint_prev is None:
-            return
-        try:
-            # Ours, sent just as fn ended, is taken here by our handler, not in ctx's teardown.
-            deadline = time.monotonic() + 1.0
-            while self._own_sigints and time.monotonic() < deadline:
-                time.sleep(0.001)
-        finally:
-            # Also undoes a handler fn left behind (Lightning ignores SIGINT after an interrupt).
-            signal.signal(signal.SIGINT, self._sigint_prev)
-            self._sigint_prev = None
-
-    def _tell_still_running(self, importing, frame):
-        with self.lock:
-            failed = sorted((t, r) for r, t in self.failed_at.items() if r != self.caller_rank)
-        first = f"rank {failed[0][1]}" if failed else "another rank"
-        if importing:
-            why = (f"it is inside `import {importing}`, which an interrupt would leave half-initialized; "
-                   f"it is interrupted once the import completes")
-        else:
-            where = f" ({frame.f_code.co_name} at {frame.f_code.co_filename}:{frame.f_lineno})" \
-                if frame else ""
-            why = f"it is in a call that does not return to Python{where}; it is interrupted once it returns"
-        print(f"ddip: {first} failed, but the notebook's rank {self.caller_rank} is still running fn: {why}",
-              file=sys.stderr, flush=True)
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -627,8 +463,8 @@ class _Launch:
             victims, self.running = self.running, set()
             self.stopped |= victims
         self._kill(victims)
-        if rank != self.caller_rank:
-            self._interrupt_main()
+        if rank != self.spec.caller_rank:
+            self.caller.sigint.interrupt()
 
     def _on_message(self, rank: int, what):
         if what == "failed":
@@ -684,7 +520,7 @@ class _Launch:
                 if started is not None and time.monotonic() - started > STOP_GRACE_S:
                     # Failed ranks that never replied (stuck in ctx.__exit__, say): kill them too.
                     with self.lock:
-                        rest = [r for r in self.child_ranks if r not in self.stopped]
+                        rest = [r for r in self.spec.child_ranks if r not in self.stopped]
                         self.stopped.update(r for r in rest if r not in self.failed_at)
                     self._kill(rest)
                     collector.join()
@@ -700,36 +536,21 @@ class _Launch:
     def _interrupt_children(self, collector: "_Collector"):
         """Ctrl-C while the children are still busy: interrupt them (their tracebacks show where
         they were), then kill what is left after the grace."""
-        self._kill(self.child_ranks, signal.SIGINT)
+        children = self.spec.child_ranks
+        self._kill(children, signal.SIGINT)
         collector.join(INTERRUPT_GRACE_S)
         with self.lock:
-            self.stopped.update(self.child_ranks)
-        self._kill(self.child_ranks)
+            self.stopped.update(children)
+        self._kill(children)
         collector.join()
 
-    def _finish(self, results, own, gather):
-        failures = []
-        for r in results:
-            f = r.error
-            if f is None:
-                continue
-            if r.rank in self.stopped and f.died and f.exit_signal == signal.SIGKILL:
-                # Killed by us because another rank failed: not a failure of its own.
-                f = RankFailure(rank=r.rank, kind=FailureKind.STOPPED, evalue="stopped", stderr_tail=f.stderr_tail,
-                                exit_signal=f.exit_signal)
-            f.at = self.failed_at.get(r.rank, f.at)  # when this launch heard of it
-            failures.append(f)
+    def _finish(self, results, own):
+        """Every rank's value in rank order (gather) or the caller's; or RemoteError, the root
+        cause first. own: the notebook's ("ok", value) or ("error", exc, traceback), or None."""
+        spec = self.spec
+        failures = [self._child_failure(r) for r in results if r.error is not None]
         if own is not None and own[0] == "error":
-            exc = own[1]
-            ours = isinstance(exc, KeyboardInterrupt) and self.interrupt_sent
-            if isinstance(exc, KeyboardInterrupt) and not ours:
-                raise exc  # the user's Ctrl-C: the children are already stopped
-            if ours:
-                failures.append(RankFailure(rank=self.caller_rank, kind=FailureKind.STOPPED, evalue="interrupted"))
-            else:
-                failures.append(RankFailure(rank=self.caller_rank, ename=type(exc).__name__, evalue=str(exc),
-                                            traceback=[l.rstrip("\n") for l in own[2]], exception=exc,
-                                            at=self.failed_at.get(self.caller_rank)))
+            failures.append(self._own_failure(own[1], own[2]))
         if failures:
             failures = root_cause_first(failures)
             root = failures[0]
@@ -737,36 +558,45 @@ class _Launch:
                 if f.kind is FailureKind.STOPPED:
                     f.evalue = f"{f.evalue} after rank {root.rank} failed"
             for f in failures:
-                where = self._remote_host(f.rank)
+                where = spec.remote_host(f.rank)
                 if where is not None:  # a rank on another host is named with its host
                     f.evalue = f"{f.evalue} (on {where})" if f.evalue else f"(on {where})"
             err = RemoteError(failures, results, "ranch")
-            if root.rank == self.caller_rank and own is not None and own[0] == "error":
+            if root.rank == spec.caller_rank and own is not None and own[0] == "error":
                 raise err from own[1]
             raise err
         values = {r.rank: r.value for r in results}
         if own is not None:
-            values[self.caller_rank] = own[1]
-        if gather:
-            return [values[r] for r in range(self.nprocs)]
-        return values[self.caller_rank if self.caller_rank is not None else 0]
+            values[spec.caller_rank] = own[1]
+        if spec.gather:
+            return [values[r] for r in range(spec.nprocs)]
+        return values[spec.caller_rank if spec.caller_rank is not None else 0]
 
-    def _remote_host(self, rank: int) -> str | None:
-        """The host a rank runs on, when that is not this machine."""
-        if self.layout is None:
-            return None
-        host = self.layout.hosts[self.layout.plan.slot_host[rank]]
-        return None if host.local else host.name
+    def _child_failure(self, result) -> RankFailure:
+        f = result.error
+        if result.rank in self.stopped and f.died and f.exit_signal == signal.SIGKILL:
+            # Killed by us because another rank failed: not a failure of its own.
+            f = RankFailure(rank=result.rank, kind=FailureKind.STOPPED, evalue="stopped", stderr_tail=f.stderr_tail,
+                            exit_signal=f.exit_signal)
+        f.at = self.failed_at.get(result.rank, f.at)  # when this launch heard of it
+        return f
+
+    def _own_failure(self, exc, formatted) -> RankFailure:
+        rank = self.spec.caller_rank
+        if isinstance(exc, KeyboardInterrupt):
+            if not self.caller.sigint.sent:
+                raise exc  # the user's Ctrl-C: the children are already stopped
+            return RankFailure(rank=rank, kind=FailureKind.STOPPED, evalue="interrupted")  # ours
+        return RankFailure(rank=rank, ename=type(exc).__name__, evalue=str(exc),
+                           traceback=[l.rstrip("\n") for l in formatted], exception=exc,
+                           at=self.failed_at.get(rank))
 
     def cleanup(self):
-        self._restore_env()
-        self.notebook.look_interactive()
+        self.caller.left()
         if self.group is not None:
             self.group.close(0.5)
             self.group = None
-        # The children are gone: what fn created in the notebook (process groups hosting the
-        # store they used, accelerate's state) can go too.
-        self.notebook.restore()
+        self.caller.restore()
         torchdist.release()
         self.store = None
 
@@ -785,35 +615,74 @@ class _Collector(threading.Thread):
             self.results = self.launch._collect(self.pending, self.out)
         except BaseException as exc:
             self.error = exc
-            self.launch._kill(self.launch.child_ranks)
-            self.launch._interrupt_main()
+            self.launch._kill(self.launch.spec.child_ranks)
+            self.launch.caller.sigint.interrupt()
 
 
-def _inside_import(frame) -> str | None:
-    """The outermost module whose import is running on the stack that `frame` tops, or None.
+class _CallerRank:
+    """The notebook playing its rank of one launch: fn runs here in that rank's environment (the
+    plan's, as its children get theirs), looking like a launched process, and is interrupted when
+    another rank failed (the SIGINT guard). Right after fn the notebook's environment and
+    interactive look come back (left()); what fn created in its process goes once the children
+    are gone (restore())."""
 
-    The import system's own frames on the stack are the sign: they are there for every import,
-    in every CPython from 3.9 to 3.13, and need no private structure (the module locks' layout
-    changed in 3.12, and a lock is not even taken for every import)."""
-    name, inner = None, None
-    while frame is not None:
-        if frame.f_globals.get("__name__") in _IMPORT_SYSTEM:
-            if name is None:
-                name = "?"
-            if inner is not None and inner.f_code.co_name == "<module>" \
-                    and inner.f_globals.get("__name__") not in _IMPORT_SYSTEM:
-                name = inner.f_globals.get("__name__", "?")
-        inner, frame = frame, frame.f_back
-    return name
+    def __init__(self, launch: _Launch):
+        self.launch, self.rank = launch, launch.spec.caller_rank
+        self.env = NotebookRankEnv(launch.spec)  # restored exactly, whatever fn or ctx did to it
+        self.sigint = SigintGuard(self.rank, failed=launch.any_failed, first_failed=launch.first_failed,
+                                  delay_s=INTERRUPT_DELAY_S, notice_s=INTERRUPT_NOTICE_S)
+        self.process = NotebookRank()  # what fn changes in the notebook's process, undone after
 
+    def play(self, own_env: dict | None, out):
+        """Runs fn as the notebook's rank, its text through `out`: ("ok", value) or ("error", exc,
+        formatted traceback). own_env: the rank's environment, made before the children started."""
+        self.env.enter(own_env or self.env.for_rank(self.rank, free_port()))
+        self.process.as_launched()
+        try:
+            # The notebook's own text goes through `out` too: its lines and its children's never mix.
+            with out:
+                return self._run()
+        finally:
+            self.left()
 
-def _drop_sigint_handler_frame(exc):
-    # The user's Ctrl-C ends where fn was, as it did before _on_sigint stood in for the handler.
-    tb, last = exc.__traceback__, None
-    while tb is not None and tb.tb_next is not None:
-        last, tb = tb, tb.tb_next
-    if last is not None and tb.tb_frame.f_code is _Launch._on_sigint.__code__:
-        last.tb_next = None
+    def left(self):
+        """After fn: the notebook's environment, then its interactive look, as they were."""
+        self.env.restore()
+        self.process.look_interactive()
+
+    def restore(self):
+        """The children are gone: what fn created in the notebook (process groups hosting the
+        store they used, accelerate's state) can go too."""
+        self.process.restore()
+
+    def _run(self):
+        launch, spec = self.launch, self.launch.spec
+        ctx = spec.ctx
+
+        def body(*a, **kw):
+            with self.sigint:  # our interrupt (another rank failed) lands only in here
+                return spec.fn(*a, **kw)
+
+        def on_error():
+            exc = sys.exc_info()[1]
+            if isinstance(exc, KeyboardInterrupt) and self.sigint.sent:
+                return  # ours: another rank failed first
+            launch.failure(self.rank)
+
+        if isinstance(ctx, TorchDDPCtx):
+            ctx._abort = launch.abort_reason  # a child that fails ends the notebook's rendezvous
+            ctx._store = launch.store
+        try:
+            return ("ok", _call(body, spec.args, spec.kwargs, ctx, on_error))
+        except BaseException as exc:
+            drop_handler_frame(exc)
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename in _OUR_FILES:
+                tb = tb.tb_next  # start at the user's code, not at ours
+            return ("error", exc, _traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+        finally:
+            if isinstance(ctx, TorchDDPCtx):
+                ctx._abort = ctx._store = None
 
 
 def _open_store(ctx: TorchDDPCtx, env: dict):
