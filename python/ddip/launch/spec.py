@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LaunchSpec:
     """What one launch runs and where: the rank function and what it takes, the ranks, the
     notebook's place among them, the children's GPUs or hosts and their environment."""
