@@ -11,6 +11,7 @@ ddip/kernel/heal.py; labelled output is ddip/labels.py.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import keyword
 import os
@@ -22,11 +23,11 @@ import weakref
 from typing import Callable, Iterable, Sequence
 
 from .. import _core, gpus as _gpus
-from ..errors import GroupClosedError, HealReport
+from ..errors import FailureKind, GroupClosedError, HealReport, RemoteError
 from ..hosts import keeper as _keeper
 from ..hosts import placement as _hosts
 from ..hosts.placement import cpu_count, omp_threads
-from ..labels import LabelledOutput  # noqa: F401  (ddip.kernel.group.LabelledOutput, as before)
+from ..labels import LabelledOutput
 from ..messages import picklable
 from . import heal as _heal
 from . import template as _template
@@ -115,6 +116,7 @@ class Group:
         self._rt: Runtime | None = None  # the current start's runtime; None once closed
         self._generation = 0  # counts starts; a Pending belongs to one
         self._broken = None  # why the last runtime stopped on its own, if it did
+        self.last_error: RemoteError | None = None  # the last run/apply failure: debug()'s default
         self._start()
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -193,6 +195,7 @@ class Group:
         _template.after_start(tmpl, refusals)
         self._generation += 1
         self._broken = None
+        self.last_error = None  # fresh ranks have raised nothing yet
         rt = Runtime(coord, self.rank_ids, None if layout is None else
                      [layout.host(s).name if layout.remote(s) else None for s in range(size)])
         try:
@@ -338,13 +341,16 @@ class Group:
             raise TypeError(f"values must be True or False, got {values!r}")
         req = self.send_request({"op": "run", "code": code, "values": values}, ranks, "code")
         results = collect(self, req, Callbacks(on_output, on_display), timeout, interrupt=True)
-        raise_failures(results, "code", req.heal.report if req.heal else None)
+        with self._noting_failure():
+            raise_failures(results, "code", req.heal.report if req.heal else None)
         return results
 
     def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
         """Calls fn(*args, **kwargs) on each rank; a list of return values in rank order.
         (`ranks=` is taken by apply itself; the rest goes to fn.)"""
-        return self.apply_async(fn, *args, ranks=ranks, **kwargs).result()
+        pending = self.apply_async(fn, *args, ranks=ranks, **kwargs)
+        with self._noting_failure():
+            return pending.result()
 
     def apply_async(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> "Pending":
         """Starts fn(*args, **kwargs) on each rank and returns at once; Pending.result() waits.
@@ -426,7 +432,44 @@ class Group:
         self._check_open()
         return self.healer().heal()
 
+    def debug(self, rank: int | None = None):
+        """pdb, post-mortem, in `rank` on the last exception its code raised (by default the
+        root-cause rank of the last failed run/apply), with that rank's frames and locals as they
+        were. Prompts are asked here ("[rank 1] ipdb> ": the notebook's input box, or the
+        terminal) and pdb's output is shown labelled with the rank; `q` leaves, and the rank is
+        as before. breakpoint() in code a rank runs prompts the same way."""
+        if rank is None:
+            rank = self._root_cause_rank()
+        elif isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be a rank number, got {rank!r}")
+        req = self.send_request({"op": "debug"}, [rank], f"debugger on rank {rank}")
+        result = collect(self, req, Callbacks(on_output=LabelledOutput()), None)[0]
+        if result.error is not None:
+            raise_failures([result], f"the debugger on rank {rank}")
+        if result.value and result.value.get("nothing"):
+            raise LookupError(f"{result.value['nothing']}; debug(rank=...) takes a rank whose code raised")
+
+    def _root_cause_rank(self) -> int:
+        err = self.last_error
+        if err is None:
+            raise LookupError("nothing to debug: no run or apply of this group has failed since it "
+                              "started; give the rank: debug(rank=1)")
+        first = err.failures[0]
+        if first.kind is not FailureKind.RAISED:
+            raise LookupError(f"the last failure's root cause, rank {first.rank}, {first.kind} "
+                              f"({first.evalue}): there is no exception to debug in it; give a rank "
+                              f"whose code raised: debug(rank=...)")
+        return first.rank
+
     # -- internals ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _noting_failure(self):
+        try:
+            yield
+        except RemoteError as exc:
+            self.last_error = exc
+            raise
 
     def _check_open(self) -> Runtime:
         rt = self._rt

@@ -23,6 +23,7 @@ from typing import Callable
 from ..errors import (FailureKind, GroupClosedError, HealReport, RankFailure, RemoteError, root_cause_first,
                       unresponsive_cause)
 from ..messages import loads, loads_framed
+from . import debugger as _debugger
 
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
 INTERRUPT_GRACE_S = 5.0
@@ -73,6 +74,7 @@ class Request:
         self.why = None  # why its ranks were interrupted: "ctrl-c", "timeout", "failure", "death"
         self.callback_errors: list[str] = []
         self.heal = None  # a heal.Healing, once its failure's peers are being released
+        self.prompts = _debugger.Prompts()  # ranks' debuggers waiting at a prompt
 
 
 @dataclass
@@ -128,6 +130,8 @@ class _Waiting:
             # ranks and keeps collecting their replies; a second one stops waiting.
             try:
                 drain(self.rt, req, self.cb)
+                if req.prompts and self.answer_prompts():
+                    continue
                 if req.heal is not None:
                     self.healer.release(req)  # ranks that left the collective release their peers
                 if not req.pending:
@@ -151,6 +155,24 @@ class _Waiting:
                 if req.why == "ctrl-c":
                     raise  # the request stays registered: its late replies still free the ranks
                 self.interrupt_pending("ctrl-c")
+
+    def answer_prompts(self) -> bool:
+        """The ranks' debugger prompts, one at a time (ddip/kernel/debugger.py); False when
+        none can be asked yet. Time at a prompt is the user's, not the request's: its timeout
+        and failure grace wait it out."""
+        req, took = self.req, False
+        while (item := req.prompts.next(req.pending)) is not None:
+            took = True
+            began = time.monotonic()
+            try:
+                req.prompts.ask(self.rt, req, *item)
+            finally:
+                spent = time.monotonic() - began
+                if self.deadline is not None:
+                    self.deadline += spent
+                if req.failed_at is not None:
+                    req.failed_at += spent
+        return took
 
     def _act(self, now) -> float | None:
         """The failure policy before any interrupt: None when it acted now, else when to look again."""
@@ -302,7 +324,10 @@ def _handle(req: Request, item, cb: Callbacks):
             msg = loads(item[2])
         except Exception:
             return
-        if tag == "message":
+        prompt = _debugger.prompt_of(msg) if tag == "display" else None
+        if prompt is not None:
+            req.prompts.add(slot, prompt)  # asked by the request's waiter (collect)
+        elif tag == "message":
             _call(req, cb, "on_message", r.rank, msg)
         elif cb.on_display is not None:
             _call(req, cb, "on_display", r.rank, msg)

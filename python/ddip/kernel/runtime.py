@@ -18,7 +18,7 @@ import time
 from .. import _core
 from ..errors import FailureKind, RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
 from ..labels import LabelledOutput
-from ..messages import dumps_framed, loads
+from ..messages import dumps, dumps_framed, loads
 from .request import Request, close_fds
 
 # Events from _core.Coordinator are _core.Event objects whose kind the runtime has classified
@@ -235,6 +235,16 @@ class Runtime:
                 self.running[s] = request
                 self.state[s] = "busy"
         return request
+
+    def answer(self, slot: int, req: Request, msg: dict) -> bool:
+        """Sends `msg` to one rank while it runs `req` (a debugger prompt's answer: the rank
+        waits for it with the request's own sequence number). False when it no longer runs it."""
+        with self.mu:
+            coord = self.coord
+            if coord is None or self.running.get(slot) is not req:
+                return False
+        coord.send([slot], _core.REQUEST, req.seq, dumps(msg))
+        return True
 
     def signal(self, slots, sig: int):
         for s in slots:

@@ -9,6 +9,7 @@
 - cells.CellMagics: running cells (%%dip, %autodip)
 - data.DataMagics: moving data (%dipush, %dipull)
 - run.DipRunMagics: %%diprun, a cell as a script under `ddip run`
+- debug.DebugMagics: pdb in a rank (%dipdebug, %dippdb)
 - session.Session: the state the first three share (the group, its spec, %autodip)
 - flags: shared flag groups and checks; render: everything the magics show
 
@@ -22,11 +23,12 @@ from ..kernel import template as _template
 from . import render
 from .cells import CellMagics
 from .data import DataMagics
+from .debug import DebugMagics
 from .lifecycle import DipMagics
 from .run import DipRunError, DipRunMagics
 from .session import Session
 
-__all__ = ["CellMagics", "DataMagics", "DipMagics", "DipRunError", "DipRunMagics", "Session",
+__all__ = ["CellMagics", "DataMagics", "DebugMagics", "DipMagics", "DipRunError", "DipRunMagics", "Session",
            "load_ipython_extension", "unload_ipython_extension"]
 
 _loaded: dict = {}  # for the shell it is loaded in: its Session, its Magics, what to restore on unload
@@ -36,10 +38,13 @@ def load_ipython_extension(ip):
     if _loaded.get("shell") is ip:
         return
     session = Session(ip)
-    magics = [DipMagics(ip, session), CellMagics(ip, session), DataMagics(ip, session), DipRunMagics(ip)]
+    debug = DebugMagics(ip, session)
+    magics = [DipMagics(ip, session), CellMagics(ip, session), DataMagics(ip, session), DipRunMagics(ip), debug]
     for m in magics:
         ip.register_magics(m)
-    _loaded.update(shell=ip, session=session, magics=magics, exc=render.show_cell_errors(ip))
+    ip.events.register("post_run_cell", debug.after_cell)  # %dippdb
+    _loaded.update(shell=ip, session=session, magics=magics, exc=render.show_cell_errors(ip),
+                   after_cell=debug.after_cell)
     _template.prewarm()  # in the background: the first %makedip forks its ranks from it
 
 
@@ -47,6 +52,7 @@ def unload_ipython_extension(ip):
     if _loaded.get("shell") is not ip:
         return
     _loaded["session"].close()
+    ip.events.unregister("post_run_cell", _loaded["after_cell"])
     render.restore_cell_errors(ip, _loaded["exc"])
     for m in _loaded["magics"]:
         for kind, names in m.magics.items():

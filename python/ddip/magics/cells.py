@@ -128,6 +128,7 @@ class CellMagics(Magics):
             if r.rank in out.shown and r.ok and r.format is not None:
                 render.show_value(r.rank, r.execution_count, r.format)
         if error is not None:
+            self.session.note_failure(error)
             if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
                 render.heal_note(error.heal)
             raise render.CellError(error.headline, render.failure_entries(error.failures)) from None

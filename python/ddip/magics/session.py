@@ -1,5 +1,6 @@
-"""What the magics of one shell share: the group, the spec it was made from, %autodip, and the
-last %%dip cell's results. One Session per shell; every magics class holds it."""
+"""What the magics of one shell share: the group, the spec it was made from, %autodip, the
+last %%dip cell's results and failure (for %dipdebug, %dippdb). One Session per shell; every
+magics class holds it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class Session:
         self.autodip_args: str | None = None  # the %%dip flags while %autodip is on, else None
         self.last_results = None  # RankResults of the last %%dip cell, for inspection
         self.running_local = False  # a %%dip local body must not be rewritten by %autodip
+        self.last_error = None  # the RemoteError of the last failed %%dip cell: %dipdebug's default
+        self.new_error = None  # the same, until the end of the cell it failed (%dippdb's cue)
+        self.auto_debug = False  # %dippdb on
 
     @property
     def running(self) -> bool:
@@ -28,6 +32,10 @@ class Session:
         if not self.running:
             raise UsageError(NO_GROUP)
         return self.group
+
+    def note_failure(self, error):
+        """A %%dip cell failed on its ranks with `error` (a RemoteError)."""
+        self.last_error = self.new_error = error
 
     def autodip_state(self) -> str:
         if self.autodip_args is None:

@@ -14,6 +14,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
 
 
@@ -33,6 +34,7 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
+from ddip.rank import debugger as _debugger  # noqa: E402
 from ddip.rank import heal as _heal  # noqa: E402
 from ddip.rank.displays import DisplayFrames, install_notebook_progress  # noqa: E402
 from ddip.messages import RemoteValue, dumps, dumps_framed, loads, loads_framed, memfd_with  # noqa: E402
@@ -41,6 +43,8 @@ _endpoint = None  # set in main(); the display publisher sends through it
 _displays = None  # DisplayFrames over _send_display, set in main()
 _current_seq = 0
 _busy = False
+_stopping = False  # a shutdown came while a debugger's prompt waited for its answer
+_prompt_lock = threading.Lock()  # one debugger prompt at a time
 
 
 class RankDisplayHook(DisplayHook):
@@ -111,7 +115,9 @@ class RankShell(InteractiveShell):
 
     def _get_exc_info(self, exc_tuple=None):
         etype, value, tb = super()._get_exc_info(exc_tuple)
-        return etype, value, _users_frames(tb)
+        tb = _users_frames(tb)
+        _debugger.keep_last_exception(value, tb)  # for %dipdebug, as IPython keeps it for %debug
+        return etype, value, tb
 
     def showtraceback(self, *args, **kwargs):
         global _busy
@@ -148,8 +154,10 @@ def _users_frames(tb):
     return tb
 
 
-def _format_exception(shell, exc, with_traceback=True):
+def _format_exception(shell, exc, with_traceback=True, keep=True):
     tb = _users_frames(exc.__traceback__) if with_traceback else None
+    if keep:
+        _debugger.keep_last_exception(exc, tb)
     stb = shell.InteractiveTB.structured_traceback(type(exc), exc, tb)
     return {"ename": type(exc).__name__, "evalue": str(exc), "traceback": list(stb), "exception": exc}
 
@@ -204,6 +212,8 @@ def _serve(shell, req):
     try:
         if op == "apply":
             return {"op": op, "value": req["fn"](*req["args"], **req["kwargs"]), "error": None}
+        if op == "debug":
+            return _debug(shell)
         if op == "push":
             shell.user_ns.update(req["ns"])
             return {"op": op, "value": None, "error": None}
@@ -221,6 +231,52 @@ def _serve(shell, req):
         if not isinstance(exc, (Exception, KeyboardInterrupt)):
             raise
         return {"op": op, "value": None, "error": _format_exception(shell, exc)}
+
+
+def _debug(shell):
+    """Post-mortem on the rank's last exception; the debugger's own end (an interrupt at its
+    prompt) does not replace that exception."""
+    try:
+        _debugger.post_mortem()
+    except _debugger.NothingToDebug as exc:
+        return {"op": "debug", "value": {"nothing": str(exc)}, "error": None}
+    except KeyboardInterrupt as exc:
+        return {"op": "debug", "value": None, "error": _format_exception(shell, exc, False, keep=False)}
+    except SystemExit:  # the group is closing (ask_kernel): nobody waits for this reply
+        pass
+    return {"op": "debug", "value": {"nothing": None}, "error": None}
+
+
+def ask_kernel(output: str, prompt: str):
+    """A debugger's prompt in this rank, answered in the notebook: `output` (what the debugger
+    printed since its last prompt) and `prompt` go to the kernel as part of the request being
+    run, in order with this rank's output (a display frame, so they come after what the rank
+    printed before), and the line typed there comes back on this rank's endpoint. prompt=None:
+    the debugger left its prompt (the kernel may ask other ranks' prompts now)."""
+    global _stopping
+    with _prompt_lock:
+        seq = _current_seq
+        if _displays is not None:
+            _displays.flush()
+        if prompt is None:  # it left its prompt: nothing to wait for
+            _send_display({"ddip_prompt": {"output": output, "left": True}})
+            return None
+        _send_display({"ddip_prompt": {"output": output, "prompt": prompt}})
+        while True:
+            kind, got_seq, payload, fds, _ = _endpoint.recv(-1)
+            for fd in fds:
+                os.close(fd)
+            if kind == _core.SHUTDOWN:
+                _stopping = True
+                raise SystemExit("the notebook closed the group while this rank was at a debugger prompt")
+            if kind == _core.REQUEST and got_seq == seq:
+                answer = loads(payload)
+                return _debugger.STOP if answer.get("stop") else answer.get("line")
+
+
+def _can_ask() -> bool:
+    # Only the code a request runs, in the thread that runs it: its caller waits for the answer.
+    return _busy and _endpoint is not None and threading.current_thread() is threading.main_thread()
 
 
 def _on_sigint(signum, frame):
@@ -303,6 +359,7 @@ def _connect(backend):
              "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
     _displays = DisplayFrames(_send_display)
+    _debugger.install(ask_kernel, _can_ask)  # breakpoint() prompts in the notebook
     install_notebook_progress()  # only in a notebook's group (DDIP_NOTEBOOK=1)
     # Stack dumps on request, answered even while Python is stuck in C code (faulthandler's handler
     # is C-level). A real-time signal: SIGUSR1/2 are often taken (user handlers, Slurm); SIGRTMAX
@@ -320,7 +377,7 @@ def _connect(backend):
 
 def _serve_forever(shell) -> bool:
     """Serves requests until the kernel says to stop (False) or is gone (True)."""
-    while True:
+    while not _stopping:
         try:
             frame = _endpoint.recv(-1)
         except _core.EndpointClosed:
@@ -335,6 +392,7 @@ def _serve_forever(shell) -> bool:
             _refuse_truncated(seq, payload, fds)
         else:
             _serve_one(shell, seq, payload, fds)
+    return False
 
 
 def _refuse_truncated(seq, payload, fds):

@@ -1,0 +1,88 @@
+"""The kernel's side of a rank's debugger: the prompts of pdb running in ranks, asked here.
+
+A rank's pdb (ddip/rank/debugger.py) sends each prompt, with what it printed since the last
+one, as part of the request the rank runs. The request's waiter (request.collect) queues them in
+the order they came and asks them here one at a time: pdb's output labelled with the rank, then
+`input("[rank N] (Pdb) ")`, which in a Jupyter kernel is the frontend's input box (the kernel's
+stdin channel, as %debug uses) and in a terminal IPython the terminal. The line typed goes back
+to that rank alone, while its request is still pending (Runtime.answer). A rank whose prompt
+was answered keeps the floor until its pdb leaves the prompt ('c', 'n', 'q'), so two ranks'
+sessions are not interleaved.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+from ..labels import LabelledOutput, rank_label
+
+PROMPT = "ddip_prompt"  # the key of a rank's prompt among its display messages
+
+
+def prompt_of(msg) -> dict | None:
+    """A rank's debugger prompt ({"output": ..., "prompt": ...}) when `msg` is one."""
+    if isinstance(msg, dict) and PROMPT in msg:
+        return msg[PROMPT]
+    return None
+
+
+class Prompts:
+    """A request's waiting debugger prompts (slot, prompt), in the order they came."""
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+        self.floor = None  # the slot whose pdb session is going on: its prompts come first
+
+    def __bool__(self):
+        return bool(self.items)
+
+    def add(self, slot: int, prompt: dict):
+        self.items.append((slot, prompt))
+
+    def next(self, pending) -> tuple | None:
+        """The next one to ask (or to note that its pdb left its prompt); None while the rank
+        holding the floor has not prompted again (its other ranks' prompts wait)."""
+        if self.floor is not None and self.floor not in pending:
+            self.floor = None  # it finished (or died) meanwhile
+        for i, (slot, prompt) in enumerate(self.items):
+            if self.floor is None or slot == self.floor or prompt.get("left"):
+                del self.items[i]
+                return slot, prompt
+        return None
+
+    def ask(self, rt, req, slot: int, prompt: dict):
+        if prompt.get("left"):
+            show(rt.rank_ids[slot], prompt.get("output"))
+            if self.floor == slot:
+                self.floor = None
+            return
+        self.floor = slot
+        ask(rt, req, slot, prompt)
+
+
+def show(rank, output):
+    """What a rank's pdb printed, labelled with the rank."""
+    if output:
+        LabelledOutput()(rank, "stdout", output if output.endswith("\n") else output + "\n")
+        sys.stdout.flush()
+
+
+def ask(rt, req, slot: int, prompt: dict) -> None:
+    """Shows a rank's prompt and sends it the line typed. KeyboardInterrupt (Ctrl-C, the stop
+    button) goes to the caller, whose interrupt frees the rank; once its request was
+    interrupted, a prompt is not shown: the rank is told to stop."""
+    rank = rt.rank_ids[slot]
+    show(rank, prompt.get("output"))
+    if req.interrupted_at is not None:
+        rt.answer(slot, req, {"stop": True})
+        return
+    try:
+        line = input(f"{rank_label(rank)} {prompt.get('prompt') or '(Pdb) '}")
+    except EOFError:  # Ctrl-D in a terminal: pdb's own end of input
+        line = "EOF"
+    except (NotImplementedError, OSError):  # a frontend without input, or stdin captured
+        sys.stderr.write(f"ddip: {rank_label(rank)} stopped at a debugger prompt, but this frontend can't "
+                         f"take input (a Jupyter client needs allow_stdin); it continues\n")
+        line = None
+    rt.answer(slot, req, {"line": line})

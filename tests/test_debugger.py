@@ -1,0 +1,217 @@
+"""Debugging a rank through a real Jupyter kernel: %dipdebug (pdb post-mortem in a rank),
+%dippdb, and breakpoint() in code a rank runs. The kernel runs with allow_stdin, and the test
+answers its input_request messages on the stdin channel, as JupyterLab does (kc.input)."""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+
+import pytest
+
+from ddip.errors import strip_ansi
+from ddip.magics import DebugMagics
+from test_magics import Cell, Kernel, disagreements, running_kernel
+
+GROUP = "%makedip -n 2 --backend none"
+PROMPT = re.compile(r"^\[rank (\d+)\] ipdb> $")
+
+FAILS_ON_RANK_1 = """%%dip
+import os
+RANK = int(os.environ["RANK"])
+def inner(a):
+    secret = a * 1000 + 7
+    if RANK == 1:
+        raise ValueError(f"inner failed with {secret}")
+    return secret
+def outer():
+    outer_only = f"outer of rank {RANK}"
+    return inner(RANK)
+outer()
+"""
+
+
+class Answering(Kernel):
+    """A kernel whose cells may ask for input: each input_request is answered by
+    answer(prompt) -> the line to type, and every prompt is kept in `prompts`."""
+
+    def run_answering(self, code: str, answer, timeout: float = 60) -> Cell:
+        self.prompts = []
+        outputs = []
+        msg_id = self.kc.execute(code, allow_stdin=True, stop_on_error=False)
+        deadline = time.monotonic() + timeout
+        idle = False
+        while not idle:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cell did not finish within {timeout} s; prompts {self.prompts}, "
+                                     f"outputs so far: {outputs}")
+            self._answer_waiting(msg_id, answer)
+            idle = self._take_iopub(msg_id, outputs)
+        while True:
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return Cell(outputs, reply["content"])
+
+    def _answer_waiting(self, msg_id, answer):
+        try:
+            msg = self.kc.get_stdin_msg(timeout=0.02)
+        except queue.Empty:
+            return
+        if msg["msg_type"] == "input_request" and msg["parent_header"].get("msg_id") == msg_id:
+            prompt = msg["content"]["prompt"]
+            self.prompts.append(prompt)
+            line = answer(prompt)
+            if line is not None:  # None: left unanswered
+                self.kc.input(line)
+
+    def _take_iopub(self, msg_id, outputs) -> bool:
+        try:
+            msg = self.kc.get_iopub_msg(timeout=0.02)
+        except queue.Empty:
+            return False
+        if msg["parent_header"].get("msg_id") != msg_id:
+            return False
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "status":
+            return content["execution_state"] == "idle"
+        if kind == "stream":
+            outputs.append({"type": "stream", "name": content["name"], "text": content["text"]})
+        elif kind == "error":
+            outputs.append({"type": "error", "ename": content["ename"], "evalue": content["evalue"],
+                            "traceback": content["traceback"]})
+        return False
+
+
+def script(*lines):
+    """answer() typing `lines` in turn, whatever the prompt."""
+    left = list(lines)
+    return lambda prompt: left.pop(0)
+
+
+def per_rank(**scripts):
+    """answer() typing, at rank N's prompts, the lines of scripts["rN"] in turn."""
+    left = {int(k[1:]): list(v) for k, v in scripts.items()}
+    return lambda prompt: left[int(PROMPT.match(prompt).group(1))].pop(0)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    with running_kernel(tmp_path_factory.mktemp("jupyter"), wrap=Answering) as k:
+        assert k.run(GROUP).ok
+        yield k
+        k.run("%makedip -k")
+
+
+def text_of(cell: Cell) -> str:
+    return strip_ansi(cell.stream() + cell.stream("stderr")
+                      + "".join("\n".join(o["traceback"]) for o in cell.of_type("error")))
+
+
+def fail_on_rank_1(kernel):
+    cell = kernel.run(FAILS_ON_RANK_1)
+    assert not cell.ok and "inner failed with 1007" in text_of(cell), cell.outputs
+
+
+def test_dipdebug_opens_pdb_in_the_root_cause_rank_with_its_frames_alive(kernel):
+    fail_on_rank_1(kernel)
+    cell = kernel.run_answering("%dipdebug", script("p secret", "up", "p outer_only", "where", "q"))
+    assert cell.ok, cell.outputs
+    assert kernel.prompts == ["[rank 1] ipdb> "] * 5
+    out = strip_ansi(cell.stream())
+    # The failing frame's local, rank 1's own value (rank 0's would be 7); then the caller's.
+    assert "[rank 1] 1007" in out, out
+    assert "[rank 1] 'outer of rank 1'" in out, out
+    where = out.split("'outer of rank 1'", 1)[1]
+    assert re.search(r"\[rank 1\] .*\(\d+\)outer\(\)", where) and re.search(r"\[rank 1\] .*\(\d+\)inner\(\)", where), out
+    # q left pdb; the rank and the group are as before.
+    after = kernel.run("%%dip --see all\nprint('still here', RANK)")
+    assert after.ok, after.outputs
+    assert "still here 0" in after.stream() and "still here 1" in after.stream(), after.outputs
+
+
+def test_dipdebug_names_a_rank_without_an_exception_and_a_bad_rank(kernel):
+    kernel.run("%makedip -r")  # fresh ranks: none has raised
+    cell = kernel.run("%dipdebug -r 0")
+    assert not cell.ok and "rank 0 has no exception to debug" in text_of(cell), cell.outputs
+    cell = kernel.run("%dipdebug -r 5")
+    assert not cell.ok and "the group's ranks are 0, 1" in text_of(cell), cell.outputs
+
+
+def test_dippdb_on_opens_the_debugger_after_a_failed_cell(kernel):
+    assert "is on" in kernel.run("%dippdb on").stream()
+    try:
+        cell = kernel.run_answering(FAILS_ON_RANK_1, script("p a", "q"))
+    finally:
+        assert "is off" in kernel.run("%dippdb off").stream()
+    assert not cell.ok and kernel.prompts == ["[rank 1] ipdb> "] * 2, (kernel.prompts, cell.outputs)
+    out = strip_ansi(cell.stream())
+    assert "[rank 1] 1" in out.splitlines(), out
+    assert "inner failed with 1007" in text_of(cell)
+
+
+def test_breakpoint_on_both_ranks_prompts_each_in_turn_and_continues(kernel):
+    code = ("%%dip --see all\nimport os\nx = int(os.environ['RANK']) * 10 + 3\nbreakpoint()\n"
+            "print('after the breakpoint', x)")
+    cell = kernel.run_answering(code, per_rank(r0=["p x", "c"], r1=["p x", "c"]))
+    assert cell.ok, (kernel.prompts, cell.outputs)
+    assert sorted(kernel.prompts) == ["[rank 0] ipdb> "] * 2 + ["[rank 1] ipdb> "] * 2, kernel.prompts
+    # One rank's session at a time: its two prompts follow each other.
+    assert kernel.prompts[0] == kernel.prompts[1], kernel.prompts
+    out = strip_ansi(cell.stream())
+    assert "[rank 0] 3" in out.splitlines() and "[rank 1] 13" in out.splitlines(), out
+    assert "after the breakpoint 3" in out and "after the breakpoint 13" in out, out
+
+
+def test_a_rank_at_a_prompt_past_the_heartbeat_timeout_and_the_timeout_goes_on(kernel):
+    setup = kernel.run("import ddip, pdb\ng = ddip.Group(n=1, backend=None, heartbeat_timeout=1.0)\n"
+                       "def f(v):\n    w = v + 1\n    pdb.set_trace()\n    return w * 2")
+    assert setup.ok, setup.outputs
+
+    def slow(prompt):
+        time.sleep(2.5)  # the user thinks at the prompt, longer than the heartbeat timeout
+        return "c"
+
+    try:
+        cell = kernel.run_answering("print('result', g.apply(f, 20))\n"
+                                    "r = g.run('v = 5\\nbreakpoint()\\nv * 3', timeout=1.5)\n"
+                                    "print('run', r[0].value)", slow)
+        assert cell.ok, cell.outputs
+        assert kernel.prompts == ["[rank 0] ipdb> "] * 2
+        # Neither unresponsive (heartbeats went on) nor timed out (time at a prompt is the user's).
+        assert "result [42]" in cell.stream() and "run 15" in cell.stream(), cell.outputs
+        status = kernel.run("print([r['state'] for r in g.status()])")
+        assert "['idle']" in status.stream(), status.outputs
+    finally:
+        kernel.run("g.close()")
+
+
+def test_without_stdin_a_breakpoint_says_so_and_the_rank_continues(kernel):
+    msg_id = kernel.kc.execute("%%dip --see all\nx = 2\nbreakpoint()\nprint('went on', x)",
+                               allow_stdin=False, stop_on_error=False)
+    outputs = []
+    deadline = time.monotonic() + 60
+    while not kernel._take_iopub(msg_id, outputs):
+        assert time.monotonic() < deadline, outputs
+    cell = Cell(outputs, None)
+    assert cell.stream().count("went on 2") == 2, outputs
+    assert "[rank 1] stopped at a debugger prompt, but this frontend can't take input" in cell.stream("stderr"), outputs
+
+
+def test_dipdebug_and_dippdb_help_and_docs_agree():
+    assert disagreements("dipdebug", DebugMagics.dipdebug) == []
+    assert disagreements("dippdb", DebugMagics.dippdb) == []
+
+
+def test_the_stop_button_at_a_prompt_ends_the_cell_and_leaves_the_group_usable(kernel):
+    def stop(prompt):
+        kernel.km.interrupt_kernel()  # what the stop button does; the prompt stays unanswered
+        return None
+
+    code = "%%dip --see all\nimport os\nx = 1\nif os.environ['RANK'] == '1':\n    breakpoint()\nprint('went on', x)"
+    cell = kernel.run_answering(code, stop)
+    assert not cell.ok and kernel.prompts == ["[rank 1] ipdb> "], (kernel.prompts, cell.outputs)
+    text = text_of(cell)
+    assert "KeyboardInterrupt" in text and "went on" in cell.stream(), cell.outputs
+    after = kernel.run("%%dip --see all\nprint('still here', os.environ['RANK'])")
+    assert after.ok and "still here 0" in after.stream() and "still here 1" in after.stream(), after.outputs
