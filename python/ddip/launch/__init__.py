@@ -1,5 +1,7 @@
-"""One-shot launches: `ranch` and `torchddp_launch` (oneshot), the notebook as their rank 0
-(notebook_rank), and the native `ddip run` program reached from Python (program).
+"""One-shot launches: `ranch` and `torchddp_launch` (oneshot), a launch as data (spec), the
+notebook as their rank 0 (notebook_rank: frameworks' flags; notebook_env: its environment;
+interrupts: the SIGINT guard around its fn), and the native `ddip run` program reached from
+Python (program).
 
 `from ddip.launch import ranch` keeps working, as it did when this was one module."""
 
