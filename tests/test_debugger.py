@@ -5,6 +5,8 @@ answers its input_request messages on the stdin channel, as JupyterLab does (kc.
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import re
 import time
 
@@ -215,3 +217,43 @@ def test_the_stop_button_at_a_prompt_ends_the_cell_and_leaves_the_group_usable(k
     assert "KeyboardInterrupt" in text and "went on" in cell.stream(), cell.outputs
     after = kernel.run("%%dip --see all\nprint('still here', os.environ['RANK'])")
     assert after.ok and "still here 0" in after.stream() and "still here 1" in after.stream(), after.outputs
+
+
+def test_group_debug_from_plain_python_asks_on_its_stdin():
+    # Group.debug() outside Jupyter: input() reads the terminal (here a pipe); the default rank
+    # is the root cause of the last failed apply.
+    script = """
+import os, ddip
+g = ddip.Group(n=2, backend=None)
+def f():
+    local_of_f = int(os.environ["RANK"]) * 100 + 1
+    if local_of_f == 101:
+        raise KeyError(local_of_f)
+try:
+    g.apply(f)
+except ddip.RemoteError as exc:
+    print("failed on", exc.ranks)
+g.debug()
+print("after", g.apply(lambda: os.environ["RANK"]))
+g.close()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], input="p local_of_f\nq\n", capture_output=True,
+                          text=True, timeout=60)
+    out = strip_ansi(proc.stdout)
+    assert proc.returncode == 0, (out, proc.stderr)
+    assert "failed on [1]" in out and out.count("[rank 1] ipdb> ") == 2, out
+    assert "[rank 1] 101" in out and "after ['0', '1']" in out, out
+
+
+def test_the_stop_button_at_a_post_mortem_prompt_keeps_the_exception_to_debug_again(kernel):
+    fail_on_rank_1(kernel)
+
+    def stop(prompt):
+        kernel.km.interrupt_kernel()
+        return None
+
+    cell = kernel.run_answering("%dipdebug", stop)
+    assert not cell.ok and kernel.prompts == ["[rank 1] ipdb> "], (kernel.prompts, cell.outputs)
+    assert "KeyboardInterrupt" in text_of(cell), cell.outputs
+    cell = kernel.run_answering("%dipdebug", script("p secret", "q"))
+    assert cell.ok and "[rank 1] 1007" in strip_ansi(cell.stream()), cell.outputs
