@@ -257,3 +257,14 @@ def test_the_stop_button_at_a_post_mortem_prompt_keeps_the_exception_to_debug_ag
     assert "KeyboardInterrupt" in text_of(cell), cell.outputs
     cell = kernel.run_answering("%dipdebug", script("p secret", "q"))
     assert cell.ok and "[rank 1] 1007" in strip_ansi(cell.stream()), cell.outputs
+
+
+def test_a_breakpoint_that_cannot_prompt_is_skipped_with_a_note_and_pythonbreakpoint_0_is_kept(kernel):
+    # In a thread of the rank's own: nobody waits for its prompt, so it says so and goes on.
+    cell = kernel.run("%%dip\nimport threading\nt = threading.Thread(target=breakpoint)\nt.start()\nt.join()\n"
+                      "print('joined')")
+    assert cell.ok and "joined" in cell.stream(), cell.outputs
+    assert "breakpoint() on rank 0 was skipped" in cell.stream("stderr"), cell.outputs
+    cell = kernel.run("%%dip\nimport os\nos.environ['PYTHONBREAKPOINT'] = '0'\ntry:\n    breakpoint()\n"
+                      "finally:\n    del os.environ['PYTHONBREAKPOINT']\nprint('not stopped')")
+    assert cell.ok and "not stopped" in cell.stream() and not cell.stream("stderr"), cell.outputs

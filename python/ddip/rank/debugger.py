@@ -111,12 +111,19 @@ def install(ask: Ask, can_ask: Callable[[], bool]):
     `can_ask()` (a request is running whose caller can answer)."""
     global _ask, _can_ask
     _ask, _can_ask = ask, can_ask
-    sys.breakpointhook = set_trace
+    sys.breakpointhook = breakpoint_hook
     pdb.set_trace = set_trace  # pdb's own would read the rank's stdin, which is at its end
 
 
-def set_trace(*args, header=None, **kwargs):
-    """breakpoint() in a rank: stops in the caller's frame with a prompt in the notebook."""
+def breakpoint_hook(*args, **kwargs):
+    """breakpoint() in a rank; PYTHONBREAKPOINT=0 switches it off, as it does in Python."""
+    if os.environ.get("PYTHONBREAKPOINT") == "0":
+        return
+    set_trace(frame=sys._getframe().f_back)
+
+
+def set_trace(*, header=None, frame=None):
+    """pdb.set_trace() in a rank: stops in the caller's frame with a prompt in the notebook."""
     if _ask is None or not _can_ask():
         rank = os.environ.get("RANK", "?")
         sys.stderr.write(f"ddip: breakpoint() on rank {rank} was skipped: no request is running "
@@ -126,7 +133,7 @@ def set_trace(*args, header=None, **kwargs):
     debugger = RankPdb(PromptRelay(_ask))
     if header is not None:
         debugger.message(header)
-    debugger.set_trace(sys._getframe().f_back)
+    debugger.set_trace(frame or sys._getframe().f_back)
 
 
 def post_mortem() -> None:
