@@ -225,6 +225,11 @@ def test_group_debug_from_plain_python_asks_on_its_stdin():
     script = """
 import os, ddip
 g = ddip.Group(n=2, backend=None)
+for bad in (None, "1", True, 7):  # nothing failed yet, not a rank, not a rank of the group
+    try:
+        g.debug(bad)
+    except (LookupError, TypeError, ValueError) as exc:
+        print("refused:", type(exc).__name__, exc)
 def f():
     local_of_f = int(os.environ["RANK"]) * 100 + 1
     if local_of_f == 101:
@@ -243,6 +248,12 @@ g.close()
     assert proc.returncode == 0, (out, proc.stderr)
     assert "failed on [1]" in out and out.count("[rank 1] ipdb> ") == 2, out
     assert "[rank 1] 101" in out and "after ['0', '1']" in out, out
+    refused = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert refused == ["refused: LookupError nothing to debug: no run or apply of this group has failed since "
+                       "it started; give the rank: debug(rank=1)",
+                       "refused: TypeError rank must be a rank number, got '1'",
+                       "refused: TypeError rank must be a rank number, got True",
+                       "refused: ValueError no rank 7 in this group (ranks: [0, 1])"], out
 
 
 def test_the_stop_button_at_a_post_mortem_prompt_keeps_the_exception_to_debug_again(kernel):
