@@ -44,6 +44,10 @@ enum FrameKind : uint16_t {
   kStackRequest = 10,  // kernel -> worker: dump every thread's stack, answered by the watchdog
   kStacks = 11,        // worker -> kernel: the dump (text), with the request's seq
   kAbortRequest = 18,  // kernel -> worker: heal's abort; the watchdog raises the abort signal
+  // kernel -> worker: its collectives (torch's flight recorder), answered by a Python thread the
+  // watchdog wakes (it needs the GIL, which a rank waiting in a collective has let go of)
+  kCollectivesRequest = 19,
+  kCollectives = 20,  // worker -> kernel: that answer (JSON; empty: no flight recorder here)
   // Only on links to other hosts (the kernel's Coordinator and a HostAgent):
   kSpawn = 12,   // kernel -> host: the workers to start there (payload: encode_specs)
   kSignal = 13,  // kernel -> host: signal a worker (payload: i32 signal, u8 whole group)

@@ -135,6 +135,25 @@ void Endpoint::enable_abort(int signum) {
   abort_signal_ = signum;
 }
 
+void Endpoint::enable_collectives(Fd write_end) {
+  set_nonblocking(write_end.get());
+  std::lock_guard lock(signals_mu_);
+  collectives_pipe_ = std::move(write_end);
+}
+
+void Endpoint::ask_collectives(uint64_t seq) {
+  {
+    std::lock_guard lock(signals_mu_);
+    if (collectives_pipe_) {
+      // Full (the thread stopped reading): this request goes unanswered, as a stuck rank's would.
+      ssize_t n = ::write(collectives_pipe_.get(), &seq, sizeof seq);
+      if (n == static_cast<ssize_t>(sizeof seq)) return;
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    }
+  }
+  send(Frame::make(kCollectives, rank_, seq, ""));
+}
+
 void Endpoint::keep_signal(int signum) {
   struct sigaction now{};
   if (::sigaction(signum, nullptr, &now) < 0)
@@ -271,6 +290,10 @@ void Endpoint::watch() {
       }
       if (f->kind == kAbortRequest) {
         abort_collectives();
+        continue;
+      }
+      if (f->kind == kCollectivesRequest) {
+        ask_collectives(f->seq);
         continue;
       }
       if (f->kind == kStackRequest) {

@@ -74,6 +74,10 @@ class Endpoint {
   // Heal's abort requests (kAbortRequest) raise `signum` in this process, whose handler
   // (faulthandler's, waking a Python thread that aborts the process groups) is kept as below.
   void enable_abort(int signum);
+  // Collectives requests (kCollectivesRequest) are handed to whoever reads the pipe `write_end`
+  // belongs to: each request's seq, 8 bytes, written without blocking (a Python thread reads
+  // them and answers with kCollectives). Until then they are answered at once, empty.
+  void enable_collectives(Fd write_end);
 
   // The handler now installed for `signum` is the runtime's: kept from here on. Requests are
   // answered by raising a signal on the rank itself, and code the rank runs may reset handlers
@@ -105,6 +109,8 @@ class Endpoint {
   std::mutex signals_mu_;
   std::map<int, struct sigaction> kept_;  // signum -> the runtime's handler
   int abort_signal_ = 0;
+  Fd collectives_pipe_;  // under signals_mu_
+  void ask_collectives(uint64_t seq);
   std::thread watchdog_;
 
   void watch();

@@ -535,6 +535,9 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base,
     defaults.emplace_back("OMP_NUM_THREADS",
                           std::to_string(omp_threads(launch.cores, launch.local_size())));
   if (launch.cpu_ranks) defaults.emplace_back("ACCELERATE_USE_CPU", "true");
+  // torch's flight recorder, so a hang can be told by its collective (%dipstack, a timed-out
+  // cell): the last kFlightRecorderEntries collectives of each rank, kept by torch itself.
+  defaults.emplace_back("TORCH_FR_BUFFER_SIZE", std::to_string(kFlightRecorderEntries));
 
   std::vector<std::string> env;
   env.reserve(base.size() + ours.size() + defaults.size());
@@ -545,7 +548,11 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base,
     if (key.rfind("TORCHELASTIC_", 0) == 0) continue;
     if (std::any_of(ours.begin(), ours.end(), [&](const auto& kv) { return kv.first == key; }))
       continue;
-    std::erase_if(defaults, [&](const auto& kv) { return kv.first == key; });
+    std::erase_if(defaults, [&](const auto& kv) {
+      // torch reads TORCH_NCCL_TRACE_BUFFER_SIZE where TORCH_FR_BUFFER_SIZE is unset: the user's.
+      return kv.first == key ||
+             (kv.first == "TORCH_FR_BUFFER_SIZE" && key == "TORCH_NCCL_TRACE_BUFFER_SIZE");
+    });
     env.push_back(entry);
   }
   for (const auto& [k, v] : ours) env.push_back(k + "=" + v);

@@ -144,7 +144,10 @@ struct LaunchEnv {
 // ROLE_NAME, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES when set, without any TORCHELASTIC_*
 // variable (there is no elastic agent to talk to); and, each unless `base` sets it,
 // PYTHONUNBUFFERED=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, OMP_NUM_THREADS by omp_threads() (when
-// `cores` is known) and ACCELERATE_USE_CPU=true for CPU ranks.
+// `cores` is known), ACCELERATE_USE_CPU=true for CPU ranks, and TORCH_FR_BUFFER_SIZE (torch's
+// flight recorder on, kFlightRecorderEntries long) unless `base` sets it or
+// TORCH_NCCL_TRACE_BUFFER_SIZE.
+inline constexpr int kFlightRecorderEntries = 256;
 std::vector<std::string> rank_environment(const std::vector<std::string>& base,
                                           const LaunchEnv& launch, int local_rank);
 

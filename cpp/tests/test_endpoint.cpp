@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -187,6 +188,36 @@ TEST(Endpoint, StackRequestWithoutDumpsEnabledSaysSo) {
   EXPECT_EQ(reply->kind, kStacks);
   EXPECT_EQ(reply->seq, 6u);
   EXPECT_NE(reply->data().find("not enabled"), std::string::npos);
+}
+
+TEST(Endpoint, CollectivesRequestsGoToTheirReaderAndAreAnsweredEmptyWithoutOne) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  // No reader yet (a rank without torch.distributed): answered at once, empty.
+  send_frame(server, Frame::make(kCollectivesRequest, 0, 3, ""));
+  auto reply = read_frame(server);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->kind, kCollectives);
+  EXPECT_EQ(reply->seq, 3u);
+  EXPECT_EQ(reply->data(), "");
+  Pipe p = make_pipe();
+  ep.enable_collectives(std::move(p.write));
+  // Nobody calls ep.recv(): the request reaches the reader all the same, not the inbox.
+  send_frame(server, Frame::make(kCollectivesRequest, 0, 9, ""));
+  uint64_t seq = 0;
+  pollfd pfd{p.read.get(), POLLIN, 0};
+  ASSERT_EQ(::poll(&pfd, 1, 5000), 1);
+  ASSERT_EQ(::read(p.read.get(), &seq, sizeof seq), static_cast<ssize_t>(sizeof seq));
+  EXPECT_EQ(seq, 9u);
+  ep.send(Frame::make(kCollectives, 0, seq, "{}"));
+  reply = read_frame(server);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->kind, kCollectives);
+  EXPECT_EQ(reply->data(), "{}");
+  EXPECT_FALSE(ep.recv(std::chrono::milliseconds(0)));
 }
 
 // Lightning's teardown (and any code that resets every handler) puts SIG_DFL over handlers

@@ -274,6 +274,19 @@ TEST(RankEnvironment, CpuRanksTellAccelerateUnlessTheUserDid) {
             "false");
 }
 
+TEST(RankEnvironment, TheFlightRecorderIsOnUnlessTheUserSizedIt) {
+  LaunchEnv launch;
+  launch.world_size = 2;
+  EXPECT_EQ(as_map(rank_environment({}, launch, 0))["TORCH_FR_BUFFER_SIZE"],
+            std::to_string(kFlightRecorderEntries));
+  EXPECT_EQ(as_map(rank_environment({"TORCH_FR_BUFFER_SIZE=0"}, launch, 0))["TORCH_FR_BUFFER_SIZE"],
+            "0");
+  // torch's older name for it counts as the user's choice too (0: off).
+  auto old = as_map(rank_environment({"TORCH_NCCL_TRACE_BUFFER_SIZE=0"}, launch, 0));
+  EXPECT_EQ(old.count("TORCH_FR_BUFFER_SIZE"), 0u);
+  EXPECT_EQ(old["TORCH_NCCL_TRACE_BUFFER_SIZE"], "0");
+}
+
 TEST(RankEnvironment, GpusListedInRankOrderForEveryRank) {
   LaunchEnv launch;
   launch.world_size = 2;

@@ -148,14 +148,18 @@ class RemoteError(Exception):
     the HealReport when the failure broke a collective and ddip healed the group (or tried)."""
 
     def __init__(self, failures: list[RankFailure], results=None, what: str = "code",
-                 heal: HealReport | None = None):
+                 heal: HealReport | None = None, collectives=None):
         self.failures = list(failures)
         self.results = results
         self.heal = heal
+        # Where ranks did not stop: which collective each rank was in (a CollectivePicture)
+        self.collectives = collectives
         ranks = ", ".join(str(r) for r in sorted(f.rank for f in self.failures))
         first = self.failures[0]
         lines = [f"{what} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}; "
                  f"root cause on rank {first.rank}: {first.ename}: {first.evalue}"]
+        if collectives is not None and collectives.known:
+            lines += ["", collectives.describe()]
         for f, same in merge_failures(self.failures):
             who = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
             lines.append("")

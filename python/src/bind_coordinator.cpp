@@ -29,7 +29,7 @@ std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.siz
 //   "hello"         data: the worker's hello payload
 //   "done"          seq, data, fds (Python's to close): a reply
 //   "truncated"     seq: a reply whose fds could not all be received (this process is out of them)
-//   "display", "message", "stacks"   seq, data
+//   "display", "message", "stacks", "collectives"   seq, data
 //   "exited"        code, signal, why ("exit code 3", "killed by SIGKILL": the runtime's words),
 //                   data: the last lines of its stderr (code -1 with signal 0: the status is
 //                   unknown, someone else in this process reaped it)
@@ -51,8 +51,8 @@ struct PyEvent {
 };
 
 struct Kinds {
-  nb::object output, hello, done, truncated, display, message, stacks, exited, lost, unresponsive,
-      responsive, disconnected, failed, stdout_, stderr_;
+  nb::object output, hello, done, truncated, display, message, stacks, collectives, exited, lost,
+      unresponsive, responsive, disconnected, failed, stdout_, stderr_;
   Kinds() {
     auto s = [](const char* name) {
       PyObject* o = PyUnicode_InternFromString(name);
@@ -61,6 +61,7 @@ struct Kinds {
     };
     output = s("output"), hello = s("hello"), done = s("done"), truncated = s("truncated");
     display = s("display"), message = s("message"), stacks = s("stacks"), exited = s("exited");
+    collectives = s("collectives");
     lost = s("lost"), unresponsive = s("unresponsive"), responsive = s("responsive");
     disconnected = s("disconnected"), failed = s("failed");
     stdout_ = s("stdout"), stderr_ = s("stderr");
@@ -103,6 +104,9 @@ std::optional<PyEvent> classify(ddip::Event& e) {
           break;
         case ddip::kStacks:
           p.kind = k.stacks;
+          break;
+        case ddip::kCollectives:
+          p.kind = k.collectives;
           break;
         default:
           return std::nullopt;
@@ -151,8 +155,8 @@ std::optional<PyEvent> classify(ddip::Event& e) {
 void init_coordinator(nb::module_& m) {
   nb::class_<PyEvent>(m, "Event",
                       "What a group's runtime reports: kind (output, hello, done, truncated, "
-                      "display, message, stacks, exited, lost, unresponsive, responsive, "
-                      "disconnected, failed), the worker's slot, and the fields of that kind.")
+                      "display, message, stacks, collectives, exited, lost, unresponsive, "
+                      "responsive, disconnected, failed), the worker's slot, and the fields of that kind.")
       .def_ro("kind", &PyEvent::kind)
       .def_ro("slot", &PyEvent::slot)
       .def_ro("seq", &PyEvent::seq)

@@ -74,6 +74,13 @@ void init_endpoint(nb::module_& m) {
           "gets signum (faulthandler.register(signum, file=<write end>, all_threads=True)). The "
           "Endpoint owns read_fd from now on. The handler now installed for signum is kept: put "
           "back where other code resets it to SIG_DFL or SIG_IGN.")
+      .def(
+          "enable_collectives",
+          [](ddip::Endpoint& e, int write_fd) { e.enable_collectives(ddip::Fd(write_fd)); },
+          "write_fd"_a,
+          "Collectives requests are written to the pipe write_fd (each one's seq, 8 bytes, "
+          "little-endian) for a Python thread to answer with send(COLLECTIVES, seq, json). The "
+          "Endpoint owns write_fd from now on; until this is called they are answered empty.")
       .def("enable_abort", &ddip::Endpoint::enable_abort, "signum"_a,
            "Heal's abort requests raise signum in this process; its handler, installed first, is "
            "kept as enable_stack_dumps' is.");

@@ -36,6 +36,8 @@ NB_MODULE(_core, m) {
   m.attr("STACK_REQUEST") = static_cast<int>(ddip::kStackRequest);
   m.attr("ABORT_REQUEST") = static_cast<int>(ddip::kAbortRequest);
   m.attr("STACKS") = static_cast<int>(ddip::kStacks);
+  m.attr("COLLECTIVES_REQUEST") = static_cast<int>(ddip::kCollectivesRequest);
+  m.attr("COLLECTIVES") = static_cast<int>(ddip::kCollectives);
   m.attr("MAX_FDS") = ddip::kMaxFdsPerFrame;
   // C stdio buffers (printf from a C extension) are flushed before a reply and before exit, so
   // that output is in the pipe before "done" says the request's output is complete.

@@ -30,6 +30,7 @@ from ..hosts.placement import cpu_count, omp_threads
 from ..labels import LabelledOutput
 from ..messages import picklable
 from . import heal as _heal
+from .collectives import CollectivePicture, Stacks
 from . import template as _template
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
                       raise_failures)
@@ -342,7 +343,7 @@ class Group:
         req = self.send_request({"op": "run", "code": code, "values": values}, ranks, "code")
         results = collect(self, req, Callbacks(on_output, on_display), timeout, interrupt=True)
         with self._noting_failure():
-            raise_failures(results, "code", req.heal.report if req.heal else None)
+            raise_failures(results, "code", req.heal.report if req.heal else None, req.collectives)
         return results
 
     def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
@@ -416,13 +417,27 @@ class Group:
         for slot in self._slots(ranks):
             coord.signal(slot, sig, True)
 
-    def stacks(self, ranks: Iterable[int] | None = None, timeout: float = 3.0) -> dict[int, str]:
+    def stacks(self, ranks: Iterable[int] | None = None, timeout: float = 3.0) -> Stacks:
         """Every selected rank's Python stack (all threads), without stopping it: answered by
-        the rank's runtime thread, so a rank busy in Python or stuck in C code answers too."""
+        the rank's runtime thread, so a rank busy in Python or stuck in C code answers too. A
+        dict rank -> stack, whose `collectives` says which collective each rank of the group is
+        in (collectives()); str() shows both, the collectives first."""
         _positive_timeout(timeout)
         rt = self._check_open()
         slots = self._slots(ranks)
-        return {self.rank_ids[s]: text for s, text in rt.stacks(slots, timeout, _SLICE_S).items()}
+        picture = self.collectives(timeout=timeout)
+        texts = rt.stacks(slots, timeout, _SLICE_S)
+        return Stacks({self.rank_ids[s]: text for s, text in texts.items()}, picture)
+
+    def collectives(self, timeout: float = 3.0) -> CollectivePicture:
+        """Which collective each rank is in, by torch's flight recorder in every rank (on in
+        every rank ddip starts): per rank the last completed and the pending collective, and
+        `findings`: who has not entered the collective the others wait in, who disagrees."""
+        _positive_timeout(timeout)
+        rt = self._check_open()
+        slots = list(range(len(self.rank_ids)))
+        answers = rt.collectives(slots, timeout, _SLICE_S)
+        return CollectivePicture({self.rank_ids[s]: a for s, a in answers.items()})
 
     def heal(self) -> HealReport:
         """Rebuilds torch.distributed's default group on every rank, with the same ranks and world

@@ -51,6 +51,13 @@ class Healer:
                 "this group's ranks are part of a larger world (ranch's children)")),
                 way_out="they can't rebuild it on their own; the launch that made the world can start it again")
 
+    def healable(self) -> bool:
+        try:
+            self.check_healable()
+        except HealError:
+            return False
+        return True
+
     def heal(self) -> HealReport:
         """Group.heal(): releases ranks still stuck in a broken collective, then rebuilds."""
         group = self.group

@@ -23,6 +23,7 @@ from typing import Callable
 from ..errors import (FailureKind, GroupClosedError, HealReport, RankFailure, RemoteError, root_cause_first,
                       unresponsive_cause)
 from ..messages import loads, loads_framed
+from .collectives import CollectivePicture
 from . import debugger as _debugger
 
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
@@ -74,6 +75,7 @@ class Request:
         self.why = None  # why its ranks were interrupted: "ctrl-c", "timeout", "failure", "death"
         self.callback_errors: list[str] = []
         self.heal = None  # a heal.Healing, once its failure's peers are being released
+        self.collectives = None  # a CollectivePicture, when ranks did not stop when interrupted
         self.prompts = _debugger.Prompts()  # ranks' debuggers waiting at a prompt
 
 
@@ -113,6 +115,7 @@ class _Waiting:
         self.deadline = None if timeout is None else req.started + timeout
         self.stop_waiting_at = stop_waiting_at
         self.on_failure = on_failure
+        self.next_look = 0.0  # when to read the ranks' collectives again, after a rank raised
 
     def interrupt_pending(self, reason):
         req = self.req
@@ -187,18 +190,35 @@ class _Waiting:
                     self.interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
                     return None
                 wake = min(wake, req.heal.started + healer.RELEASE_S)
-            elif now >= req.failed_at + FAILURE_GRACE_S:
+            elif now >= req.failed_at + FAILURE_GRACE_S or self._survivors_wait_for_the_failed(now):
                 if not healer.begin(req):
                     self.interrupt_pending("failure")
                 return None
             else:
-                wake = min(wake, req.failed_at + FAILURE_GRACE_S)
+                wake = min(wake, req.failed_at + FAILURE_GRACE_S, self.next_look)
         if self.deadline is not None:
             if now >= self.deadline:
                 self.interrupt_pending("timeout")
                 return None
             wake = min(wake, self.deadline)
         return wake
+
+    def _survivors_wait_for_the_failed(self, now) -> bool:
+        """Whether the ranks still running wait in a collective that a rank which raised never
+        entered (torch's flight recorder says so): heal now, not after FAILURE_GRACE_S."""
+        req, rt = self.req, self.rt
+        if now < self.next_look or rt.coord is None or not self.healer.healable():
+            return False
+        self.next_look = now + 0.25
+        failed = {rt.rank_ids[s] for s in req.slots if s not in req.pending
+                  and req.results[s].error is not None and not req.results[s].error.died}
+        answers = rt.collectives(list(range(len(rt.rank_ids))), 0.5, SLICE_S)
+        picture = CollectivePicture({rt.rank_ids[s]: a for s, a in answers.items()})
+        running = {rt.rank_ids[s] for s in req.pending}
+        if running and running <= set(picture.waiting) and failed & set(picture.missing):
+            req.collectives = picture
+            return True
+        return False
 
     def _stop_waiting(self, now, wake) -> float:
         """stop_waiting_at: past it, TimeoutError with the request left running."""
@@ -221,6 +241,9 @@ class _Waiting:
         if not stuck:
             return stuck
         stacks = rt.stacks(sorted(stuck), 2.0, SLICE_S) if rt.coord is not None else {}
+        if rt.coord is not None:  # which collective each rank is in: what keeps the stuck ones
+            answers = rt.collectives(list(range(len(rt.rank_ids))), 2.0, SLICE_S)
+            req.collectives = CollectivePicture({rt.rank_ids[s]: a for s, a in answers.items()})
         grace = DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S
         for s in stuck:
             r = req.results[s]
@@ -239,18 +262,23 @@ class _Waiting:
 
 
 def _raise_if_interrupted(rt, req: Request, stuck: set, timeout):
-    """KeyboardInterrupt or TimeoutError when the user's Ctrl-C or the timeout interrupted it."""
+    """KeyboardInterrupt or TimeoutError when the user's Ctrl-C or the timeout interrupted it;
+    where ranks did not stop, the message leads with the collective each rank is in."""
+    picture = req.collectives.describe() if req.collectives is not None and req.collectives.known else ""
+    picture = "\n" + picture if picture else ""
     if req.why == "ctrl-c":
         still = f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy" if stuck else ""
-        err = KeyboardInterrupt(f"interrupted rank(s) {ranks_text(rt, req.slots)}{still}")
+        err = KeyboardInterrupt(f"interrupted rank(s) {ranks_text(rt, req.slots)}{still}{picture}")
+        err.collectives = req.collectives
         err.results = [req.results[s] for s in req.slots]  # stuck ranks' .stacks: where they were
         raise err
     if req.why == "timeout":
         err = TimeoutError(f"the request did not finish within {timeout:g} s, so rank(s) "
                            f"{ranks_text(rt, req.slots)} were interrupted"
                            + (f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy "
-                              f"(their stacks are in .results[i].stacks)" if stuck else
+                              f"(their stacks are in .results[i].stacks){picture}" if stuck else
                               f"; they stopped after {time.monotonic() - req.started:.1f} s"))
+        err.collectives = req.collectives
         err.results = [req.results[s] for s in req.slots]
         raise err
 
@@ -377,11 +405,12 @@ def _fill(result: RankResult, reply: dict):
                                    traceback=err.get("traceback") or [], exception=err.get("exception"))
 
 
-def raise_failures(results: list[RankResult], what: str, heal: HealReport | None = None):
-    """RemoteError for the failed ranks, root cause first (errors.root_cause_first)."""
+def raise_failures(results: list[RankResult], what: str, heal: HealReport | None = None, collectives=None):
+    """RemoteError for the failed ranks, root cause first (errors.root_cause_first); with the
+    collective picture when ranks did not stop."""
     failures = [r.error for r in results if r.error is not None]
     if failures:
-        raise RemoteError(root_cause_first(failures), results, what, heal)
+        raise RemoteError(root_cause_first(failures), results, what, heal, collectives)
 
 
 def positive_timeout(timeout, what="timeout"):
@@ -405,6 +434,7 @@ class Pending:
         # True: interrupt the other ranks when one fails; a caller that stops them itself (ranch) sets False
         self.on_failure = True
         self._heal: HealReport | None = None
+        self._collectives = None
 
     @property
     def done(self) -> bool:
@@ -437,6 +467,7 @@ class Pending:
             self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
                                     on_failure=self.on_failure)
             self._heal = self._req.heal.report if self._req.heal else None
+            self._collectives = self._req.collectives
             self._req = None  # nothing of the runtime is kept once collected
         return self._results
 
@@ -444,7 +475,7 @@ class Pending:
         """Waits for every rank; their return values in rank order, or RemoteError.
         timeout: stop waiting after that many seconds (TimeoutError); the request goes on."""
         results = self.results(on_output=on_output, timeout=timeout)
-        raise_failures(results, self._what, self._heal)
+        raise_failures(results, self._what, self._heal, self._collectives)
         return [r.value for r in results]
 
     def cancel(self):

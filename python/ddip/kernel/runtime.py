@@ -12,6 +12,7 @@ match); the others wait on the condition. Callbacks never run here: each request
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 
@@ -51,7 +52,7 @@ class Runtime:
         self.background = {s: collections.deque() for s in range(size)}  # idle ranks' output
         self.background_bytes = [0] * size
         self.background_dropped = [0] * size
-        self.stack_replies: dict[int, dict[int, str]] = {}  # seq -> slot -> text
+        self.answers: dict[int, dict[int, bytes]] = {}  # seq -> slot -> a stacks/collectives answer
         self.info: list[dict] = [{} for _ in range(size)]  # each rank's hello
 
     def wait_ready(self, timeout: float):
@@ -151,10 +152,10 @@ class Runtime:
                 del self.running[slot]
                 if self.state[slot] == "busy":
                     self.state[slot] = "idle"
-        elif kind == "stacks":
-            replies = self.stack_replies.get(ev.seq)
-            if replies is not None:
-                replies[slot] = ev.data.decode(errors="replace")
+        elif kind == "stacks" or kind == "collectives":
+            answers = self.answers.get(ev.seq)
+            if answers is not None:
+                answers[slot] = ev.data
         elif kind == "exited" or kind == "lost":
             f = self.death(slot, ev) if kind == "exited" else self.lost(slot, ev.data)
             self.unresponsive.pop(slot, None)
@@ -265,19 +266,51 @@ class Runtime:
     def stacks(self, slots, timeout, slice_s: float) -> dict[int, str]:
         """Each slot's Python stack, answered by its runtime thread; a text saying why not for a
         dead rank or one that did not answer within `timeout`."""
+        got = self.ask(_core.STACK_REQUEST, slots, timeout, slice_s)
+        out = {}
+        for s in slots:
+            if s in self.exits:
+                out[s] = f"(rank {self.rank_ids[s]} is dead: {self.exits[s].evalue})"
+            elif s in got:
+                out[s] = got[s].decode(errors="replace")
+            else:
+                out[s] = f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)"
+        return out
+
+    def collectives(self, slots, timeout, slice_s: float) -> dict[int, dict]:
+        """Each live slot's collectives as its flight recorder has them (rank/collectives.py's
+        snapshot), or {"off": why}: dead, not answering, no flight recorder there."""
+        got = self.ask(_core.COLLECTIVES_REQUEST, slots, timeout, slice_s)
+        out = {}
+        for s in slots:
+            if s in self.exits:
+                out[s] = {"off": f"dead: {self.exits[s].evalue}"}
+            elif s not in got:
+                out[s] = {"off": f"did not answer within {timeout:g} s (the runtime's Python thread "
+                                 f"is held: code that keeps the GIL in C)"}
+            else:
+                try:
+                    out[s] = json.loads(got[s]) if got[s] else {"off": "not a rank with torch.distributed"}
+                except ValueError:
+                    out[s] = {"off": "its answer could not be read"}
+        return out
+
+    def ask(self, request_kind: int, slots, timeout, slice_s: float) -> dict[int, bytes]:
+        """Sends `request_kind` to each live slot and waits up to `timeout` for their answers,
+        which their runtime thread gives even while their code runs; slot -> answer."""
         with self.mu:
             self.seq += 1
             seq = self.seq
-            self.stack_replies[seq] = {}
+            self.answers[seq] = {}
             coord = self.coord
         live = [s for s in slots if s not in self.exits]
         try:
             if live and coord is not None:
-                coord.send(live, _core.STACK_REQUEST, seq, b"")
+                coord.send(live, request_kind, seq, b"")
             deadline = time.monotonic() + timeout
             while True:
                 with self.mu:
-                    got = self.stack_replies.get(seq, {})
+                    got = self.answers.get(seq, {})
                     if all(s in got for s in live) or self.coord is None:
                         break
                 left = deadline - time.monotonic()
@@ -286,14 +319,8 @@ class Runtime:
                 self.pump(min(left, slice_s))
         finally:
             with self.mu:
-                got = self.stack_replies.pop(seq, {})
-        out = {}
-        for s in slots:
-            if s in self.exits:
-                out[s] = f"(rank {self.rank_ids[s]} is dead: {self.exits[s].evalue})"
-            else:
-                out[s] = got.get(s, f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)")
-        return out
+                got = self.answers.pop(seq, {})
+        return got
 
     def detach(self):
         """Marks every rank closed and tells the requests still running; returns the

@@ -3,6 +3,8 @@ runs every following cell that way."""
 
 from __future__ import annotations
 
+import sys
+
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -129,6 +131,8 @@ class CellMagics(Magics):
                 render.show_value(r.rank, r.execution_count, r.format)
         if error is not None:
             self.session.note_failure(error)
+            if error.collectives is not None and error.collectives.known:  # who the others waited for
+                print(error.collectives.describe(), file=sys.stderr, flush=True)
             if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
                 render.heal_note(error.heal)
             raise render.CellError(error.headline, render.failure_entries(error.failures)) from None

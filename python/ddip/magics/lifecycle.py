@@ -362,7 +362,8 @@ class DipMagics(Magics):
               help="how long to wait for the ranks to answer (3)")
     @line_magic
     def dipstack(self, line=""):
-        """Print every selected rank's Python stack (all threads) without stopping it."""
+        """Print which collective each rank is in (torch's flight recorder: who has not joined the
+        one the others wait in), then every selected rank's Python stack, without stopping it."""
         fn = self.dipstack
         args = parse(fn, line)
         group = self.session.running_group()

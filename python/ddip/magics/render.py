@@ -173,6 +173,10 @@ def status_table(rows, gpus: bool):
 
 
 def print_stacks(stacks: dict):
+    """%dipstack: which collective each rank is in (when torch.distributed runs), then the stacks."""
+    picture = getattr(stacks, "collectives", None)
+    if picture is not None and picture.known:
+        print(picture.describe())
     for rank, text in stacks.items():
         print(rank_label(rank))
         print(text.rstrip("\n"))

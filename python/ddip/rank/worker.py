@@ -34,6 +34,7 @@ from IPython.core.displaypub import DisplayPublisher  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
+from ddip.rank import collectives as _collectives  # noqa: E402
 from ddip.rank import debugger as _debugger  # noqa: E402
 from ddip.rank import heal as _heal  # noqa: E402
 from ddip.rank.displays import DisplayFrames, install_notebook_progress  # noqa: E402
@@ -370,6 +371,7 @@ def _connect(backend):
     os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
     faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
     _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
+    _collectives.serve(_endpoint, _core.COLLECTIVES)  # which collective it waits in, when asked
     if backend:  # only groups whose torch.distributed ddip set up are healed
         _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
         _endpoint.enable_abort(_heal.ABORT_SIGNAL)  # asked through the endpoint, which keeps the handler
