@@ -204,6 +204,24 @@ def test_ranch_with_this_machine_and_a_template_host():
     assert children_of(os.getpid()) <= before
 
 
+def place_env():
+    e = os.environ
+    return tuple(e.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                    "ROLE_RANK", "WORLD_SIZE", "DDIP_HOST"))
+
+
+def test_the_notebook_on_the_second_host_gets_its_place_there_from_the_plan():
+    # The notebook plays rank 1, the first rank of the second host: its environment is that
+    # host's (GROUP_RANK 1, LOCAL_RANK 0), as the children's are, and is put back afterwards.
+    saved = dict(os.environ)
+    res = ddip.ranch(3, place_env, caller_rank=1, hosts="here:1,localhost:2", launcher=HERE, bind="127.0.0.1")
+    assert res == [("0", "0", "1", "0", "2", "0", "3", "here"),
+                   ("1", "0", "2", "1", "2", "1", "3", "localhost"),
+                   ("2", "1", "2", "1", "2", "2", "3", "localhost")]
+    assert dict(os.environ) == saved
+    assert ddip.hosts.release() == 1
+
+
 def gloo_sum():
     import torch
     import torch.distributed as dist
