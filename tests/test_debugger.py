@@ -279,3 +279,54 @@ def test_a_breakpoint_that_cannot_prompt_is_skipped_with_a_note_and_pythonbreakp
     cell = kernel.run("%%dip\nimport os\nos.environ['PYTHONBREAKPOINT'] = '0'\ntry:\n    breakpoint()\n"
                       "finally:\n    del os.environ['PYTHONBREAKPOINT']\nprint('not stopped')")
     assert cell.ok and "not stopped" in cell.stream() and not cell.stream("stderr"), cell.outputs
+
+
+RANCH_BREAKPOINT = """import ddip
+def fn():
+    import os, torch, torch.distributed as dist
+    x = int(os.environ["RANK"]) * 10 + 1
+    if dist.get_rank() == 1:
+        breakpoint()
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t)  # the notebook's rank 0 waits here while rank 1 is at its prompt
+    return int(t.item())
+print("ranch", ddip.ranch(2, fn, ctx=ddip.TorchDDPCtx()))
+"""
+
+
+def test_a_ranch_childs_breakpoint_prompts_in_the_notebook_while_its_rank_0_waits(kernel):
+    cell = kernel.run_answering(RANCH_BREAKPOINT, script("p x", "c"), timeout=90)
+    assert cell.ok, (kernel.prompts, cell.outputs)
+    assert kernel.prompts == ["[rank 1] ipdb> "] * 2, kernel.prompts
+    out = strip_ansi(cell.stream())
+    assert "[rank 1] 11" in out.splitlines() and "ranch [12, 12]" in out, out
+
+
+def test_a_ranch_childs_breakpoint_in_a_script_whose_stdin_ended_goes_on(tmp_path):
+    path = tmp_path / "launch.py"
+    path.write_text(RANCH_BREAKPOINT)
+    p = subprocess.run([sys.executable, str(path)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=90)
+    assert p.returncode == 0, p.stderr
+    assert "ranch [12, 12]" in p.stdout  # no BdbQuit: the rank went on
+    assert ("ddip: [rank 1] stopped at a debugger prompt, but this process's stdin is at its end (not a "
+            "terminal); it continues") in p.stderr, p.stderr
+
+
+def test_a_breakpoint_on_a_rank_of_another_host_prompts_here(tmp_path):
+    # A "host" whose agent runs right here over loopback TCP (as in test_multihost_launch.py):
+    # the prompt and the answers travel the host's link like the rank's other frames.
+    path = tmp_path / "hosts.py"
+    path.write_text(
+        "import ddip\n"
+        "g = ddip.Group(hosts='localhost:1,here:1', launcher='exec {command} # {host}', bind='127.0.0.1',\n"
+        "               backend=None)\n"
+        "r = g.run(\"import os\\nx = int(os.environ['RANK']) * 10 + 1\\nif os.environ['RANK'] == '1':\\n\"\n"
+        "          \"    breakpoint()\\nx\")\n"
+        "print('values', [v.value for v in r])\n"
+        "g.close()\n"
+        "ddip.hosts.release()\n")
+    p = subprocess.run([sys.executable, str(path)], input="p x\nc\n", capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stderr
+    out = strip_ansi(p.stdout)
+    assert "[rank 1] ipdb> [rank 1] 11\n" in out and "values [1, 11]" in out, out

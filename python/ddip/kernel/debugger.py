@@ -68,6 +68,18 @@ def show(rank, output):
         sys.stdout.flush()
 
 
+def _a_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _cannot_ask(rank, why: str):
+    sys.stderr.write(f"ddip: {rank_label(rank)} stopped at a debugger prompt, but {why}; it continues "
+                     f"(PYTHONBREAKPOINT=0 in the rank's env= turns breakpoint() off)\n")
+
+
 def ask(rt, req, slot: int, prompt: dict) -> None:
     """Shows a rank's prompt and sends it the line typed. KeyboardInterrupt (Ctrl-C, the stop
     button) goes to the caller, whose interrupt frees the rank; once its request was
@@ -79,10 +91,13 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
         return
     try:
         line = input(f"{rank_label(rank)} {prompt.get('prompt') or '(Pdb) '}")
-    except EOFError:  # Ctrl-D in a terminal: pdb's own end of input
-        line = "EOF"
+    except EOFError:
+        # Ctrl-D in a terminal is pdb's own end of input; a script's stdin at its end (< /dev/null,
+        # a pipe that ran out) is nobody to ask: the rank goes on, as below, not into BdbQuit.
+        line = "EOF" if _a_terminal() else None
+        if line is None:
+            _cannot_ask(rank, "this process's stdin is at its end (not a terminal)")
     except (NotImplementedError, OSError):  # a frontend without input, or stdin captured
-        sys.stderr.write(f"ddip: {rank_label(rank)} stopped at a debugger prompt, but this frontend can't "
-                         f"take input (a Jupyter client needs allow_stdin); it continues\n")
+        _cannot_ask(rank, "this frontend can't take input (a Jupyter client needs allow_stdin)")
         line = None
     rt.answer(slot, req, {"line": line})
