@@ -330,3 +330,16 @@ def test_a_breakpoint_on_a_rank_of_another_host_prompts_here(tmp_path):
     assert p.returncode == 0, p.stderr
     out = strip_ansi(p.stdout)
     assert "[rank 1] ipdb> [rank 1] 11\n" in out and "values [1, 11]" in out, out
+
+
+def test_dip_ranks_runs_a_cell_on_the_chosen_ranks_only(kernel):
+    assert kernel.run("%%dip\nimport os\nmine = 'rank ' + os.environ['RANK']").ok
+    patched = kernel.run("%%dip --ranks 1  # patch one rank's state\nmine = mine + ' patched'\nmine")
+    assert patched.ok, patched.outputs
+    assert "Out[1:" in patched.plain[0] and "'rank 1 patched'" in patched.plain[0], patched.outputs
+    cell = kernel.run("%%dip --see all\nmine")
+    assert [p.split(": ", 1)[1] for p in cell.plain] == ["'rank 0'", "'rank 1 patched'"], cell.outputs
+    bad = kernel.run("%%dip --ranks 1 --see 0\nmine")
+    assert not bad.ok and "--see 0 names rank(s) 0, which --ranks 1 leaves out" in bad.stream("stderr") + str(
+        bad.outputs), bad.outputs
+    assert not kernel.run("%%dip --ranks 5\nmine").ok

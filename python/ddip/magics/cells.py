@@ -56,10 +56,11 @@ class CellMagics(Magics):
             self._run_local(cell)
             return
         group = self.session.running_group()
-        shown = self._shown(fn, args, group)
+        ranks = None if args.ranks is None else rank_list(fn, "--ranks", args.ranks, group.rank_ids)
+        shown = self._shown(fn, args, group, ranks)
         if where == "everywhere":
             self._run_local(cell)
-        self._run_remote(group, cell, shown, args.timeout)
+        self._run_remote(group, cell, shown, args.timeout, ranks)
 
     @staticmethod
     def _where(fn, args) -> str:
@@ -72,19 +73,25 @@ class CellMagics(Magics):
         return where
 
     @staticmethod
-    def _shown(fn, args, group) -> list[int]:
+    def _shown(fn, args, group, ranks=None) -> list[int]:
+        running = list(group.rank_ids) if ranks is None else ranks
         if args.quiet:
             if args.see not in (None, "none"):
                 raise usage_error(fn, f"-q shows no rank; it contradicts --see {args.see}")
             return []
         if args.see is None:
-            return [group.rank_ids[0]]
+            return [running[0]]
         see = unquote(args.see).lower()
         if see == "all":
-            return list(group.rank_ids)
+            return running
         if see == "none":
             return []
-        return rank_list(fn, "--see", args.see, group.rank_ids, "all, none or ranks like 0,2")
+        seen = rank_list(fn, "--see", args.see, group.rank_ids, "all, none or ranks like 0,2")
+        idle = [r for r in seen if r not in running]
+        if idle:
+            raise usage_error(fn, f"--see {args.see} names rank(s) {', '.join(map(str, idle))}, which --ranks "
+                                  f"{args.ranks} leaves out: they run nothing to show")
+        return seen
 
     def _run_local(self, cell: str):
         self.session.running_local = True
@@ -96,14 +103,14 @@ class CellMagics(Magics):
             # The notebook's own traceback has been shown; fail the cell without adding to it.
             raise render.CellError("the cell failed in the notebook; it did not run on the ranks")
 
-    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout):
+    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None):
         out = render.RankOutput(shown)
         error = None
         try:
             # Only the display form of the last value travels (values=False): the object stays in
             # the rank, so a CUDA tensor never starts CUDA here and nothing big is copied back.
             results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout,
-                                values=False)
+                                values=False, ranks=ranks)
         except RemoteError as exc:
             results, error = exc.results or [], exc
         except KeyboardInterrupt as exc:
