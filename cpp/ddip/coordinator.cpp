@@ -10,6 +10,7 @@
 #include <optional>
 #include <stdexcept>
 #include <unordered_set>
+#include <utility>
 
 namespace ddip {
 
@@ -66,17 +67,8 @@ Coordinator::Coordinator(CoordinatorOptions options)
     for (auto& h : options_.hosts)
       for (int slot : h.slots) slots_[static_cast<size_t>(slot)].remote = true;
   }
-  for (size_t i = 0; i < n; ++i) {
-    auto& w = options_.workers[i];
-    if (slots_[i].remote) continue;  // its host's agent gives it an address of its own
-    // getenv() finds the first of duplicates: ours must be the only ones (a group started inside
-    // a rank inherits that rank's).
-    std::erase_if(w.env, [](const std::string& kv) {
-      return kv.starts_with("DDIP_SOCKET=") || kv.starts_with("DDIP_KERNEL_PID=");
-    });
-    w.env.push_back("DDIP_SOCKET=" + socket_path_);
-    w.env.push_back("DDIP_KERNEL_PID=" + std::to_string(::getpid()));
-  }
+  for (size_t i = 0; i < n; ++i)
+    if (!slots_[i].remote) own_environment(options_.workers[i]);  // a remote host's agent: its own
   listener_ = std::make_unique<Listener>(socket_path_);
 
   std::promise<void> started;
@@ -111,23 +103,97 @@ Coordinator::~Coordinator() {
 void Coordinator::start_workers() {
   loop_.watch(listener_->fd(), EPOLLIN, [this](uint32_t) { on_accept(); });
   child_of_.assign(options_.workers.size(), -1);
-  for (size_t i = 0; i < options_.workers.size(); ++i) {
-    if (slots_[i].remote) {
-      pids_.push_back(-1);  // its pid is on another host (the hello says which)
-      continue;
-    }
-    std::optional<ForkedRank> forked;
-    if (options_.rank_template) forked = options_.rank_template->fork(options_.workers[i]);
-    size_t idx = forked ? supervisor_.adopt(forked->pid, std::move(forked->pidfd),
-                                            std::move(forked->out), std::move(forked->err))
-                        : supervisor_.spawn(options_.workers[i]);
-    Child& c = supervisor_.child(idx);
-    child_of_[i] = static_cast<int>(idx);
-    pids_.push_back(c.pid());
-    loop_.watch(c.pidfd(), EPOLLIN, [this, i](uint32_t) { on_exit(i); });
-    streams_->attach(i, std::move(c.stdout_pipe()), std::move(c.stderr_pipe()));
-  }
+  pids_.assign(options_.workers.size(), -1);  // -1: its pid is on another host (its hello says)
+  for (size_t i = 0; i < options_.workers.size(); ++i)
+    if (!slots_[i].remote) start_slot(i, options_.rank_template);
   if (links_) links_->start();
+}
+
+// getenv() finds the first of duplicates: ours must be the only ones (a group started inside a
+// rank inherits that rank's).
+void Coordinator::own_environment(SpawnSpec& w) const {
+  std::erase_if(w.env, [](const std::string& kv) {
+    return kv.starts_with("DDIP_SOCKET=") || kv.starts_with("DDIP_KERNEL_PID=");
+  });
+  w.env.push_back("DDIP_SOCKET=" + socket_path_);
+  w.env.push_back("DDIP_KERNEL_PID=" + std::to_string(::getpid()));
+}
+
+// On the IO thread: the worker of a local slot, forked from the template when it can, else
+// spawned; watched for its exit, its output read.
+void Coordinator::start_slot(size_t slot, RankTemplate* rank_template) {
+  std::optional<ForkedRank> forked;
+  if (rank_template) forked = rank_template->fork(options_.workers[slot]);
+  size_t idx = forked ? supervisor_.adopt(forked->pid, std::move(forked->pidfd),
+                                          std::move(forked->out), std::move(forked->err))
+                      : supervisor_.spawn(options_.workers[slot]);
+  Child& c = supervisor_.child(idx);
+  child_of_[slot] = static_cast<int>(idx);
+  {
+    std::lock_guard lock(mu_);
+    pids_[slot] = c.pid();
+  }
+  loop_.watch(c.pidfd(), EPOLLIN, [this, slot](uint32_t) { on_exit(slot); });
+  streams_->attach(slot, std::move(c.stdout_pipe()), std::move(c.stderr_pipe()));
+}
+
+pid_t Coordinator::respawn(int slot, std::optional<SpawnSpec> spec, RankTemplate* rank_template) {
+  if (slot < 0 || static_cast<size_t>(slot) >= slots_.size())
+    throw std::out_of_range("no worker slot " + std::to_string(slot));
+  if (slots_[slot].remote)
+    throw std::logic_error("worker slot " + std::to_string(slot) +
+                           " runs on another host: starting it again there is not supported yet");
+  if (spec) own_environment(*spec);
+  auto started = std::make_shared<std::promise<pid_t>>();
+  auto pid = started->get_future();
+  try {
+    loop_.post([this, slot, spec = std::move(spec), rank_template, started]() mutable {
+      try {
+        started->set_value(start_again(static_cast<size_t>(slot), std::move(spec), rank_template));
+      } catch (...) {
+        started->set_exception(std::current_exception());
+      }
+    });
+  } catch (const std::runtime_error&) {
+    throw std::logic_error("the group's runtime has stopped: worker slot " + std::to_string(slot) +
+                           " can't be started again");
+  }
+  try {
+    return pid.get();
+  } catch (const std::future_error&) {  // the loop closed before it ran the command
+    throw std::logic_error("the group's runtime stopped before worker slot " +
+                           std::to_string(slot) + " could be started again");
+  }
+}
+
+// On the IO thread: respawn()'s work. Nothing changes unless the new worker started.
+pid_t Coordinator::start_again(size_t slot, std::optional<SpawnSpec> spec,
+                               RankTemplate* rank_template) {
+  Slot& s = slots_[slot];
+  std::string which = "worker slot " + std::to_string(slot);
+  if (stop_ != Stop::kRunning)
+    throw std::logic_error("the group is closing: " + which + " can't be started again");
+  if (!s.exited)
+    throw std::logic_error(which + " (pid " + std::to_string(pids_[slot]) + ") " +
+                           (s.exit_pending ? "exited but has not been reaped yet"
+                                           : "is still running") +
+                           ": only a worker that exited can be started again");
+  std::optional<SpawnSpec> before;
+  if (spec) before = std::exchange(options_.workers[slot], std::move(*spec));
+  try {
+    start_slot(slot, rank_template);
+  } catch (...) {
+    if (before) options_.workers[slot] = std::move(*before);
+    throw;
+  }
+  drop_connection(slot);  // the exited worker's, if its end has not been read yet
+  s = Slot{};  // no hello, no heartbeat owed, nothing waiting, no segments: a new worker's slot
+  {
+    std::lock_guard lock(mu_);
+    last_ack_[slot] = Clock::now();
+  }
+  std::lock_guard lock(mu_);
+  return pids_[slot];
 }
 
 // ---- What callers on other threads ask ------------------------------------------------------
@@ -214,6 +280,11 @@ bool Coordinator::connected(int slot) const {
 }
 
 bool Coordinator::running() const { return !events_.closed(); }
+
+std::vector<pid_t> Coordinator::pids() const {
+  std::lock_guard lock(mu_);
+  return pids_;
+}
 
 void Coordinator::begin_close(milliseconds grace) {
   try {

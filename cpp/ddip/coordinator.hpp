@@ -80,7 +80,8 @@ class Coordinator {
   ~Coordinator();
 
   size_t size() const { return pids_.size(); }
-  const std::vector<pid_t>& pids() const { return pids_; }
+  // Each slot's worker pid (-1: on another host); a respawned slot has its new worker's.
+  std::vector<pid_t> pids() const;
   const std::string& socket_path() const { return socket_path_; }
   // "address:port" where remote hosts connect; empty without remote hosts.
   std::string link_address() const;
@@ -107,6 +108,19 @@ class Coordinator {
   // Bytes of the worker's output dropped since the unread queue was last under the cap.
   size_t dropped_output(int slot) const;
   bool running() const;
+
+  // Starts the worker of `slot` again after it exited (a heal that replaces a dead rank). The
+  // slot is reset (connection, hello, heartbeats, frames waiting, shared-memory segments held)
+  // and its worker started from `spec` (default: the spec it was first started with; its
+  // DDIP_SOCKET and DDIP_KERNEL_PID are ours either way), forked from `rank_template` when one
+  // is given and it can (not owned; used only inside this call), else spawned cold. Returns the
+  // new pid; the new worker connects and says hello as any worker does, and the exited one's
+  // pid never attaches to the slot. Throws std::out_of_range for no such slot;
+  // std::logic_error for a worker still running (or exited and not reaped yet), one on another
+  // host, or a group that is closing; std::system_error when it can't be started (the slot
+  // then stays exited, as it was).
+  pid_t respawn(int slot, std::optional<SpawnSpec> spec = std::nullopt,
+                RankTemplate* rank_template = nullptr);
 
   // Asks workers to shut down, waits up to `grace` for them to exit, then SIGTERM, `grace`
   // again, SIGKILL and up to `kill_wait`; output keeps being read all along. Returns the pids of
@@ -151,6 +165,9 @@ class Coordinator {
   std::thread thread_;
 
   void start_workers();
+  void own_environment(SpawnSpec& w) const;
+  void start_slot(size_t slot, RankTemplate* rank_template);
+  pid_t start_again(size_t slot, std::optional<SpawnSpec> spec, RankTemplate* rank_template);
   void loop();
   void fail(const std::string& why) noexcept;
   void finish() noexcept;

@@ -20,6 +20,14 @@ RankStreams::~RankStreams() {
 
 void RankStreams::attach(size_t slot, Fd out, Fd err) {
   Stream& s = streams_.at(slot);
+  // A slot whose worker is started again (Coordinator::respawn): what the exited one left open
+  // (a child of its own still holding a pipe) is let go, and its last lines are not the new one's.
+  for (Fd* fd : {&s.out, &s.err})
+    if (*fd) {
+      loop_.unwatch(fd->get());
+      fd->reset();
+    }
+  s.output = RankOutput();
   s.out = std::move(out);
   s.err = std::move(err);
   if (s.out)

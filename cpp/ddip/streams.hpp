@@ -29,7 +29,8 @@ class RankStreams {
   RankStreams& operator=(const RankStreams&) = delete;
   ~RankStreams();
 
-  // A local rank's pipes (non-blocking read ends): read whenever they are readable.
+  // A local rank's pipes (non-blocking read ends): read whenever they are readable. Again for a
+  // slot whose worker was started again: the old pipes and output state are dropped.
   void attach(size_t slot, Fd out, Fd err);
   // Text a rank on another host printed (it arrives in order with its frames).
   void output(size_t slot, int stream, std::string text);

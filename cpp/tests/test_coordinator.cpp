@@ -156,6 +156,37 @@ pid_t hold_with_tracer(pid_t pid) {
   return tracer;
 }
 
+// Forks a process that gets pid `dead` back (pid reuse, forced through ns_last_pid) and connects
+// to the coordinator's socket as a worker would. Whether it was attached (it got a heartbeat);
+// nullopt when no fork got that pid.
+std::optional<bool> impostor_attached(std::ofstream& last_pid, const std::string& path, pid_t dead) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    last_pid << dead - 1 << std::flush;
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      if (::getpid() != dead) ::_exit(2);
+      std::optional<Channel> ch;
+      try {
+        ch.emplace(connect_unix(path));
+      } catch (...) {
+        ::_exit(3);
+      }
+      try {
+        ch->send(Frame::make(kHello, 0, 0, "impostor"));
+        // Dropped at once: EOF (or a reset). Attached: the first heartbeat (20 ms) comes.
+        ::_exit(ch->recv() ? 1 : 0);
+      } catch (...) {
+        ::_exit(0);  // reset by the coordinator: dropped
+      }
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (WEXITSTATUS(status) == 2) continue;  // another process took the pid first: again
+    return WEXITSTATUS(status) != 0;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 TEST(Coordinator, WorkersConnectAndSayHello) {
@@ -473,35 +504,101 @@ TEST(Coordinator, AnExitedWorkersPidCannotAttachLater) {
   pid_t dead = c.pids()[0];
   c.send(0, Frame::make(kRequest, 0, 1, "exit:0"));
   wait_for(c, Event::kExited, 0);
-  // Another process gets the dead worker's pid (pid reuse, forced) and connects.
-  std::string path = c.socket_path();
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    last_pid << dead - 1 << std::flush;
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      if (::getpid() != dead) ::_exit(2);
-      std::optional<Channel> ch;
-      try {
-        ch.emplace(connect_unix(path));
-      } catch (...) {
-        ::_exit(3);
-      }
-      try {
-        ch->send(Frame::make(kHello, 0, 0, "impostor"));
-        // Dropped at once: EOF (or a reset). Attached: the first heartbeat (20 ms) comes.
-        ::_exit(ch->recv() ? 1 : 0);
-      } catch (...) {
-        ::_exit(0);  // reset by the coordinator: dropped
-      }
-    }
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    if (WEXITSTATUS(status) == 2) continue;  // another process took the pid first: again
-    EXPECT_EQ(WEXITSTATUS(status), 0) << "the impostor was attached";
-    EXPECT_FALSE(c.connected(0));
-    return;
+  auto attached = impostor_attached(last_pid, c.socket_path(), dead);
+  if (!attached) GTEST_SKIP() << "could not get the pid back";
+  EXPECT_FALSE(*attached) << "the impostor was attached";
+  EXPECT_FALSE(c.connected(0));
+}
+
+// A hello from `slot`: the new worker's, once it is started again.
+static Event hello_of(Coordinator& c, int slot) {
+  while (true) {
+    Event e = next(c);
+    if (e.kind == Event::kFrame && e.frame.kind == kHello && e.slot == slot) return e;
   }
-  GTEST_SKIP() << "could not get the pid back";
+}
+
+TEST(Coordinator, AKilledWorkerStartedAgainInItsSlotSaysHelloAndAnswers) {
+  Coordinator c(options(2));
+  pid_t old = c.pids()[1];
+  request(c, 1, 1, "echo:0");  // "to stderr": the killed worker's last line
+  c.signal(1, SIGKILL);
+  wait_for(c, Event::kExited, 1);
+  pid_t fresh = c.respawn(1);
+  EXPECT_NE(fresh, old);
+  EXPECT_EQ(c.pids()[1], fresh);
+  EXPECT_EQ(hello_of(c, 1).frame.data(), "pid=" + std::to_string(fresh));
+  // It answers, from the slot's spec as before: the same rank's environment.
+  EXPECT_EQ(request(c, 1, 8, "env:DDIP_TEST_RANK").frame.data(), "1");
+  EXPECT_EQ(request(c, 0, 9, "echo:0").frame.data(), "echoed");  // the other one untouched
+  // It dies in turn: reported with its own last lines, not the killed worker's.
+  c.send(1, Frame::make(kRequest, 1, 10, "exit:4"));
+  Event gone = wait_for(c, Event::kExited, 1);
+  EXPECT_EQ(gone.status.code, 4);
+  EXPECT_EQ(gone.text, "about to exit");
+}
+
+TEST(Coordinator, AWorkerStartedAgainFromANewSpecGetsItsEnvironment) {
+  Coordinator c(options(1));
+  c.send(0, Frame::make(kRequest, 0, 1, "exit:0"));
+  wait_for(c, Event::kExited, 0);
+  SpawnSpec spec{{self_exe()},
+                 {"DDIP_TEST_WORKER=1", "DDIP_TEST_RANK=0", "NEW_PORT=4242", "DDIP_SOCKET=/nowhere"},
+                 "",
+                 true};
+  c.respawn(0, spec);
+  hello_of(c, 0);
+  EXPECT_EQ(request(c, 0, 2, "env:NEW_PORT").frame.data(), "4242");
+  EXPECT_EQ(request(c, 0, 3, "env:DDIP_SOCKET").frame.data(), c.socket_path());
+}
+
+TEST(Coordinator, StartingALiveWorkerAgainIsRefusedAndChangesNothing) {
+  Coordinator c(options(2));
+  hello_of(c, 0);
+  pid_t pid = c.pids()[0];
+  try {
+    c.respawn(0);
+    FAIL() << "a live worker was started again";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("worker slot 0 (pid " + std::to_string(pid) +
+                                         ") is still running"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(c.respawn(2), std::out_of_range);
+  EXPECT_THROW(c.respawn(-1), std::out_of_range);
+  EXPECT_EQ(c.pids()[0], pid);
+  EXPECT_EQ(request(c, 0, 1, "echo:0").frame.data(), "echoed");
+}
+
+TEST(Coordinator, AWorkerThatCannotBeStartedAgainLeavesItsSlotExited) {
+  Coordinator c(options(1));
+  pid_t old = c.pids()[0];
+  c.send(0, Frame::make(kRequest, 0, 1, "exit:0"));
+  wait_for(c, Event::kExited, 0);
+  SpawnSpec bad{{"/nonexistent/ddip-worker"}, {}, "", true};
+  EXPECT_THROW(c.respawn(0, bad), std::system_error);
+  EXPECT_EQ(c.pids()[0], old);
+  // The first spec is still the slot's: started from it, it works.
+  c.respawn(0);
+  hello_of(c, 0);
+  EXPECT_EQ(request(c, 0, 2, "echo:0").frame.data(), "echoed");
+}
+
+TEST(Coordinator, AnExitedWorkersPidNeverAttachesToItsRespawnedSlot) {
+  std::ofstream last_pid("/proc/sys/kernel/ns_last_pid");
+  if (!last_pid) GTEST_SKIP() << "needs write access to /proc/sys/kernel/ns_last_pid";
+  Coordinator c(options(1));
+  pid_t dead = c.pids()[0];
+  c.send(0, Frame::make(kRequest, 0, 1, "exit:0"));
+  wait_for(c, Event::kExited, 0);
+  pid_t fresh = c.respawn(0);
+  hello_of(c, 0);
+  auto attached = impostor_attached(last_pid, c.socket_path(), dead);
+  if (!attached) GTEST_SKIP() << "could not get the pid back";
+  EXPECT_FALSE(*attached) << "the exited worker's pid was attached to the new slot";
+  EXPECT_EQ(c.pids()[0], fresh);
+  EXPECT_EQ(request(c, 0, 2, "echo:0").frame.data(), "echoed");  // the new worker keeps it
 }
 
 TEST(Coordinator, IdlePoolSegmentsAreFreedWhileTheGroupLives) {

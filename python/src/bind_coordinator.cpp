@@ -229,7 +229,8 @@ void init_coordinator(nb::module_& m) {
           "template (0 no, 1 when ready, 2 waiting for it).")
       .def_prop_ro("pids",
                    [](const ddip::Coordinator& c) {
-                     return std::vector<int>(c.pids().begin(), c.pids().end());
+                     auto pids = c.pids();
+                     return std::vector<int>(pids.begin(), pids.end());
                    })
       .def_prop_ro("socket_path", &ddip::Coordinator::socket_path)
       .def_prop_ro("link_address", &ddip::Coordinator::link_address)
@@ -315,6 +316,25 @@ void init_coordinator(nb::module_& m) {
           "inbox"_a, "timeout_ms"_a,
           "Appends to inbox every Event queued now or, when none is, those that arrive within "
           "timeout_ms; returns how many.")
+      .def(
+          "respawn",
+          [](ddip::Coordinator& c, int slot, std::optional<WorkerSpec> spec,
+             ddip::RankTemplate* rank_template) {
+            std::optional<ddip::SpawnSpec> s;
+            if (spec) {
+              s.emplace();
+              std::tie(s->argv, s->env, s->cwd) = *spec;
+            }
+            nb::gil_scoped_release release;
+            return static_cast<int>(c.respawn(slot, std::move(s), rank_template));
+          },
+          "slot"_a, nb::arg("spec").none() = nb::none(),
+          nb::arg("rank_template").none() = nb::none(),
+          "Starts the worker of `slot` again after it exited (its state reset: connection, hello, "
+          "heartbeats, segments), from `spec` (argv, env, cwd; None: its first spec), forked from "
+          "rank_template when given and it can, else cold; returns the new pid. IndexError for no "
+          "such slot; RuntimeError for a worker still running, one on another host or a closing "
+          "group; OSError when it can't be started.")
       .def("heartbeat_age_ms", &ddip::Coordinator::heartbeat_age_ms, "slot"_a)
       .def("connected", &ddip::Coordinator::connected, "slot"_a)
       .def(
