@@ -105,6 +105,13 @@ def test_user_guide_runs_and_shows_every_feature():
     assert "idle" in _text(_cell(nb, "%dipstatus"))
     stacks = _text(_cell(nb, "%dipstack -r 0"))  # the rank's background thread, where it waits
     assert "[rank 0]" in stacks and "[rank 1]" not in stacks and "in load_batches" in stacks
+    assert _text(_cell(nb, "%%dip --ranks 1")) == "only rank 1 ran this\n"
+    debug = strip_ansi(_text(_cell(nb, "%dipdebug")))  # pdb in rank 1 on its frame; headless: nobody answers
+    assert "[rank 1] > " in debug and "load_shard()" in debug and "this frontend can't take input" in debug
+    hang = _text(_cell(nb, "%%dip --timeout 2"))
+    assert "=> ranks 1, 2 have not entered all_reduce #2 (float32[1024]), which rank 0 has waited in" in hang
+    assert hang.index("=> ranks 1, 2") < hang.index("[rank 0] did not stop; where it was:")
+    assert "healed in" in _text(_cell(nb, "%makedip --heal"))
     script = _text(_cell(nb, "%%diprun -n 2"))
     assert "[0] rank 0 of 2: 3.0" in script and "[1] rank 1 of 2: 3.0" in script
     assert "invalid choice: 'mpi'" in _text(_cell(nb, "%makedip -n 3 --backend mpi"))

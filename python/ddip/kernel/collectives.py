@@ -72,13 +72,17 @@ class CollectivePicture:
                 differ.append(r)
         who = _ranks(waiters)
         where = "" if pg in ("default_pg", "0", "") else f" of {group_name(pg)}"
+        by_last: dict[str, list[int]] = {}  # ranks that stopped at the same collective: one line
         for r in absent:
             last = self._last(r, pg)
+            by_last.setdefault(f"{last['op']} #{last['seq']}" if last else "", []).append(r)
+        for last, ranks in by_last.items():
+            one = len(ranks) == 1
             self.findings.append(
-                f"rank {r} has not entered {_call(ref)}{where}, which {who} "
+                f"{_ranks(ranks)} {'has' if one else 'have'} not entered {_call(ref)}{where}, which {who} "
                 f"{'has' if len(waiters) == 1 else 'have'} waited in for {longest:.1f} s"
-                + (f"; its last collective was {last['op']} #{last['seq']}" if last else
-                   "; it has run no collective in this group"))
+                + (f"; {'its' if one else 'their'} last collective was {last}" if last else
+                   f"; {'it has' if one else 'they have'} run no collective in this group"))
         if differ:
             self.mismatched.update(differ + waiters)
             calls = "; ".join(f"rank {r}: {self._describe_seq(r, pg, k)}" for r in sorted(set(differ + waiters)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
 import time
 
@@ -272,7 +273,7 @@ class Runtime:
             if s in self.exits:
                 out[s] = f"(rank {self.rank_ids[s]} is dead: {self.exits[s].evalue})"
             elif s in got:
-                out[s] = got[s].decode(errors="replace")
+                out[s] = without_own_threads(got[s].decode(errors="replace"))
             else:
                 out[s] = f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)"
         return out
@@ -335,3 +336,28 @@ class Runtime:
                 self.running = {}
                 self.cv.notify_all()
         return coord
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_THREADING = os.sep + "threading.py"
+
+
+def without_own_threads(dump: str) -> str:
+    """A rank's stack dump without the threads ddip itself runs in it (its runtime's helpers:
+    collectives, heal's abort, displays), which only stand between the user and their own; a
+    line says how many were left out. The thread that runs the user's code always stays."""
+    blocks = dump.split("\n\n")
+    kept, hidden = [], 0
+    for block in blocks:
+        files = [line.strip().split('"')[1] for line in block.splitlines()
+                 if line.strip().startswith('File "') and line.count('"') >= 2]
+        own = (block.startswith("Thread ") and files and any(f.startswith(_PACKAGE) for f in files)
+               and all(f.startswith(_PACKAGE) or f.endswith(_THREADING) for f in files))
+        if own:
+            hidden += 1
+        else:
+            kept.append(block)
+    text = "\n\n".join(kept)
+    if hidden:
+        text = text.rstrip("\n") + f"\n({hidden} of ddip's own threads not shown)\n"
+    return text
