@@ -117,6 +117,10 @@ class HealReport:
     released: list[int] = field(default_factory=list)  # ranks freed from the broken collective
     port: int | None = None  # MASTER_PORT of the rebuilt group
     reason: str = ""  # why it could not heal
+    replaced: dict[int, int] = field(default_factory=dict)  # dead rank -> the pid of the new process in its slot
+    copied_from: int | None = None  # the survivor whose namespace the new ranks got a copy of
+    copied: list[str] = field(default_factory=list)  # the variables copied into them
+    skipped: dict[str, str] = field(default_factory=dict)  # variables not copied -> why
 
     def describe(self, way_out: str = "%makedip -r (g.restart()) starts fresh ranks") -> str:
         if not self.ok:
@@ -126,11 +130,40 @@ class HealReport:
             what = (f" rank{'s' if len(self.failed) > 1 else ''} {', '.join(map(str, self.failed))} raised "
                     f"while rank{'s' if len(self.released) > 1 else ''} {', '.join(map(str, self.released))} "
                     f"waited in a collective;")
-        return (f"ddip healed the group in {self.seconds:.2f} s:{what} torch.distributed's default group "
-                f"was rebuilt on all {self.world_size} ranks (same ranks and world size, MASTER_PORT "
-                f"{self.port}), and every rank kept its variables. Make again what held the old group: "
+        kept = "every rank kept its variables" if not self.replaced else "every surviving rank kept its variables"
+        return (f"ddip healed the group in {self.seconds:.2f} s:{what}{self.replacement()} torch.distributed's "
+                f"default group was rebuilt on all {self.world_size} ranks (same ranks and world size, "
+                f"MASTER_PORT {self.port}), and {kept}. Make again what held the old group: "
                 f"wrap the model in DistributedDataParallel / fully_shard again, and re-create subgroups "
-                f"and optimizers built on them (ZeroRedundancyOptimizer); then run the step again.")
+                f"and optimizers built on them (ZeroRedundancyOptimizer); then run the step again."
+                + self.redo())
+
+    def replacement(self) -> str:
+        """What replacing dead ranks did: who, and what the new ranks have ("" when none was)."""
+        if not self.replaced:
+            return ""
+        who = "; ".join(f"rank {r} is a new process (pid {pid})" for r, pid in sorted(self.replaced.items()))
+        if self.copied_from is None:
+            has = "with an empty namespace"
+        else:
+            has = (f"with a copy of rank {self.copied_from}'s variables"
+                   + (f" ({', '.join(self.copied)})" if self.copied else " (none could be copied)"))
+            if self.skipped:
+                by_why: dict[str, list[str]] = {}
+                for name, why in sorted(self.skipped.items()):
+                    by_why.setdefault(why, []).append(name)
+                has += "; not copied: " + "; ".join(f"{', '.join(n)} ({why})" for why, n in by_why.items())
+        return f" dead rank(s) replaced: {who}, in the same slot (rank, GPU, environment), {has};"
+
+    def redo(self) -> str:
+        """What the user must do on the new ranks ("" when none was replaced)."""
+        if not self.replaced:
+            return ""
+        ranks = ", ".join(map(str, sorted(self.replaced)))
+        first = ("run your set-up cell again on it (%%dip -r " + ranks + "), or heal with copy_from"
+                 if self.copied_from is None else "import the modules it uses again")
+        return (f" On rank(s) {ranks}: {first}; wrap the model in DDP again there too; a "
+                f"DistributedSampler made before keeps its rank: make it again (or set_epoch as before).")
 
 
 class HealError(RuntimeError):

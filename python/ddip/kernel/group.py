@@ -199,6 +199,7 @@ class Group:
         self.last_error = None  # fresh ranks have raised nothing yet
         rt = Runtime(coord, self.rank_ids, None if layout is None else
                      [layout.host(s).name if layout.remote(s) else None for s in range(size)])
+        rt.specs, rt.template = specs, tmpl
         try:
             rt.wait_ready(self.timeout)
         except BaseException:
@@ -439,13 +440,24 @@ class Group:
         answers = rt.collectives(slots, timeout, _SLICE_S)
         return CollectivePicture({self.rank_ids[s]: a for s, a in answers.items()})
 
-    def heal(self) -> HealReport:
+    def heal(self, copy_from: int | None = None, names: Sequence[str] | None = None) -> HealReport:
         """Rebuilds torch.distributed's default group on every rank, with the same ranks and world
         size (a fresh store and port), keeping every rank's namespace. Ranks still stuck in a
         collective broken by an earlier failure are released first (their peers' process groups
-        are torn down). A dead rank still needs restart(). Raises HealError when it can't."""
+        are torn down). A dead rank is replaced: a new process in its slot (same rank, GPU and
+        environment, forked from the warm rank template when the group's ranks were), with an
+        empty namespace, joins the rebuilt group. copy_from=R then copies survivor R's variables
+        into it (every one that pickles, or `names`); the report says which were skipped.
+        Raises HealError when it can't (refused before anything changed: bad input, a dead
+        rank on another host, a group without torch.distributed)."""
         self._check_open()
-        return self.healer().heal()
+        return self.healer().heal(copy_from, names)
+
+    def _respawn(self, slot: int, port: int) -> int:
+        """Heal's replacement of dead rank `slot`: a new process there, its MASTER_PORT `port`."""
+        rt = self._check_open()
+        return rt.respawn(slot, {"MASTER_PORT": str(port)}, lambda spec: _template.choose(
+            [spec], self._warm, self.timeout, wait=True))
 
     def debug(self, rank: int | None = None):
         """pdb, post-mortem, in `rank` on the last exception its code raised (by default the

@@ -1,20 +1,30 @@
 """Heal, kernel side: when a group's torch.distributed is healed, releasing the ranks a failure
 left waiting in a collective, and rebuilding the default group on every rank (`Group.heal()`, or
-by itself after a rank raised while its peers waited for it). The rank side is ddip/rank/heal.py."""
+by itself after a rank raised while its peers waited for it). Group.heal() also replaces a dead
+rank on this machine: a new process in its slot (Coordinator.respawn) that joins the rebuilt group
+as it starts, optionally with a copy of a survivor's variables (copy_from). The rank side is
+ddip/rank/heal.py."""
 
 from __future__ import annotations
 
 import signal
 import time
 
+from .. import _core
 from ..rank import heal as _heal
 from . import request as _request
 from ..errors import GroupClosedError, HealError, HealReport, RankDeadError, RankError
+from ..messages import RemoteValue
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
 # collective by themselves (gloo: at once) before they are interrupted too.
 HEAL_RELEASE_S = 1.0
 WHAT = "ddip heal"  # the `what` of a heal's own requests (never healed themselves)
+
+
+def _free_port(group) -> int:
+    """A free port where the group's rank 0 runs (this machine: only local ranks are replaced)."""
+    return _core.plan.free_port(group._master_addr)
 
 
 class Healing:
@@ -58,19 +68,76 @@ class Healer:
             return False
         return True
 
-    def heal(self) -> HealReport:
-        """Group.heal(): releases ranks still stuck in a broken collective, then rebuilds."""
+    def heal(self, copy_from=None, names=None) -> HealReport:
+        """Group.heal(): releases ranks still stuck in a broken collective, replaces dead ranks
+        (a new process in each one's slot), then rebuilds; copy_from: a survivor whose variables
+        the new ranks get a copy of (every one that pickles, or `names`)."""
+        group = self.group
+        self.check_healable()
+        dead = self.check_replacing(copy_from, names)
+        source_idle = copy_from is not None and group.slot_of(copy_from) not in group.runtime.running
+        # What to copy, asked before anything changes when the source can answer (names= it lacks
+        # are refused then); a source stuck in a collective is asked once it is released.
+        plan = self.what_to_copy(copy_from, names) if source_idle else None
+        started = time.monotonic()
+        h = self.release_all(started)
+        port, pids = self.rebuild(h.teardowns, dead)
+        report = HealReport(True, 0.0, group.world_size, released=h.stuck, port=port,
+                            replaced={group.rank_ids[s]: pid for s, pid in pids.items()})
+        if copy_from is not None:
+            keep, skipped = plan or self.what_to_copy(copy_from, names, "the group was healed, but nothing was copied")
+            self.copy_namespace(report, copy_from, keep, skipped, [group.rank_ids[s] for s in dead])
+        report.seconds = time.monotonic() - started
+        return report
+
+    def what_to_copy(self, copy_from: int, names, then: str = "nothing was changed") -> tuple[list[str], dict[str, str]]:
+        """(the variables of `copy_from` that can be copied, the others -> why not); NameError for
+        names= it does not have."""
+        keep, skipped = self._internal_call([copy_from], _heal.copyable, names)[0]
+        missing = [n for n, why in skipped.items() if why == "missing"]
+        if missing:
+            raise NameError(f"names={missing}: not defined on rank {copy_from}; {then}")
+        return keep, skipped
+
+    def check_replacing(self, copy_from, names) -> list[int]:
+        """The dead slots a heal replaces; raises, changing nothing, for bad copy_from / names or
+        a dead rank this heal can't replace (one on another host)."""
         group = self.group
         rt = group.runtime
-        self.check_healable()
         with rt.mu:
-            dead = [rt.exits[s] for s in range(len(group.rank_ids)) if s in rt.exits]
-        if dead:  # heal rebuilds among living ranks only
-            cause = RankDeadError(dead)
-            reason = "; ".join(f"rank {f.rank} is dead ({f.evalue})" for f in cause.failures)
-            raise HealError(HealReport(False, 0.0, group.world_size, reason=reason)) from cause
-        started = time.monotonic()
-        slots = list(range(len(group.rank_ids)))
+            dead = [s for s in range(len(group.rank_ids)) if s in rt.exits]
+            failures = [rt.exits[s] for s in dead]
+        if names is not None:
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+                    isinstance(n, str) and n.isidentifier() for n in names) or not names:
+                raise TypeError(f"names must be a non-empty list of variable names, got {names!r}")
+            if copy_from is None:
+                raise ValueError("names= says what copy_from copies: give copy_from=RANK too")
+        if copy_from is not None:
+            if isinstance(copy_from, bool) or not isinstance(copy_from, int):
+                raise TypeError(f"copy_from must be a rank number, got {copy_from!r}")
+            source = group.slot_of(copy_from)  # ValueError naming the group's ranks
+            living = [group.rank_ids[s] for s in range(len(group.rank_ids)) if s not in dead]
+            if source in dead:
+                raise ValueError(f"copy_from={copy_from}: rank {copy_from} is dead itself; copy from a "
+                                 f"living rank ({', '.join(map(str, living))})")
+            if not dead:
+                raise ValueError(f"copy_from={copy_from}: no rank is dead, so there is no new rank to "
+                                 f"copy into (copy_from goes with a heal that replaces a dead rank)")
+        remote = [f for s, f in zip(dead, failures) if rt.hosts[s] is not None]
+        if remote:
+            where = "; ".join(f"rank {f.rank} on host {rt.hosts[group.slot_of(f.rank)]} ({f.evalue})" for f in remote)
+            raise HealError(HealReport(False, 0.0, group.world_size, reason=(
+                f"{where} is dead, and replacing a dead rank on another host is not supported yet "
+                f"(ranks on this machine are)"))) from RankDeadError(remote)
+        return dead
+
+    def release_all(self, started: float) -> Healing:
+        """Every live rank lets go of its process groups; one still running what a failure broke
+        is aborted, then interrupted. HealError when one does not return."""
+        group = self.group
+        rt = group.runtime
+        slots = [s for s in range(len(group.rank_ids)) if s not in rt.exits]
         h = Healing([])
         h.stuck = [group.rank_ids[s] for s in slots if s in rt.running]
         rt.abort_collectives([s for s in slots if s in rt.running])  # stuck, maybe: freed from their side
@@ -79,7 +146,7 @@ class Healer:
             self.release_idle(h, slots)  # freeing whoever waits on them, as they become idle
             busy = [s for s in slots if s in rt.running]
             if not busy:
-                break
+                return h
             now = time.monotonic()
             if interrupted is None and now >= started + HEAL_RELEASE_S:
                 interrupted = now
@@ -91,8 +158,6 @@ class Healer:
                     f"code that does not return to Python (C code, a subprocess; %dipstack shows where)"))
                 raise HealError(report)
             rt.pump(_request.SLICE_S)
-        port = self.rebuild(h.teardowns)
-        return HealReport(True, time.monotonic() - started, group.world_size, released=h.stuck, port=port)
 
     def begin(self, req) -> bool:
         """A rank of `req` raised and others still run it after FAILURE_GRACE_S: in DDP code,
@@ -143,12 +208,12 @@ class Healer:
                       (" (NCCL waits on the GPU)" if group.backend == "nccl" else "") +
                       ", or in code that does not return to Python (C code, a subprocess; %dipstack shows where)")
         elif req.died_at is not None:
-            reason = "a rank died"
+            reason = "a rank died (g.heal() / %makedip --heal replaces it, keeping the other ranks' variables)"
         elif req.why == "ctrl-c":
             reason = interrupted
         else:
             try:
-                port = self.rebuild(h.teardowns)
+                port, _ = self.rebuild(h.teardowns)
             except KeyboardInterrupt:
                 reason = interrupted
             except (HealError, RuntimeError, TimeoutError) as exc:
@@ -156,8 +221,9 @@ class Healer:
         h.report = HealReport(not reason, time.monotonic() - h.started, group.world_size, h.failed,
                               released, port, reason)
 
-    def rebuild(self, teardowns: list) -> int:
-        """Every rank joins a fresh default group on a store rank 0 opens; returns its port."""
+    def rebuild(self, teardowns: list, dead=()) -> tuple[int, dict[int, int]]:
+        """Every rank joins a fresh default group on a store rank 0 opens; each dead slot gets a
+        new process first, which joins it as it starts. Returns the port, and slot -> new pid."""
         group = self.group
         deadline = time.monotonic() + _request.INTERRUPT_GRACE_S
         for t in teardowns:
@@ -166,10 +232,59 @@ class Healer:
             except TimeoutError:
                 raise RuntimeError(f"rank {t.results[t.slots[0]].rank} did not tear its process group down "
                                    f"within {_request.INTERRUPT_GRACE_S:g} s") from None
-        port = self._internal_call([0], _heal.open_store, group.world_size)[0]
-        self._internal_call(group.rank_ids, _heal.rejoin, group.backend, port)
+        survivors = [r for s, r in enumerate(group.rank_ids) if s not in dead]
+        if group.slot_of(0) in dead:  # the new rank 0 opens the store itself, as at the start
+            port = _free_port(group)
+        else:
+            port = self._internal_call([0], _heal.open_store, group.world_size)[0]
+        pids = self.replace(dead, port)
+        if survivors:  # every rank dead: the new ones build the group among themselves
+            self._internal_call(survivors, _heal.rejoin, group.backend, port)
         group.master_port = port
-        return port
+        self.joined(dead)
+        return port, pids
+
+    def replace(self, dead, port: int) -> dict[int, int]:
+        """A new process in each dead slot, told to join the group on `port`; slot -> its pid."""
+        group = self.group
+        pids = {}
+        for s in dead:
+            try:
+                pids[s] = group._respawn(s, port)
+            except (OSError, RuntimeError) as exc:
+                raise HealError(HealReport(False, 0.0, group.world_size, reason=(
+                    f"rank {group.rank_ids[s]} could not be started again: {exc}"))) from exc
+        return pids
+
+    def joined(self, dead):
+        """Until the new ranks said hello (they do once their default group is built)."""
+        group = self.group
+        bad = group.runtime.wait_hello(dead, _heal.REJOIN_TIMEOUT_S, _request.SLICE_S)
+        if bad:
+            raise RuntimeError("; ".join(f"the new rank {group.rank_ids[s]} did not come up: {why}"
+                                         for s, why in sorted(bad.items())))
+
+    def copy_namespace(self, report: HealReport, copy_from: int, keep, skipped, new_ranks: list[int]):
+        """The new ranks get a copy of survivor `copy_from`'s variables `keep`, brought from it and
+        sent to them through the data plane (large buffers in shared memory); what could not
+        travel joins `skipped`."""
+        group = self.group
+        values = {}
+        if keep:
+            try:
+                values = self._internal_call([copy_from], _heal.export, keep)[0]
+            except RuntimeError:  # one value the notebook can't take back: one by one, skipping it
+                for name in keep:
+                    try:
+                        values.update(self._internal_call([copy_from], _heal.export, [name])[0])
+                    except RuntimeError as exc:
+                        skipped[name] = f"it could not be brought over ({exc})"
+        for name in [n for n, v in values.items() if isinstance(v, RemoteValue)]:
+            skipped[name] = "it could not be pickled back from its rank"
+            del values[name]
+        if values:
+            self._internal_call(new_ranks, _heal.adopt, values)
+        report.copied_from, report.copied, report.skipped = copy_from, sorted(values), skipped
 
     def _internal_send(self, ranks, fn, *args):
         group = self.group

@@ -55,6 +55,8 @@ class Runtime:
         self.background_dropped = [0] * size
         self.answers: dict[int, dict[int, bytes]] = {}  # seq -> slot -> a stacks/collectives answer
         self.info: list[dict] = [{} for _ in range(size)]  # each rank's hello
+        self.specs: list[tuple] = []  # slot -> (argv, env, cwd) it was started with (Group._start)
+        self.template = None  # the rank template the ranks were started with, if any
 
     def wait_ready(self, timeout: float):
         """Until every rank said hello; StartError naming the rank and why when one can't."""
@@ -163,6 +165,10 @@ class Runtime:
             if req is not None:
                 del self.running[slot]
                 req.mailbox.append(("died", slot, f))
+        elif kind == "hello":  # a rank started again (respawn), connected
+            self.info[slot] = loads(ev.data)
+            if self.state[slot] == "starting":
+                self.state[slot] = "idle"
         elif kind == "unresponsive":
             self.unresponsive[slot] = ev.age
             if req is not None:
@@ -175,6 +181,48 @@ class Runtime:
                 for s in list(r.pending):
                     r.mailbox.append(("broken", s, self.broken))
             self.running = {}
+
+    def respawn(self, slot: int, env: dict[str, str], template_for=None) -> int:
+        """Starts a dead slot's rank again: its spec as it was started, with `env` on top, forked
+        from template_for(spec) (the group's rank template, or None: cold) when the group's ranks
+        were forked from one. The slot is "starting" (and no longer dead) until its hello.
+        Returns the new pid; raises (changing nothing) when it can't."""
+        with self.mu:
+            coord = self.coord
+            if coord is None or slot not in self.exits:
+                raise RuntimeError(f"rank {self.rank_ids[slot]} is not dead: only a dead rank is replaced")
+        argv, old_env, cwd = self.specs[slot]
+        merged = [kv for kv in old_env if kv.split("=", 1)[0] not in env] + [f"{k}={v}" for k, v in env.items()]
+        spec = (argv, merged, cwd)
+        tmpl = template_for(spec) if self.template is not None and template_for is not None else None
+        pid = coord.respawn(slot, spec, tmpl)
+        with self.mu:
+            self.specs[slot] = spec
+            del self.exits[slot]
+            self.unresponsive.pop(slot, None)
+            self.running.pop(slot, None)
+            self.state[slot] = "starting"
+            self.info[slot] = {}
+            self.background[slot].clear()
+            self.background_bytes[slot] = self.background_dropped[slot] = 0
+        return pid
+
+    def wait_hello(self, slots, timeout: float, slice_s: float):
+        """Until each of `slots` (started again) said hello; the slots that died instead, or did
+        not say it within `timeout`, with why."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.mu:
+                waiting = [s for s in slots if self.state[s] == "starting"]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0 or self.coord is None:
+                break
+            self.pump(min(left, slice_s))
+        with self.mu:
+            bad = {s: self.exits[s].evalue for s in slots if s in self.exits}
+            bad.update({s: f"it did not connect within {timeout:g} s" for s in slots
+                        if self.state[s] == "starting"})
+        return bad
 
     def keep_background(self, slot, stream, data):
         q = self.background[slot]

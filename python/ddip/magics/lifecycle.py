@@ -84,7 +84,10 @@ class DipMagics(Magics):
     @argument("-r", "--restart", action="store_true", help="kill the group and start it again (new flags override)")
     @argument("-k", "--kill", action="store_true", help="kill the group (and turn %%autodip off)")
     @argument("--heal", action="store_true",
-              help="rebuild torch.distributed on every rank (same ranks, fresh port), keeping their variables")
+              help="rebuild torch.distributed on every rank (same ranks, fresh port), keeping their variables; "
+                   "a dead rank is replaced by a new process in its slot")
+    @argument("--copy-from", metavar="RANK", type=int,
+              help="with --heal: give the replaced rank a copy of this living rank's variables")
     @argument("-i", "--info", action="store_true",
               help="print the group's flags, backend, app, pids, rank -> device, OMP_NUM_THREADS (and who "
                    "chose it) and the %%autodip state")
@@ -108,14 +111,12 @@ class DipMagics(Magics):
                    or args.cold)
 
         if args.kill:
-            if args.restart or options or args.info or args.heal:
+            if args.restart or options or args.info or args.heal or args.copy_from is not None:
                 raise usage_error(fn, "-k kills the group and takes no other flag (but -v)")
             self._kill(args.verbose)
             return
-        if args.heal:
-            if args.restart or options or args.info:
-                raise usage_error(fn, "--heal rebuilds the running group's torch.distributed and takes no other flag")
-            self._heal()
+        if args.heal or args.copy_from is not None:
+            self._heal(fn, args, options)
             return
 
         # Everything is checked before anything is stopped or started: bad input changes nothing.
@@ -303,12 +304,19 @@ class DipMagics(Magics):
                                                        f"({type(exc).__name__}: {exc}); the group was stopped "
                                                        f"(%makedip -r tries again, or start without -a)") from None
 
-    def _heal(self):
+    def _heal(self, fn, args, options):
+        if not args.heal:
+            raise usage_error(fn, "--copy-from goes with --heal: %makedip --heal --copy-from 0")
+        if args.restart or options or args.info:
+            raise usage_error(fn, "--heal rebuilds the running group's torch.distributed and takes no other "
+                                  "flag but --copy-from")
         group = self.session.running_group()
         try:
-            report = group.heal()
-        except HealError as exc:  # refused (a dead rank, no backend: nothing changed) or failed
+            report = group.heal(copy_from=args.copy_from)
+        except HealError as exc:  # refused (no backend, a dead rank on another host: nothing changed) or failed
             raise render.CellError.of("HealError", str(exc)) from None
+        except ValueError as exc:  # --copy-from a dead or unknown rank, or with no rank to replace
+            raise usage_error(fn, f"--copy-from: {exc}") from None
         print(render.healed(report))
 
     def _kill(self, verbose: bool, keep_autodip: bool = False):

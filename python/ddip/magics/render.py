@@ -68,6 +68,7 @@ def failure_entries(failures) -> list:
             body = [f"{f.ename}: {f.evalue}"]
             if f.stderr_tail:
                 body.append("last lines of its stderr:\n" + f.stderr_tail.rstrip("\n"))
+            body.append(DIED_NOTE)
         else:
             body = list(f.traceback) or [f"{f.ename}: {f.evalue}"]
         label = rank_label(ranks[0]) if len(ranks) == 1 else \
@@ -98,10 +99,17 @@ def heal_note(report):
 
 
 def healed(report) -> str:
+    kept = "their variables are kept" if not report.replaced else "the surviving ranks' variables are kept"
     return (f"healed in {report.seconds:.2f} s: torch.distributed's default group rebuilt on all "
-            f"{report.world_size} ranks (MASTER_PORT {report.port}); their variables are kept"
+            f"{report.world_size} ranks (MASTER_PORT {report.port}); {kept}"
             + (f"; rank(s) {', '.join(map(str, report.released))} were released from what they ran"
-               if report.released else ""))
+               if report.released else "")
+            + (f".\n{report.replacement().strip().rstrip(';')}.\n{report.redo().strip()}" if report.replaced else ""))
+
+
+# After a rank died in a cell: the way on that keeps the other ranks' variables.
+DIED_NOTE = ("%makedip --heal (g.heal()) replaces the dead rank, keeping the other ranks' variables "
+             "(--copy-from 0: with a copy of rank 0's); %makedip -r restarts every rank")
 
 
 # -- a %%dip cell's output --------------------------------------------------------------------------

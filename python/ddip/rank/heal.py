@@ -13,7 +13,9 @@ never complete. The kernel (group.py) then:
    (`rejoin`).
 
 What held the old group (a DistributedDataParallel wrapper, subgroups, FSDP state) must be made
-again by the user; the cell's error says so. A rank that died still needs a restart.
+again by the user; the cell's error says so. A rank that died is replaced by a new one in its
+slot (kernel/heal.py), which joins the rebuilt group; `copyable` says what of a survivor's
+namespace can be copied into it.
 """
 
 from __future__ import annotations
@@ -119,3 +121,95 @@ def rejoin(backend: str, port: int, timeout: float = REJOIN_TIMEOUT_S) -> dict:
     store, _store = _store, None
     torchdist.init(backend, rank, world, rendezvous_timeout=timeout, store=store)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
+
+
+# Names of a rank's namespace a copy never takes: IPython's own (its history, the shell) and what
+# every rank has anyway.
+_NOT_COPIED = frozenset(("In", "Out", "exit", "quit", "get_ipython"))
+
+
+def copyable(names=None) -> tuple[list[str], dict[str, str]]:
+    """In the rank a new one copies from (heal's copy_from): the variables of its namespace that
+    can travel, and the others with why not. `names`: those only (when one does not exist: no
+    variable, and each missing name with why "missing"); None: every
+    variable but IPython's own and private ones (a leading underscore). Modules are skipped (the
+    new rank imports them itself), and so is what can't be pickled; large buffers are not copied
+    for the check."""
+    import io
+
+    from IPython import get_ipython
+
+    from ..messages import picklable
+
+    ns = sys.modules["__main__"].__dict__
+    if names is None:
+        shell = get_ipython()
+        hidden = shell.user_ns_hidden if shell is not None else {}
+        names = [n for n in ns if not n.startswith("_") and n not in _NOT_COPIED
+                 and not (n in hidden and hidden[n] is ns[n])]
+    keep, skipped = [], {}
+    missing = [n for n in names if n not in ns]
+    if missing:
+        return [], {n: "missing" for n in missing}
+    for name in names:
+        value = ns[name]
+        if isinstance(value, type(sys)):
+            skipped[name] = "a module: import it on the new rank"
+        elif isinstance(value, io.IOBase):
+            skipped[name] = "an open file: open it again on the new rank"
+        elif _holds_a_process_group(value):
+            skipped[name] = "it holds the old process group: make it again on the new rank"
+        elif not picklable(_travelling(value)):
+            skipped[name] = f"{type(value).__name__} can't be pickled"
+        else:
+            keep.append(name)
+    return keep, skipped
+
+
+def _holds_a_process_group(value) -> bool:
+    """A DDP (or FSDP) wrapper: built on the process group the heal replaced."""
+    dist = sys.modules.get("torch.nn.parallel")
+    ddp = getattr(dist, "DistributedDataParallel", None)
+    return ddp is not None and isinstance(value, ddp) or type(value).__name__ in ("FullyShardedDataParallel",)
+
+
+class MainFunction:
+    """A function defined in a rank's notebook code (its __main__), travelling without the
+    globals it refers to: the new rank rebuilds it on its own namespace (`adopt`), as if the cell
+    that defined it had run there, so it sees the model the user wraps again, not a copy."""
+
+    def __init__(self, fn):
+        self.code, self.name, self.qualname = fn.__code__, fn.__name__, fn.__qualname__
+        self.defaults, self.kwdefaults, self.attrs = fn.__defaults__, fn.__kwdefaults__, dict(fn.__dict__)
+        self.closure = fn.__closure__
+
+    def rebuild(self, ns: dict):
+        import types
+
+        fn = types.FunctionType(self.code, ns, self.name, self.defaults, self.closure)
+        fn.__qualname__, fn.__kwdefaults__ = self.qualname, self.kwdefaults
+        fn.__dict__.update(self.attrs)
+        return fn
+
+
+def _travelling(value):
+    import types
+
+    if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+        return MainFunction(value)
+    return value
+
+
+def export(names: list[str]) -> dict:
+    """In the rank copied from: `names`' values as they travel (functions of __main__ without
+    their globals)."""
+    ns = sys.modules["__main__"].__dict__
+    return {n: _travelling(ns[n]) for n in names}
+
+
+def adopt(values: dict) -> list[str]:
+    """In a new rank: the copied variables into its namespace, functions rebuilt on it."""
+    ns = sys.modules["__main__"].__dict__
+    for name, value in values.items():
+        ns[name] = value.rebuild(ns) if isinstance(value, MainFunction) else value
+    return sorted(values)

@@ -1,0 +1,178 @@
+"""Heal replaces a dead rank: a rank killed (SIGKILL, as the OOM killer does) is started again in
+its slot (same rank, environment, warm template), torch.distributed's default group is rebuilt
+with the same world size, and every survivor keeps its namespace; copy_from gives the new rank a
+copy of a survivor's variables. Real ranks, real gloo, a real kernel."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import ddip
+from conftest import wait_until
+from ddip.errors import strip_ansi
+
+pytest.importorskip("torch")
+
+IMPORTS = "import os, torch, torch.distributed as dist\n"
+# Every rank's own variables: what a survivor must still have after a heal.
+SET_UP = IMPORTS + """
+rank = dist.get_rank()
+mine = torch.full((3,), float(rank))
+note = {"rank": rank, "words": ["kept"]}
+"""
+ALL_REDUCE = IMPORTS + "u = torch.ones(1); dist.all_reduce(u); u.item()"
+
+
+def _wait_dead(g, rank):
+    assert wait_until(lambda: g.status()[rank]["state"] == "dead", 30), g.status()
+
+
+def _kill_from_inside(g, rank):
+    """The rank kills itself with SIGKILL in a cell (as the OOM killer would): the cell fails."""
+    with pytest.raises(ddip.RemoteError) as info:
+        g.run(f"import os\nif int(os.environ['RANK']) == {rank}: os.kill(os.getpid(), 9)")
+    assert info.value.failures[0].died and info.value.failures[0].rank == rank
+
+
+def test_a_killed_rank_is_replaced_in_its_slot_and_the_survivors_keep_their_variables():
+    with ddip.Group(n=3, backend="gloo") as g:
+        g.run(SET_UP)
+        old = g.pids
+        tmpl = g.runtime.template
+        forks = tmpl.forks if tmpl is not None else None
+        _kill_from_inside(g, 1)
+        report = g.heal()
+        assert report.ok and list(report.replaced) == [1] and report.copied_from is None
+        new_pid = g.pids[1]
+        assert report.replaced[1] == new_pid and new_pid != old[1] and g.pids[0::2] == old[0::2]
+        if tmpl is not None:  # the group's ranks were forked from the warm template: so is the new one
+            assert tmpl.forks == forks + 1
+        assert [r["state"] for r in g.status()] == ["idle"] * 3
+        env = g.run("import os; (os.getpid(), os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                    "os.environ['MASTER_PORT'], os.environ['DDIP_SLOT'])", ranks=[1])[0].value
+        assert env == (new_pid, "1", "3", str(report.port), "1")
+        # The new rank's namespace is empty; the survivors' are as they were.
+        assert g.run("'note' in globals(), 'mine' in globals()", ranks=[1])[0].value == (False, False)
+        kept = g.run("mine.tolist(), note", ranks=[0, 2])
+        assert [r.value for r in kept] == [([0.0] * 3, {"rank": 0, "words": ["kept"]}),
+                                           ([2.0] * 3, {"rank": 2, "words": ["kept"]})]
+        assert [r.value for r in g.run(ALL_REDUCE)] == [3.0, 3.0, 3.0]
+        text = str(report.describe())
+        assert f"rank 1 is a new process (pid {new_pid})" in text and "empty namespace" in text
+        assert "run your set-up cell again on it" in text and "DDP again" in text
+
+
+def test_copy_from_gives_the_new_rank_a_survivors_variables_and_names_what_it_skipped():
+    with ddip.Group(n=2, backend="gloo") as g:
+        g.run(SET_UP + "import json\nlog = open(os.devnull)\nclass Box:\n    size = 7\nbox = Box()")
+        _kill_from_inside(g, 1)
+        report = g.heal(copy_from=0)
+        assert report.ok and report.copied_from == 0 and list(report.replaced) == [1]
+        assert {"mine", "note", "rank", "box", "Box"} <= set(report.copied)
+        assert report.skipped["json"].startswith("a module") and report.skipped["torch"].startswith("a module")
+        assert report.skipped["log"].startswith("an open file")
+        assert not {"json", "torch", "log", "In", "Out", "open"} & set(report.copied)
+        got = g.run("import os\n(mine.tolist(), note, box.size, rank, os.environ['RANK'])", ranks=[1])[0].value
+        assert got == ([0.0] * 3, {"rank": 0, "words": ["kept"]}, 7, 0, "1")  # rank 0's, in rank 1
+        assert g.run("mine.tolist(), rank", ranks=[0])[0].value == ([0.0] * 3, 0)  # rank 0 untouched
+        assert "log" in report.describe() and "an open file" in report.describe()
+        assert [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]
+        # names=: those only.
+        _kill_from_inside(g, 1)
+        report = g.heal(copy_from=0, names=["mine"])
+        assert report.copied == ["mine"] and report.skipped == {}
+        assert g.run("'mine' in globals(), 'note' in globals()", ranks=[1])[0].value == (True, False)
+
+
+def test_rank_0_killed_while_its_peer_waits_in_a_collective_is_replaced():
+    with ddip.Group(n=2, backend="gloo") as g:
+        g.run(SET_UP)
+        with pytest.raises(ddip.RemoteError) as info:
+            g.run(IMPORTS + "if dist.get_rank() == 0: os.kill(os.getpid(), 9)\n"
+                            "t = torch.ones(1); dist.all_reduce(t)")
+        assert info.value.failures[0].rank == 0 and info.value.failures[0].died
+        report = g.heal(copy_from=1, names=["note"])
+        assert list(report.replaced) == [0] and report.copied == ["note"]
+        # The new rank 0 opened the group's store itself, on the port the report names.
+        assert g.run("import os; os.environ['MASTER_PORT'], os.environ['RANK']", ranks=[0])[0].value == \
+            (str(report.port), "0")
+        assert g.run("note", ranks=[0])[0].value == {"rank": 1, "words": ["kept"]}
+        assert g.run("mine.tolist()", ranks=[1])[0].value == [1.0] * 3
+        assert [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    with ddip.Group(n=2, backend="gloo") as g:
+        g.run(SET_UP)
+        with pytest.raises(ValueError, match="no rank is dead"):
+            g.heal(copy_from=0)
+        _kill_from_inside(g, 1)
+        pids = g.pids
+        with pytest.raises(ValueError, match=r"copy_from=1: rank 1 is dead itself; copy from a living rank \(0\)"):
+            g.heal(copy_from=1)
+        with pytest.raises(ValueError, match=r"no rank 5 in this group \(ranks: \[0, 1\]\)"):
+            g.heal(copy_from=5)
+        with pytest.raises(TypeError, match="copy_from must be a rank number"):
+            g.heal(copy_from="0")
+        for names in ("mine", [1], [], ["not a name"]):
+            with pytest.raises(TypeError, match="names must be a non-empty list of variable names"):
+                g.heal(copy_from=0, names=names)
+        with pytest.raises(ValueError, match="give copy_from=RANK too"):
+            g.heal(names=["mine"])
+        with pytest.raises(NameError, match=r"names=\['nothing_here'\]: not defined on rank 0; nothing was changed"):
+            g.heal(copy_from=0, names=["mine", "nothing_here"])
+        assert g.pids == pids and [r["state"] for r in g.status()] == ["idle", "dead"]
+        report = g.heal(copy_from=0, names=["mine"])  # and then it heals
+        assert report.copied == ["mine"] and [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]
+
+
+def test_a_dead_rank_in_a_dip_cell_says_heal_replaces_it_and_makedip_heal_copy_from_does(tmp_path):
+    from test_magics import running_kernel
+
+    train = """
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+X = torch.randn(64, 4); Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+model = torch.nn.Linear(4, 1)
+ddp = DDP(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+losses = []
+def train(n):
+    rank = dist.get_rank()
+    for _ in range(n):
+        loss = torch.nn.functional.mse_loss(ddp(X[rank::2]), Y[rank::2])
+        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+"""
+    params = "[p.detach().flatten().tolist() for p in model.parameters()]"
+    digest = f"hashlib.md5(str({params}).encode()).hexdigest()"
+    with running_kernel(tmp_path) as k:
+        assert k.run("%makedip -n 2").ok
+        assert k.run("%%dip\n" + train + "train(3)").ok
+        own = k.run("%%dip -r 0\nmine = 'only on rank 0'; mine")
+        assert own.ok
+        cell = k.run("%%dip\nif dist.get_rank() == 1: os.kill(os.getpid(), 9)")
+        err = strip_ansi("".join("\n".join(o["traceback"]) for o in cell.of_type("error")))
+        assert not cell.ok and "%makedip --heal (g.heal()) replaces the dead rank" in err, err
+        cell = k.run("%makedip --heal --copy-from 5")
+        assert not cell.ok and "--copy-from: no rank 5 in this group" in strip_ansi(str(cell.outputs))
+        cell = k.run("%makedip --heal --copy-from 0")
+        out = cell.stream()
+        assert cell.ok and re.search(r"healed in \d+\.\d\d s: .* all 2 ranks", out), cell.outputs
+        assert re.search(r"rank 1 is a new process \(pid \d+\), .*with a copy of rank 0's variables \(.*model", out)
+        assert re.search(r"not copied: .*dist, os, torch \(a module: import it on the new rank\)", out), out
+        assert "wrap the model in DDP again" in out, out
+        # Rank 1's parameters are rank 0's (copied), and so is how far it trained.
+        cell = k.run(f"%%dip --see all\nimport hashlib\n{digest}, len(losses)")
+        values = re.findall(r"Out\[(\d):\d+\]: (.*)", "\n".join(cell.plain))
+        assert cell.ok and [v[0] for v in values] == ["0", "1"] and values[0][1] == values[1][1], cell.plain
+        cell = k.run("%%dip --see all\nimport os, torch, torch.distributed as dist\n"
+                     "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                     f"import hashlib\nddp = DDP(model)\nn = len(losses)\ntrain(5)\nlosses[n] > losses[-1], {digest}")
+        assert cell.ok, cell.outputs
+        values = re.findall(r"Out\[(\d):\d+\]: \((True), (.*)\)", "\n".join(cell.plain))
+        assert [v[0] for v in values] == ["0", "1"] and values[0][2] == values[1][2], cell.plain
+        assert "only on rank 0" in "".join(k.run("%%dip -r 0\nmine").plain)  # rank 0's own, untouched
+        k.run("%makedip -k")
