@@ -176,3 +176,25 @@ def train(n):
         assert [v[0] for v in values] == ["0", "1"] and values[0][2] == values[1][2], cell.plain
         assert "only on rank 0" in "".join(k.run("%%dip -r 0\nmine").plain)  # rank 0's own, untouched
         k.run("%makedip -k")
+
+
+def test_a_dead_rank_on_another_host_is_refused_naming_its_host_and_changes_nothing():
+    from netns_hosts import Hosts, _missing
+
+    if _missing() is not None:
+        pytest.skip(_missing())
+    hosts = Hosts()
+    try:
+        a, b = hosts.addr["A"], hosts.addr["B"]
+        with ddip.Group(hosts=f"{a}:1,{b}:1", launcher=hosts.launcher, backend="gloo", timeout=120,
+                        env={"GLOO_SOCKET_IFNAME": "ddip0"}) as g:
+            _kill_from_inside(g, 1)
+            _wait_dead(g, 1)
+            with pytest.raises(ddip.HealError, match=rf"rank 1 on host {re.escape(b)} \(killed by SIGKILL\) is dead, "
+                                                     r"and replacing a dead rank on another host is not supported yet") as err:
+                g.heal()
+            assert isinstance(err.value.__cause__, ddip.RankDeadError) and err.value.report.seconds == 0
+            assert "%makedip -r (g.restart()) starts fresh ranks" in str(err.value)
+            assert [r["state"] for r in g.status()] == ["idle", "dead"]
+    finally:
+        hosts.close()
