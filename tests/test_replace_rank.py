@@ -66,16 +66,21 @@ def test_a_killed_rank_is_replaced_in_its_slot_and_the_survivors_keep_their_vari
 
 def test_copy_from_gives_the_new_rank_a_survivors_variables_and_names_what_it_skipped():
     with ddip.Group(n=2, backend="gloo") as g:
-        g.run(SET_UP + "import json\nlog = open(os.devnull)\nclass Box:\n    size = 7\nbox = Box()")
+        g.run(SET_UP + "import json, threading\nlog = open(os.devnull)\nclass Box:\n    size = 7\nbox = Box()\n"
+                       "lock = threading.Lock()\nbig = torch.arange(1 << 20, dtype=torch.float64)\n"
+                       "same = [mine, mine]")
         _kill_from_inside(g, 1)
         report = g.heal(copy_from=0)
         assert report.ok and report.copied_from == 0 and list(report.replaced) == [1]
         assert {"mine", "note", "rank", "box", "Box"} <= set(report.copied)
         assert report.skipped["json"].startswith("a module") and report.skipped["torch"].startswith("a module")
         assert report.skipped["log"].startswith("an open file")
+        assert report.skipped["lock"].startswith("lock can't be pickled (TypeError"), report.skipped
         assert not {"json", "torch", "log", "In", "Out", "open"} & set(report.copied)
         got = g.run("import os\n(mine.tolist(), note, box.size, rank, os.environ['RANK'])", ranks=[1])[0].value
         assert got == ([0.0] * 3, {"rank": 0, "words": ["kept"]}, 7, 0, "1")  # rank 0's, in rank 1
+        # 8 MiB of tensor (through shared memory), and what referred to one object still does.
+        assert g.run("big.sum().item(), same[0] is mine", ranks=[1])[0].value == (float((1 << 20) * ((1 << 20) - 1) / 2), True)
         assert g.run("mine.tolist(), rank", ranks=[0])[0].value == ([0.0] * 3, 0)  # rank 0 untouched
         assert "log" in report.describe() and "an open file" in report.describe()
         assert [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]

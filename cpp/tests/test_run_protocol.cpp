@@ -39,13 +39,32 @@ const std::vector<std::string> kAwkward = {
 
 TEST(RunProtocol, ControlMessagesRoundTrip) {
   for (const Control& m : {Control{Ping{}}, Control{Signal{SIGINT}}, Control{Signal{SIGTERM}},
-                           Control{Stop{}}, Control{Kill{}}}) {
+                           Control{Stop{}}, Control{Kill{}}, Control{Answer{3, false, "p x"}},
+                           Control{Answer{0, true, ""}}}) {
     std::string line = encode(m);
     EXPECT_TRUE(is_record(line));
     EXPECT_EQ(line.find('\n'), line.size() - 1) << "one line";
     EXPECT_EQ(decode_control(line), m) << line;
   }
   EXPECT_EQ(encode(Control{Signal{SIGTERM}}), "\x1e" "ddip signal 15\n");
+  EXPECT_EQ(encode(Control{Answer{2, false, "p x"}}), "\x1e" "ddip answer 2 0 p\\sx\n");
+  for (const auto& text : kAwkward) {
+    if (text.find('\n') != std::string::npos) continue;  // a typed line has no line end inside
+    Answer a{7, false, text};
+    EXPECT_EQ(decode_control(encode(Control{a})), Control{a}) << text;
+  }
+}
+
+TEST(RunProtocol, PromptRoundTripsAnyText) {
+  for (const auto& text : kAwkward) {
+    Prompt m{5, text + "\n-> x = 1\n", text};
+    std::string line = encode(Report{m});
+    EXPECT_EQ(line.find_first_of("\r\n"), line.size() - 1) << "one line, whatever the text held";
+    EXPECT_EQ(std::get<Prompt>(decode_report(line)), m) << text;
+  }
+  // As ddip.rank.run_debug writes it.
+  EXPECT_EQ(std::get<Prompt>(decode_report("\x1e" "ddip prompt 1 >\\sf.py(3)\\n ipdb>\\s\n")),
+            (Prompt{1, "> f.py(3)\n", "ipdb> "}));
 }
 
 TEST(RunProtocol, RankFailedRoundTripsAnyText) {
@@ -112,7 +131,7 @@ TEST(RunProtocol, MalformedControlIsRejectedSayingWhy) {
       {p + "stop now\n", "1 field(s) more than a \"stop\" record"},
       {p + "ping \n", "1 field(s) more"},
       {p + "signal  15\n", "signal number is empty (two spaces in a row?)"},
-      {p + "halt\n", "unknown kind \"halt\" (expected ping, signal, stop or kill); is the ddip program on both hosts the same version? (--ddip)"},
+      {p + "halt\n", "unknown kind \"halt\" (expected ping, signal, stop, kill or answer); is the ddip program on both hosts the same version? (--ddip)"},
       {p + "\n", "unknown kind \"\""},
       {p + "failed 1 2 0 5 x 0\n", "unknown kind \"failed\""},  // a report on the control channel
       {p + "stop\rkill\n", "has a line end inside"},
@@ -148,7 +167,7 @@ TEST(RunProtocol, MalformedReportsAreRejectedSayingWhy) {
       {p + "done 2 0 ok\n", "says 2 rank(s) follow, which takes 4 fields, but 2 do"},
       {p + "done 1 zero ok\n", "rank \"zero\" is not a number"},
       {p + "done x\n", "rank count \"x\" is not a number"},
-      {p + "tail some stderr\n", "unknown kind \"tail\" (expected failed or done)"},
+      {p + "tail some stderr\n", "unknown kind \"tail\" (expected failed, done or prompt)"},
       {p + "state 1 exit\n", "unknown kind \"state\""},
       {p + "ping\n", "unknown kind \"ping\""},  // a control message in a report's place
   };
@@ -188,7 +207,7 @@ TEST(RunProtocol, ControlReaderRejectsGarbage) {
     in.next();
     FAIL() << "a line without an end past the limit was accepted";
   } catch (const ProtocolError& e) {
-    EXPECT_NE(std::string(e.what()).find("no line end within 256 bytes"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(("no line end within " + std::to_string(kMaxControlLine) + " bytes")), std::string::npos) << e.what();
   }
   ControlReader bad;
   bad.feed(encode(Control{Stop{}}) + "hello\n");

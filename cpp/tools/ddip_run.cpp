@@ -5,10 +5,12 @@
 // main reads the command line, has the launch planned as data (run_plan) and runs it. The
 // Launcher here wires the launcher's units together: the event loop (run_loop), the ranks' output
 // (run_output), the channel to other hosts' ddip runs (run_channel, speaking run_protocol), the
-// failure policy (run_policy) and the report (run_report).
+// failure policy (run_policy), the ranks' debugger prompts (run_prompts) and the report
+// (run_report).
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +36,7 @@
 #include "run_output.hpp"
 #include "run_plan.hpp"
 #include "run_policy.hpp"
+#include "run_prompts.hpp"
 #include "run_protocol.hpp"
 #include "run_report.hpp"
 #include "run_ship.hpp"
@@ -83,6 +86,10 @@ class Launcher final : Crew {
   void on_signal();
   void on_control(const protocol::Control& message);
   void on_record(size_t u, std::string_view line);
+  void on_prompt(size_t u, protocol::Prompt prompt);
+  // The line typed at rank `rank`'s prompt (nullopt: nobody can answer), to it: through its
+  // stdin here, or through the control channel of its host (unit `u`).
+  void answer(size_t u, int rank, std::optional<std::string> line);
   int finish();
   bool all_exited() const {
     return std::all_of(ends_.begin(), ends_.end(),
@@ -101,6 +108,7 @@ class Launcher final : Crew {
   RunLoop loop_;
   Terminal terminal_;
   LabelledStreams streams_;
+  Prompts prompts_;
   FailurePolicy policy_;
   Downstream downstream_;
   std::optional<Upstream> upstream_;  // node mode
@@ -128,6 +136,11 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
                                           seconds_text(link_timeout_) + " s",
                                       Clock::now());
                 }}),
+      prompts_(loop_, terminal_,
+               opts_.prompt_records ? Prompts::Show::kRecords : Prompts::Show::kText,
+               [this](size_t u, int rank, std::optional<std::string> line) {
+                 answer(u, rank, std::move(line));
+               }),
       policy_(*this, {kGrace, opts_.timeout_s, node_.has_value()}, Clock::now()),
       downstream_(loop_, link_timeout_, [this](size_t u) { sup_.signal(u, SIGKILL); }) {
   for (const auto& p : plans_) {
@@ -179,6 +192,9 @@ void Launcher::start_units() {
     if (p.host) {
       downstream_.add(u, std::move(c.stdin_pipe()));
       if (!p.ship.empty()) downstream_.ship(u, p.ship);
+    } else if (c.stdin_pipe()) {
+      // Written only at its prompts, a line at a time: a rank gone meanwhile must not block us.
+      set_nonblocking(c.stdin_pipe().get());
     }
   }
 }
@@ -224,7 +240,12 @@ void Launcher::report_upstream(const RootCause& cause) {
 void Launcher::on_record(size_t u, std::string_view line) {
   try {
     auto report = protocol::decode_report(line);
-    if (auto* m = std::get_if<protocol::RankFailed>(&report)) {
+    if (auto* p = std::get_if<protocol::Prompt>(&report)) {
+      on_prompt(u, std::move(*p));
+    } else if (plans_[u].host == false) {
+      throw protocol::ProtocolError("record that only a host's ddip run sends: " +
+                                    std::string(line.substr(protocol::kPrefix.size())));
+    } else if (auto* m = std::get_if<protocol::RankFailed>(&report)) {
       RootCause cause;
       cause.unit = u;
       cause.rank = m->rank;
@@ -245,10 +266,36 @@ void Launcher::on_record(size_t u, std::string_view line) {
     }
   } catch (const protocol::ProtocolError& e) {
     // Shown now, and kept with the host's last words in case it is what failed.
-    std::string why = "host " + plans_[u].name + " sent a " + e.what();
+    std::string why = (plans_[u].host ? "host " + plans_[u].name
+                                      : "rank " + std::to_string(plans_[u].first_rank)) +
+                      " sent a " + e.what();
     std::cerr << me() << ": " << why << "\n";
     streams_.note(u, why);
   }
+}
+
+void Launcher::on_prompt(size_t u, protocol::Prompt prompt) {
+  // The rank's own number, whatever its environment says.
+  if (!plans_[u].host) prompt.rank = plans_[u].first_rank;
+  // What it printed before it stopped goes first (from a host, as far as it has arrived).
+  streams_.drain(u, RankOutput::kStdout);
+  if (node_)
+    upstream_->send(prompt);  // the ddip run that started this one asks, and answers (Answer)
+  else
+    prompts_.waiting(u, std::move(prompt));
+}
+
+void Launcher::answer(size_t u, int rank, std::optional<std::string> line) {
+  if (plans_[u].host) {
+    downstream_.tell(u, protocol::Answer{rank, !line, line.value_or("")});
+    return;
+  }
+  if (ends_[u].status || !sup_.running(u)) return;
+  Fd& in = sup_.child(u).stdin_pipe();
+  if (!in) return;
+  // Closed for nobody-can-answer, or when the rank does not take it (it has closed its stdin):
+  // its debugger then goes on.
+  if (!line || !write_all(in.get(), *line + "\n", milliseconds(1000))) in.reset();
 }
 
 void Launcher::on_exit(size_t u) {
@@ -256,6 +303,7 @@ void Launcher::on_exit(size_t u) {
   if (!st) return;
   UnitEnd& un = ends_[u];
   un.status = st;
+  prompts_.ended(u);
   loop_.unwatch(sup_.child(u).pidfd());
   if (un.host) downstream_.ended(u);
   streams_.drain(u);
@@ -308,6 +356,11 @@ void Launcher::on_control(const protocol::Control& message) {
     policy_.stop(now);
   else if (std::holds_alternative<protocol::Kill>(message))
     policy_.told_kill(now);
+  else if (auto* a = std::get_if<protocol::Answer>(&message)) {
+    for (size_t u = 0; u < plans_.size(); ++u)
+      if (!plans_[u].host && plans_[u].first_rank == a->rank)
+        answer(u, a->rank, a->end ? std::nullopt : std::optional<std::string>(a->line));
+  }
   // Ping: hearing it was the point (Upstream keeps the time).
 }
 
@@ -364,6 +417,9 @@ int Launcher::run() {
     set_nonblocking(1);
     set_nonblocking(2);
   }
+  // Ranks' prompts are answered from this stdin (a terminal, or %%diprun's pipe).
+  if (!node_ && opts_.prompts)
+    prompts_.open(Fd(check(::fcntl(0, F_DUPFD_CLOEXEC, 3), "fcntl", "keeping stdin for prompts")));
   Fd null(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));
   check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
   if (!opts_.log_dir.empty()) streams_.open_logs(opts_.log_dir);
@@ -382,6 +438,14 @@ int Launcher::run() {
 
 namespace ddip::run {
 namespace {
+
+// A terminal, or a pipe or socket a program writes to (%%diprun): someone can answer a rank's
+// debugger prompt. /dev/null, a file, or no stdin at all: nobody can.
+bool stdin_can_answer() {
+  struct stat st {};
+  if (::fstat(0, &st) != 0) return false;
+  return ::isatty(0) == 1 || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode);
+}
 
 // On another host: the files shipped with the launch, read first from the control channel, and
 // the command's arguments pointed at the copies. False when they could not be received (said).
@@ -461,6 +525,8 @@ int main(int argc, char** argv) {
     return cl.exit(e);
   }
   const std::string prog = opts.node ? "ddip run on " + opts.node->name : "ddip run";
+  // On another host, --node-prompts says whether the ddip run that started it can answer.
+  if (!opts.node) opts.prompts = stdin_can_answer();
   // Outlives the launch: the copies go once every rank here has ended.
   ShippedFiles shipped;
   if (opts.node && opts.node->files > 0 && !receive_shipped(opts, shipped, prog)) return 1;

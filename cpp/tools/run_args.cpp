@@ -129,6 +129,9 @@ void CommandLine::add_program_options() {
   run_->add_option("--node-cwd", node_.cwd)->group("");
   run_->add_option("--node-run-id", node_.run_id)->group("");
   run_->add_option("--node-files", node_.files)->group("")->check(CLI::Range(0, 1024));
+  run_->add_flag("--node-prompts", opts_.prompts)->group("");
+  // %%diprun's: a rank's debugger prompt as a record line on stdout, which it answers.
+  run_->add_flag("--prompt-records", opts_.prompt_records)->group("");
   run_->add_flag("--die-with-parent", opts_.die_with_parent,
                  "Exit, and so stop every rank, when the process that started ddip run dies "
                  "(for programs that drive it, such as %%diprun)");
@@ -142,8 +145,13 @@ void CommandLine::add_program_options() {
                    "What every rank runs, with its arguments, e.g. python train.py --lr 0.1. "
                    "Put it after -- when it could be taken for a flag of ddip run");
   run_->footer(
-      "Each rank's stdin is /dev/null. Ranks also get OMP_NUM_THREADS (their host's cores "
-      "divided among its ranks) and PYTHONUNBUFFERED=1, unless already set, and torchrun's "
+      "A rank's breakpoint() prompts on ddip run's terminal, labelled with its rank ([1] "
+      "ipdb> ), one rank at a time, and the line typed next goes to that rank only, on any "
+      "host: each rank's stdin is then a pipe of its own, written only at its prompts; when "
+      "ddip run's stdin is neither a terminal nor a pipe, it is /dev/null and breakpoint() "
+      "says so and goes on. Ranks also get OMP_NUM_THREADS (their host's cores divided among "
+      "its ranks), PYTHONUNBUFFERED=1 and PYTHONBREAKPOINT=ddip.rank.run_debug.set_trace (the "
+      "prompt above), unless already set, and torchrun's "
       "TORCHELASTIC_* variables: one TORCHELASTIC_RUN_ID for the launch, "
       "TORCHELASTIC_RESTART_COUNT=0 and TORCHELASTIC_MAX_RESTARTS=0 (ddip run never restarts "
       "ranks), and a TORCHELASTIC_ERROR_FILE per rank: a rank that fails inside a function "

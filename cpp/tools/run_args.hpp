@@ -47,6 +47,12 @@ struct RunOptions {
   int master_port = 0;      // 0: chosen
   double link_timeout_s = 30;  // --link-timeout: how long a host may be silent, with --hosts
   std::vector<std::string> ship;  // --ship: files sent to every other host with the launch
+  // Someone can answer a rank's debugger prompt (ddip run's stdin is a terminal or a pipe; on
+  // another host, --node-prompts): each rank's stdin is then a pipe of its own that gets the
+  // lines typed at its prompts, instead of /dev/null.
+  bool prompts = false;
+  // --prompt-records (hidden, for %%diprun): a prompt is shown as a record line on stdout.
+  bool prompt_records = false;
   std::optional<NodeOptions> node;
   std::vector<std::string> command;
 

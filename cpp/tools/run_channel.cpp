@@ -155,14 +155,22 @@ bool Downstream::any_running() const {
 
 void Downstream::tell(const protocol::Control& message) {
   const std::string line = protocol::encode(message);
-  for (auto& h : hosts_) {
-    if (!h.in || !h.running) continue;
-    if (!h.queued.empty()) {
-      h.queued += line;  // behind the files still being shipped
-      continue;
-    }
-    if (!write_all(h.in.get(), line)) drop(h);
+  for (auto& h : hosts_) tell(h, line);
+}
+
+void Downstream::tell(size_t unit, const protocol::Control& message) {
+  const std::string line = protocol::encode(message);
+  for (auto& h : hosts_)
+    if (h.unit == unit) tell(h, line);
+}
+
+void Downstream::tell(Host& h, const std::string& line) {
+  if (!h.in || !h.running) return;
+  if (!h.queued.empty()) {
+    h.queued += line;  // behind the files still being shipped
+    return;
   }
+  if (!write_all(h.in.get(), line)) drop(h);
 }
 
 void Downstream::kill() {

@@ -73,6 +73,8 @@ class Downstream {
   void ended(size_t unit);
   // To every host whose launcher still runs; a host that can't take it is told no more.
   void tell(const protocol::Control& message);
+  // To the host of launcher `unit` only (an Answer for one of its ranks).
+  void tell(size_t unit, const protocol::Control& message);
   // Kill to every host; a host that can't hear it (its network gone) must not keep ddip run
   // waiting: its launcher is killed a little later, and its ddip run then stops its ranks on
   // losing this channel.
@@ -88,6 +90,7 @@ class Downstream {
   bool any_running() const;
   void flush(Host& h);
   void drop(Host& h);
+  void tell(Host& h, const std::string& line);
 
   RunLoop& loop_;
 

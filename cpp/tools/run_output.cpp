@@ -69,6 +69,25 @@ std::vector<std::string> lines_of(const std::string& text) {
 }
 
 bool Terminal::write(int stream, std::string_view text) {
+  if (prompt_.empty() || text.empty()) return put(stream, text);
+  put(1, "\n");
+  bool ok = put(stream, text);
+  if (text.back() == '\n') put(1, prompt_);
+  else put(1, "\n" + prompt_);
+  return ok;
+}
+
+void Terminal::prompt(std::string text) {
+  prompt_ = std::move(text);
+  put(1, prompt_);
+}
+
+void Terminal::answered(bool newline) {
+  if (newline && !prompt_.empty()) put(1, "\n");
+  prompt_.clear();
+}
+
+bool Terminal::put(int stream, std::string_view text) {
   if (!ok_[stream]) return false;
   if (!write_all(fd_[stream], text, limit_)) ok_[stream] = false;
   return ok_[stream];
@@ -145,13 +164,15 @@ void LabelledStreams::read(size_t u, RankOutput::Stream s) {
 
 // Everything the exited unit wrote is in its pipes already; take it before reporting.
 void LabelledStreams::drain(size_t u) {
+  for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) drain(u, s);
+}
+
+void LabelledStreams::drain(size_t u, RankOutput::Stream s) {
   Unit& un = units_[u];
-  for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) {
-    for (int i = 0; i < 4096 && un.pipe[s]; ++i) {
-      pollfd p{un.pipe[s].get(), POLLIN, 0};
-      if (::poll(&p, 1, 0) <= 0) break;
-      read(u, s);
-    }
+  for (int i = 0; i < 4096 && un.pipe[s]; ++i) {
+    pollfd p{un.pipe[s].get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) break;
+    read(u, s);
   }
 }
 
@@ -166,10 +187,29 @@ void LabelledStreams::flush_open() {
 }
 
 void LabelledStreams::deliver(size_t u, RankOutput::Stream s, const std::string& text) {
-  if (units_[u].host && s == RankOutput::kStderr)
+  if (s != RankOutput::kStderr)
+    emit(u, s, text);
+  else if (units_[u].host)
     host_text(u, text);
   else
-    emit(u, s, text);
+    rank_text(u, text);
+}
+
+// A rank's stderr, with the record its debugger writes before each prompt (ddip.rank.run_debug).
+void LabelledStreams::rank_text(size_t u, const std::string& text) {
+  if (text.find(protocol::kPrefix) == std::string::npos) return emit(u, RankOutput::kStderr, text);
+  std::string shown;
+  for_each_line(text, [&](std::string_view body, std::string_view end) {
+    std::string_view line(body.data(), body.size() + end.size());
+    if (protocol::is_record(line)) {
+      emit(u, RankOutput::kStderr, shown);
+      shown.clear();
+      hooks_.on_record(u, line);
+    } else {
+      shown.append(line);
+    }
+  });
+  emit(u, RankOutput::kStderr, shown);
 }
 
 // A host's stderr arrives in whole lines (RankOutput assembles them), its ddip run's records

@@ -41,12 +41,19 @@ class Terminal {
   // `out`, `err`: the files behind streams 1 and 2 (tests give pipes).
   explicit Terminal(milliseconds limit = milliseconds::zero(), int out = 1, int err = 2)
       : limit_(limit), fd_{-1, out, err} {}
-  // False if `stream` could not take `text`, now or before.
+  // False if `stream` could not take `text`, now or before. Text written while a prompt is shown
+  // goes on a line of its own, and the prompt is shown again after it.
   bool write(int stream, std::string_view text);
   bool ok(int stream) const { return ok_[stream]; }
+  // Shows `text` on stdout without a line end: a debugger's prompt, until answered().
+  void prompt(std::string text);
+  // The prompt was answered (the line typed ended its line) or left: `newline` ends its line.
+  void answered(bool newline);
 
  private:
+  bool put(int stream, std::string_view text);
   milliseconds limit_;
+  std::string prompt_;  // shown, not yet answered
   int fd_[3];
   bool ok_[3] = {true, true, true};
 };
@@ -55,7 +62,8 @@ class Terminal {
 class LabelledStreams {
  public:
   struct Hooks {
-    // A record from a host's ddip run (one line of its stderr, line end included).
+    // A record from a host's ddip run, or from a rank (a Prompt): one line of its stderr, line
+    // end included.
     std::function<void(size_t unit, std::string_view line)> on_record;
     // The terminal could not take a write (on another host: the link back is gone).
     std::function<void()> on_write_failed;
@@ -74,6 +82,8 @@ class LabelledStreams {
   void attach(size_t u, Fd out, Fd err);
   // Reads what unit `u` (exited) left in its pipes.
   void drain(size_t u);
+  // Reads what unit `u` has written to `s` so far (a rank's prints before its prompt).
+  void drain(size_t u, RankOutput::Stream s);
   // Releases unit `u`'s partial lines: a host's, once its ddip run has ended.
   void flush(size_t u);
   // At the end: every partial line of a pipe still open (a descendant holds it).
@@ -102,6 +112,7 @@ class LabelledStreams {
   void read(size_t u, RankOutput::Stream s);
   void deliver(size_t u, RankOutput::Stream s, const std::string& text);
   void host_text(size_t u, const std::string& text);
+  void rank_text(size_t u, const std::string& text);
   void emit(size_t u, RankOutput::Stream s, std::string_view text);
 
   RunLoop& loop_;

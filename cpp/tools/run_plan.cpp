@@ -78,6 +78,10 @@ void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machi
     p.spec.env = rank_environment(base, launch, r);
     add_elastic_environment(p.spec.env, elastic.run_id,
                             elastic.errors ? elastic.errors->path(p.first_rank) : std::string());
+    // breakpoint() prompts through ddip run (run_prompts.hpp); a user's own choice stays.
+    if (!lookup(p.spec.env, "PYTHONBREAKPOINT"))
+      p.spec.env.push_back(std::string("PYTHONBREAKPOINT=") + kBreakpointHook);
+    p.spec.stdin_pipe = opts.prompts;
     plans.push_back(std::move(p));
   }
 }
@@ -124,6 +128,7 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
       "--master-port", std::to_string(at.master_port), "--tee", opts.tee};
   if (!m.cwd.empty()) cmd.insert(cmd.end(), {"--node-cwd", m.cwd});
   if (shipping) cmd.insert(cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
+  if (opts.prompts) cmd.push_back("--node-prompts");
   std::ostringstream t;
   t << opts.link_timeout_s;
   cmd.insert(cmd.end(), {"--link-timeout", t.str()});

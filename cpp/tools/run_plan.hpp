@@ -14,6 +14,10 @@
 
 namespace ddip::run {
 
+// What every rank's PYTHONBREAKPOINT names unless the user set it: breakpoint() writes a Prompt
+// record and reads its answer from the rank's stdin (python/ddip/rank/run_debug.py).
+inline constexpr const char* kBreakpointHook = "ddip.rank.run_debug.set_trace";
+
 // What the launcher supervises: a rank of its own, or the launcher of another host's ddip run.
 struct UnitPlan {
   bool host = false;

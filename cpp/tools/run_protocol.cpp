@@ -145,6 +145,9 @@ struct ControlEncoder {
   std::string operator()(const Signal& m) const { return "signal " + std::to_string(m.number); }
   std::string operator()(const Stop&) const { return "stop"; }
   std::string operator()(const Kill&) const { return "kill"; }
+  std::string operator()(const Answer& m) const {
+    return "answer " + std::to_string(m.rank) + " " + (m.end ? "1 " : "0 ") + escape(m.line);
+  }
 };
 
 struct ReportEncoder {
@@ -161,6 +164,9 @@ struct ReportEncoder {
     for (const auto& r : m.ranks)
       out.append(" ").append(std::to_string(r.rank)).append(" ").append(escape(r.what));
     return out;
+  }
+  std::string operator()(const Prompt& m) const {
+    return "prompt " + std::to_string(m.rank) + " " + escape(m.output) + " " + escape(m.prompt);
   }
 };
 
@@ -187,8 +193,15 @@ Control decode_control(std::string_view line) {
     out = Stop{};
   } else if (kind == "kill") {
     out = Kill{};
+  } else if (kind == "answer") {
+    Answer a;
+    a.rank = f.number<int>("rank", 0, kMaxRank);
+    a.end = f.number<int>("end", 0, 1) == 1;
+    a.line = f.text("line");
+    if (a.line.find('\n') != std::string::npos) f.fail("its line has a line end inside");
+    out = std::move(a);
   } else {
-    f.unknown("ping, signal, stop or kill");
+    f.unknown("ping, signal, stop, kill or answer");
   }
   f.end();
   return out;
@@ -261,7 +274,15 @@ Report decode_report(std::string_view line) {
     f.end();
     return m;
   }
-  f.unknown("failed or done");
+  if (kind == "prompt") {
+    Prompt m;
+    m.rank = f.number<int>("rank", 0, kMaxRank);
+    m.output = f.text("debugger output");
+    m.prompt = f.text("prompt");
+    f.end();
+    return m;
+  }
+  f.unknown("failed, done or prompt");
 }
 
 }  // namespace ddip::run::protocol

@@ -2,8 +2,10 @@
 // and the one that started it through a launcher (ssh, srun, a template). Every message is one
 // line, "\x1e" "ddip KIND FIELD...\n", encoded and decoded only here.
 //
-// - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill.
-// - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone.
+// - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill, Answer.
+// - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone, Prompt.
+//   A rank writes Prompt itself (ddip.rank.run_debug, on its stderr) when its breakpoint()
+//   waits for a line; its host's ddip run hands it on.
 //
 // A record begins with an ASCII record separator, which no line of a rank can begin with (its
 // host labels every one "[rank] "). Fields are separated by one space; text fields escape
@@ -48,7 +50,15 @@ struct Stop {
 struct Kill {
   bool operator==(const Kill&) const = default;
 };
-using Control = std::variant<Ping, Signal, Stop, Kill>;
+// The line typed at rank `rank`'s debugger prompt (without its line end), for its stdin; `end`:
+// nobody can answer (ddip run's stdin has ended), so its stdin closes.
+struct Answer {
+  int rank = 0;
+  bool end = false;
+  std::string line;
+  bool operator==(const Answer&) const = default;
+};
+using Control = std::variant<Ping, Signal, Stop, Kill, Answer>;
 
 // -- from a host's ddip run -------------------------------------------------------------------
 
@@ -74,7 +84,17 @@ struct NodeDone {
   std::vector<RankEnd> ranks;
   bool operator==(const NodeDone&) const = default;
 };
-using Report = std::variant<RankFailed, NodeDone>;
+// Rank `rank` waits at a debugger prompt (breakpoint()): what its debugger printed since its
+// last prompt, and the prompt ("ipdb> "). Its answer goes back as Answer. An empty prompt says
+// the debugger has left (continue, or no answer): `output` is its last words, and another rank
+// may have its turn.
+struct Prompt {
+  int rank = 0;
+  std::string output;
+  std::string prompt;
+  bool operator==(const Prompt&) const = default;
+};
+using Report = std::variant<RankFailed, NodeDone, Prompt>;
 
 // -- files shipped to a host's ddip run (--ship) -------------------------------------------------
 
@@ -105,8 +125,11 @@ inline bool is_record(std::string_view line) { return line.substr(0, kPrefix.siz
 Control decode_control(std::string_view line);
 Report decode_report(std::string_view line);
 
-// The longest control record a host's ddip run reads (a line without '\n' by then is garbage).
-inline constexpr size_t kMaxControlLine = 256;
+// The longest line typed at a prompt that is sent on (a terminal's own limit is 4096).
+inline constexpr size_t kMaxAnswer = 16384;
+// The longest control record a host's ddip run reads (a line without '\n' by then is garbage):
+// an Answer of kMaxAnswer bytes, every one escaped.
+inline constexpr size_t kMaxControlLine = 2 * kMaxAnswer + 64;
 
 // The control channel's bytes, as they arrive, into messages.
 class ControlReader {

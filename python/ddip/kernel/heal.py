@@ -7,6 +7,7 @@ ddip/rank/heal.py."""
 
 from __future__ import annotations
 
+import pickle
 import signal
 import time
 
@@ -14,7 +15,6 @@ from .. import _core
 from ..rank import heal as _heal
 from . import request as _request
 from ..errors import GroupClosedError, HealError, HealReport, RankDeadError, RankError
-from ..messages import RemoteValue
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
 # collective by themselves (gloo: at once) before they are interrupted too.
@@ -265,26 +265,17 @@ class Healer:
                                          for s, why in sorted(bad.items())))
 
     def copy_namespace(self, report: HealReport, copy_from: int, keep, skipped, new_ranks: list[int]):
-        """The new ranks get a copy of survivor `copy_from`'s variables `keep`, brought from it and
-        sent to them through the data plane (large buffers in shared memory); what could not
-        travel joins `skipped`."""
-        group = self.group
-        values = {}
+        """The new ranks get a copy of survivor `copy_from`'s variables `keep`: each pickled there,
+        passed on from here unopened, through the data plane (large buffers in shared memory);
+        what does not pickle joins `skipped`."""
+        copied = []
         if keep:
-            try:
-                values = self._internal_call([copy_from], _heal.export, keep)[0]
-            except RuntimeError:  # one value the notebook can't take back: one by one, skipping it
-                for name in keep:
-                    try:
-                        values.update(self._internal_call([copy_from], _heal.export, [name])[0])
-                    except RuntimeError as exc:
-                        skipped[name] = f"it could not be brought over ({exc})"
-        for name in [n for n, v in values.items() if isinstance(v, RemoteValue)]:
-            skipped[name] = "it could not be pickled back from its rank"
-            del values[name]
-        if values:
-            self._internal_call(new_ranks, _heal.adopt, values)
-        report.copied_from, report.copied, report.skipped = copy_from, sorted(values), skipped
+            parcel, failed = self._internal_call([copy_from], _heal.export, keep)[0]
+            skipped.update(failed)
+            if parcel is not None:
+                data, buffers = parcel  # out of band again: what came in shared memory leaves through it
+                copied = self._internal_call(new_ranks, _heal.adopt, (data, [pickle.PickleBuffer(b) for b in buffers]))[0]
+        report.copied_from, report.copied, report.skipped = copy_from, copied, skipped
 
     def _internal_send(self, ranks, fn, *args):
         group = self.group

@@ -195,11 +195,19 @@ def print_stacks(stacks: dict):
 class RunOutput:
     """`ddip run`'s labelled output ("[rank] " after every '\\n' and every '\\r' that text follows;
     every piece it writes ends in one of them), written to the notebook by a LabelledOutput: ranks'
-    redrawn bars take turns in place instead of overwriting each other's text."""
+    redrawn bars take turns in place instead of overwriting each other's text.
+
+    With `on_prompt`, a rank waiting at a debugger prompt (a line of stdout that is `ddip run
+    --prompt-records`' record, "\\x1eddip prompt RANK OUTPUT PROMPT") is handed to
+    on_prompt(rank, prompt) instead of being shown; what the debugger printed comes before it as
+    the rank's text."""
 
     _TAG = re.compile(r"\[(\d+)\] ")
+    _PROMPT = re.compile(r"\x1eddip prompt (\d+) (\S+) (\S+)\r?\n?")
+    _UNESCAPE = re.compile(r"\\(.)")
 
-    def __init__(self):
+    def __init__(self, on_prompt=None):
+        self.on_prompt = on_prompt
         self.out = LabelledOutput()
         self.partial = {"stdout": "", "stderr": ""}  # a read can end inside a piece
         self.last = {"stdout": None, "stderr": None}  # whose text came last, per stream
@@ -210,6 +218,10 @@ class RunOutput:
         self.partial[stream] = text[cut:]
         for body, end in pieces(text[:cut]):
             piece = body + end
+            record = self._PROMPT.fullmatch(piece) if stream == "stdout" and self.on_prompt else None
+            if record:
+                self.on_prompt(int(record.group(1)), self._text(record.group(3)))
+                continue
             tag = self._TAG.match(piece)
             if tag:
                 rank, piece = int(tag.group(1)), piece[tag.end():]
@@ -220,3 +232,11 @@ class RunOutput:
             self.last[stream] = rank
             label = "" if rank is None else f"[{rank}] "
             self.out.write((rank, stream), label, stream, piece)
+
+    @classmethod
+    def _text(cls, field: str) -> str:
+        """A record's text field, escaped as cpp/tools/run_protocol.hpp says."""
+        if field == "\\e":
+            return ""
+        return cls._UNESCAPE.sub(lambda m: {"\\": "\\", "s": " ", "n": "\n", "r": "\r"}.get(m.group(1), m.group(0)),
+                                 field)

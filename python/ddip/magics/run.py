@@ -10,7 +10,10 @@ The cell is written to a temporary file and each rank runs `python that_file.py`
 environment. With --hosts, the file travels with the launch to every other host (`ddip run
 --ship`): those hosts need not share this machine's filesystem. Unlike %%dip there is no persistent group: every cell starts its ranks from scratch
 and they end with it. Labelled output ([rank] ...) reaches the notebook as it is printed;
-interrupting the kernel forwards SIGINT to the ranks (a second interrupt kills them).
+interrupting the kernel forwards SIGINT to the ranks (a second interrupt kills them). A rank's
+breakpoint() asks through the notebook's input box, labelled with the rank, and the line typed goes
+to that rank (`ddip run --prompt-records` hands each prompt here; this writes the answer to its
+stdin).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import tempfile
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..labels import rank_label
 from ..launch.program import binary
 from . import render
 from .flags import parse, size_flags, unquote, usage_error
@@ -78,7 +82,7 @@ class DipRunMagics(Magics):
                 f.write(cell)  # a plain script, as the ranks run plain Python
             command = [*flags, *(["--ship", script] if across else []), "--", sys.executable, script]
             _check(fn, command)
-            code = _stream([binary(), "run", "--die-with-parent", *command])
+            code = _stream([binary(), "run", "--die-with-parent", "--prompt-records", *command])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         if code == "interrupted":
@@ -114,13 +118,14 @@ def _stream(argv: list[str]):
     # Its own session: jupyter_client interrupts the kernel's whole process group, and the
     # launcher must get each interrupt once (from here), or the second copy would kill the ranks.
     # --die-with-parent ties it to the kernel instead.
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    # Its stdin carries the lines typed at the ranks' debugger prompts (Prompter).
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=_rank_env(), start_new_session=True)
     interrupted = False
     sel = selectors.DefaultSelector()
     try:
         # A read can end inside a UTF-8 character: decode incrementally, per stream.
-        out = render.RunOutput()
+        out = render.RunOutput(on_prompt=Prompter(proc.stdin))
         for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             sel.register(pipe, selectors.EVENT_READ, (name, codecs.getincrementaldecoder("utf-8")("replace")))
         while sel.get_map():
@@ -146,6 +151,36 @@ def _stream(argv: list[str]):
         raise
     finally:
         sel.close()
-        proc.stdout.close()
-        proc.stderr.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                pipe.close()
+            except OSError:  # stdin: ddip run has gone, with what was left unsent
+                pass
     return "interrupted" if interrupted else code
+
+
+class Prompter:
+    """A rank waits at a debugger prompt: asked with input() (the kernel's stdin channel: an input
+    box under the cell, as %debug's), and the line typed written to `ddip run`'s stdin, which sends
+    it to that rank only. A frontend that can't take input ends that stdin: every rank's prompt is
+    then answered by nobody, and the rank says so and goes on (ddip.rank.run_debug).
+    KeyboardInterrupt (the stop button) goes to the caller, which forwards SIGINT to the ranks."""
+
+    def __init__(self, stdin):
+        self.stdin = stdin
+
+    def __call__(self, rank: int, prompt: str):
+        if self.stdin.closed:
+            return
+        try:
+            line = input(f"{rank_label(rank)} {prompt}")
+        except (EOFError, NotImplementedError, OSError):  # StdinNotImplementedError among them
+            sys.stderr.write(f"ddip: {rank_label(rank)} stopped at a debugger prompt, but this frontend can't "
+                             f"take input (a Jupyter client needs allow_stdin); it goes on\n")
+            self.stdin.close()
+            return
+        try:
+            self.stdin.write((line + "\n").encode("utf-8", "replace"))
+            self.stdin.flush()
+        except OSError:  # ddip run has ended meanwhile
+            pass

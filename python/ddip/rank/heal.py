@@ -129,17 +129,14 @@ _NOT_COPIED = frozenset(("In", "Out", "exit", "quit", "get_ipython"))
 
 
 def copyable(names=None) -> tuple[list[str], dict[str, str]]:
-    """In the rank a new one copies from (heal's copy_from): the variables of its namespace that
-    can travel, and the others with why not. `names`: those only (when one does not exist: no
-    variable, and each missing name with why "missing"); None: every
-    variable but IPython's own and private ones (a leading underscore). Modules are skipped (the
-    new rank imports them itself), and so is what can't be pickled; large buffers are not copied
-    for the check."""
+    """In the rank a new one copies from (heal's copy_from): the variables of its namespace to
+    copy, and the others with why not. `names`: those only (when one does not exist: no
+    variable, and each missing name with why "missing"); None: every variable but IPython's own
+    and private ones (a leading underscore). Modules (the new rank imports them itself), open
+    files and DDP wrappers are left out; what does not pickle is found by export()."""
     import io
 
     from IPython import get_ipython
-
-    from ..messages import picklable
 
     ns = sys.modules["__main__"].__dict__
     if names is None:
@@ -159,8 +156,6 @@ def copyable(names=None) -> tuple[list[str], dict[str, str]]:
             skipped[name] = "an open file: open it again on the new rank"
         elif _holds_a_process_group(value):
             skipped[name] = "it holds the old process group: make it again on the new rank"
-        elif not picklable(_travelling(value)):
-            skipped[name] = f"{type(value).__name__} can't be pickled"
         else:
             keep.append(name)
     return keep, skipped
@@ -200,16 +195,40 @@ def _travelling(value):
     return value
 
 
-def export(names: list[str]) -> dict:
-    """In the rank copied from: `names`' values as they travel (functions of __main__ without
-    their globals)."""
+def export(names: list[str]) -> tuple[tuple[bytes, list] | None, dict[str, str]]:
+    """In the rank copied from: `names` pickled together (what refers to the same object, as an
+    optimizer to its model's parameters, still does), as ddip sends values (a CUDA tensor as its
+    bytes, rebuilt on the receiver's own GPU; functions of __main__ without their globals), large
+    buffers left out of band so that they travel in shared memory. Returns ((pickle, buffers) or
+    None, name -> why it can't be pickled: those are left out). The notebook passes the parcel on
+    unopened: it never imports the user's classes nor touches a GPU."""
+    from ..messages import dumps
+
     ns = sys.modules["__main__"].__dict__
-    return {n: _travelling(ns[n]) for n in names}
+    failed = {}
+    while True:
+        values = {n: _travelling(ns[n]) for n in names if n not in failed}
+        buffers = []
+        try:
+            return (dumps(values, buffer_callback=buffers.append), buffers) if values else None, failed
+        except Exception:  # which one: each alone
+            for name, value in values.items():
+                try:
+                    dumps(value, buffer_callback=lambda b: None)
+                except Exception as exc:
+                    failed[name] = f"{type(ns[name]).__name__} can't be pickled ({type(exc).__name__}: {exc})"
+            if not failed.keys() & values.keys():
+                raise  # only together (cannot happen): say so rather than loop
 
 
-def adopt(values: dict) -> list[str]:
-    """In a new rank: the copied variables into its namespace, functions rebuilt on it."""
+def adopt(parcel: tuple[bytes, list]) -> list[str]:
+    """In a new rank: the copied variables (export()'s parcel) into its namespace, functions
+    rebuilt on it."""
+    from ..messages import loads
+
     ns = sys.modules["__main__"].__dict__
+    data, buffers = parcel
+    values = loads(data, buffers=buffers)
     for name, value in values.items():
         ns[name] = value.rebuild(ns) if isinstance(value, MainFunction) else value
     return sorted(values)
