@@ -202,3 +202,44 @@ TEST(RunPlan, HostsWithGpusPassTheirListAndRank0ElsewhereDrawsARemotePort) {
   EXPECT_EQ(after(node, "--node-files"), Args{});            // nothing shipped
   EXPECT_EQ(after(units[0].spec.argv, "--gpus"), (Args{"0,1"}));
 }
+
+TEST(RunPlan, RanksGetTheBreakpointHookAndAStdinPipeOnlyWhenSomeoneCanAnswer) {
+  Elastic elastic{"run-5", nullptr};
+  RunOptions opts = parse({"run", "-n", "2", "python", "t.py"});
+  auto units = plan_units(opts, machine(), elastic, "");
+  for (const auto& p : units) {
+    EXPECT_EQ(var(p, "PYTHONBREAKPOINT"), "ddip.rank.run_debug.set_trace");
+    EXPECT_FALSE(p.spec.stdin_pipe) << "nobody to answer: /dev/null";
+  }
+  opts.prompts = true;  // ddip run's stdin is a terminal or a pipe (main decides)
+  for (const auto& p : plan_units(opts, machine(), elastic, "")) EXPECT_TRUE(p.spec.stdin_pipe);
+
+  // The user's own choice stays, from the environment here or from --env.
+  Machine m = machine();
+  m.env.push_back("PYTHONBREAKPOINT=0");
+  EXPECT_EQ(var(plan_units(opts, m, elastic, "")[0], "PYTHONBREAKPOINT"), "0");
+  auto mine = plan_units(parse({"run", "-n", "1", "--env", "PYTHONBREAKPOINT=mod.hook", "python",
+                                "t.py"}),
+                         machine(), elastic, "");
+  EXPECT_EQ(var(mine[0], "PYTHONBREAKPOINT"), "mod.hook");
+}
+
+TEST(RunPlan, AnotherHostIsToldWhetherItsRanksPromptsCanBeAnswered) {
+  RunOptions opts = parse({"run", "--hosts", "localhost:1,node1:1", "--master-addr", "10.0.0.1",
+                           "python", "t.py"});
+  // ssh gets the host's command line as one word.
+  auto has = [](const UnitPlan& p) {
+    return std::any_of(p.spec.argv.begin(), p.spec.argv.end(), [](const std::string& a) {
+      return a.find(" --node-prompts ") != std::string::npos;
+    });
+  };
+  EXPECT_FALSE(has(plan_units(opts, machine(), Elastic{"run-6", nullptr}, "")[1]));
+  opts.prompts = true;
+  auto units = plan_units(opts, machine(), Elastic{"run-6", nullptr}, "");
+  EXPECT_TRUE(units[1].host);
+  EXPECT_TRUE(has(units[1]));
+  // And that host's ddip run reads it back.
+  EXPECT_TRUE(parse({"run", "--node", "1,2,1,2", "--node-name", "node1", "--node-prompts", "-n",
+                     "1", "python", "t.py"})
+                  .prompts);
+}

@@ -78,7 +78,8 @@ void Prompts::show_next() {
     if (show_ == Show::kText)
       terminal_.prompt(tag + w.prompt.prompt);
     else
-      terminal_.write(1, protocol::encode(protocol::Report{protocol::Prompt{w.prompt.rank, "", w.prompt.prompt}}));
+      terminal_.write(1, protocol::encode(
+                             protocol::Report{protocol::Prompt{w.prompt.rank, "", w.prompt.prompt}}));
     answer_lines();  // a line typed ahead answers at once
   }
   watch(shown_);

@@ -2,9 +2,10 @@
 // run's own stdin: one rank at a time, in the order they stopped. The waiting rank's debugger
 // output and its prompt are shown labelled ("[1] ipdb> "), and the next line read goes to that
 // rank only. A rank keeps its turn, prompt after prompt, until its debugger leaves (a Prompt
-// without a prompt: `c`) or it ends; only then is the next rank's prompt shown. ddip run's stdin is read only while a prompt is shown, so a line typed ahead waits
-// in the terminal (or pipe) for the next prompt, and a ddip run in a shell's background is not
-// stopped for reading its terminal until a rank asks.
+// without a prompt: `c`) or it ends; only then is the next rank's prompt shown. ddip run's stdin
+// is read only while a prompt is shown, so a line typed ahead waits in the terminal (or pipe) for
+// the next prompt, and a ddip run in a shell's background is not stopped for reading its
+// terminal until a rank asks.
 #pragma once
 
 #include <deque>
