@@ -231,3 +231,17 @@ def test_a_rank_on_another_host_prompts_here_and_gets_its_answer(terminal, tmp_p
     assert "[0] rank 0's stdin: nothing" in rest
     t.close()
     assert t.exitstatus == 0, rest
+
+
+def test_ctrl_c_at_a_remote_ranks_prompt_stops_the_job_on_every_host(terminal, tmp_path):
+    t = terminal(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
+                  "--master-addr", "127.0.0.1", "--", PY, two_ranks(tmp_path)])
+    t.expect(r"\[1\] ipdb> ")
+    t.sendintr()
+    t.expect(pexpect.EOF)
+    out = ANSI.sub("", t.before)
+    assert "[1] KeyboardInterrupt: interrupted at the debugger's prompt" in out, out
+    assert "[0] KeyboardInterrupt" in out
+    assert "ipdb> " not in out.split("interrupted at the debugger's prompt", 1)[1], out
+    t.close()
+    assert t.exitstatus == 128 + 2
