@@ -80,7 +80,8 @@ def test_copy_from_gives_the_new_rank_a_survivors_variables_and_names_what_it_sk
         got = g.run("import os\n(mine.tolist(), note, box.size, rank, os.environ['RANK'])", ranks=[1])[0].value
         assert got == ([0.0] * 3, {"rank": 0, "words": ["kept"]}, 7, 0, "1")  # rank 0's, in rank 1
         # 8 MiB of tensor (through shared memory), and what referred to one object still does.
-        assert g.run("big.sum().item(), same[0] is mine", ranks=[1])[0].value == (float((1 << 20) * ((1 << 20) - 1) / 2), True)
+        total = float((1 << 20) * ((1 << 20) - 1) / 2)
+        assert g.run("big.sum().item(), same[0] is mine", ranks=[1])[0].value == (total, True)
         assert g.run("mine.tolist(), rank", ranks=[0])[0].value == ([0.0] * 3, 0)  # rank 0 untouched
         assert "log" in report.describe() and "an open file" in report.describe()
         assert [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]
@@ -106,6 +107,22 @@ def test_rank_0_killed_while_its_peer_waits_in_a_collective_is_replaced():
         assert g.run("note", ranks=[0])[0].value == {"rank": 1, "words": ["kept"]}
         assert g.run("mine.tolist()", ranks=[1])[0].value == [1.0] * 3
         assert [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]
+
+
+def test_a_group_without_torch_distributed_gets_its_dead_rank_replaced_too():
+    with ddip.Group(n=2, backend=None) as g:
+        g.push(x=5)
+        old = g.pids
+        _kill_from_inside(g, 0)
+        report = g.heal(copy_from=1)
+        assert report.ok and report.port is None and list(report.replaced) == [0] and report.copied == ["x"]
+        assert g.pids[0] == report.replaced[0] != old[0] and g.pids[1] == old[1]
+        assert [r.value for r in g.run("import os; x, os.environ['RANK']")] == [(5, "0"), (5, "1")]
+        text = report.describe()
+        assert "rank 0 is a new process" in text and "with a copy of rank 1's variables (x)" in text
+        assert "torch.distributed" not in text and "DDP" not in text, text
+        with pytest.raises(ddip.HealError, match="no torch.distributed to heal"):  # nothing dead: as before
+            g.heal()
 
 
 def test_bad_input_is_refused_and_changes_nothing():
@@ -195,8 +212,9 @@ def test_a_dead_rank_on_another_host_is_refused_naming_its_host_and_changes_noth
                         env={"GLOO_SOCKET_IFNAME": "ddip0"}) as g:
             _kill_from_inside(g, 1)
             _wait_dead(g, 1)
-            with pytest.raises(ddip.HealError, match=rf"rank 1 on host {re.escape(b)} \(killed by SIGKILL\) is dead, "
-                                                     r"and replacing a dead rank on another host is not supported yet") as err:
+            refused = (rf"rank 1 on host {re.escape(b)} \(killed by SIGKILL\) is dead, "
+                       r"and replacing a dead rank on another host is not supported yet")
+            with pytest.raises(ddip.HealError, match=refused) as err:
                 g.heal()
             assert isinstance(err.value.__cause__, ddip.RankDeadError) and err.value.report.seconds == 0
             assert "%makedip -r (g.restart()) starts fresh ranks" in str(err.value)

@@ -159,7 +159,8 @@ pid_t hold_with_tracer(pid_t pid) {
 // Forks a process that gets pid `dead` back (pid reuse, forced through ns_last_pid) and connects
 // to the coordinator's socket as a worker would. Whether it was attached (it got a heartbeat);
 // nullopt when no fork got that pid.
-std::optional<bool> impostor_attached(std::ofstream& last_pid, const std::string& path, pid_t dead) {
+std::optional<bool> impostor_attached(std::ofstream& last_pid, const std::string& path,
+                                      pid_t dead) {
   for (int attempt = 0; attempt < 50; ++attempt) {
     last_pid << dead - 1 << std::flush;
     pid_t pid = ::fork();
@@ -542,10 +543,11 @@ TEST(Coordinator, AWorkerStartedAgainFromANewSpecGetsItsEnvironment) {
   Coordinator c(options(1));
   c.send(0, Frame::make(kRequest, 0, 1, "exit:0"));
   wait_for(c, Event::kExited, 0);
-  SpawnSpec spec{{self_exe()},
-                 {"DDIP_TEST_WORKER=1", "DDIP_TEST_RANK=0", "NEW_PORT=4242", "DDIP_SOCKET=/nowhere"},
-                 "",
-                 true};
+  SpawnSpec spec{
+      {self_exe()},
+      {"DDIP_TEST_WORKER=1", "DDIP_TEST_RANK=0", "NEW_PORT=4242", "DDIP_SOCKET=/nowhere"},
+      "",
+      true};
   c.respawn(0, spec);
   hello_of(c, 0);
   EXPECT_EQ(request(c, 0, 2, "env:NEW_PORT").frame.data(), "4242");

@@ -131,6 +131,8 @@ class HealReport:
                     f"while rank{'s' if len(self.released) > 1 else ''} {', '.join(map(str, self.released))} "
                     f"waited in a collective;")
         kept = "every rank kept its variables" if not self.replaced else "every surviving rank kept its variables"
+        if self.port is None:  # a group without torch.distributed: its dead ranks replaced, nothing rebuilt
+            return f"ddip healed the group in {self.seconds:.2f} s:{self.replacement().rstrip(';')}; {kept}." + self.redo()
         return (f"ddip healed the group in {self.seconds:.2f} s:{what}{self.replacement()} torch.distributed's "
                 f"default group was rebuilt on all {self.world_size} ranks (same ranks and world size, "
                 f"MASTER_PORT {self.port}), and {kept}. Make again what held the old group: "
@@ -162,6 +164,8 @@ class HealReport:
         ranks = ", ".join(map(str, sorted(self.replaced)))
         first = ("run your set-up cell again on it (%%dip -r " + ranks + "), or heal with copy_from"
                  if self.copied_from is None else "import the modules it uses again")
+        if self.port is None:  # no torch.distributed: nothing of DDP's to make again
+            return f" On rank(s) {ranks}: {first}."
         return (f" On rank(s) {ranks}: {first}; wrap the model in DDP again there too; a "
                 f"DistributedSampler made before keeps its rank: make it again (or set_epoch as before).")
 

@@ -73,16 +73,22 @@ class Healer:
         (a new process in each one's slot), then rebuilds; copy_from: a survivor whose variables
         the new ranks get a copy of (every one that pickles, or `names`)."""
         group = self.group
-        self.check_healable()
+        if group.backend or not group.runtime.exits:  # without torch.distributed: dead ranks replaced only
+            self.check_healable()
         dead = self.check_replacing(copy_from, names)
         source_idle = copy_from is not None and group.slot_of(copy_from) not in group.runtime.running
         # What to copy, asked before anything changes when the source can answer (names= it lacks
         # are refused then); a source stuck in a collective is asked once it is released.
         plan = self.what_to_copy(copy_from, names) if source_idle else None
         started = time.monotonic()
-        h = self.release_all(started)
-        port, pids = self.rebuild(h.teardowns, dead)
-        report = HealReport(True, 0.0, group.world_size, released=h.stuck, port=port,
+        if group.backend:
+            h = self.release_all(started)
+            port, pids = self.rebuild(h.teardowns, dead)
+            released = h.stuck
+        else:
+            port, pids, released = None, self.replace(dead, group.master_port), []
+            self.joined(dead)
+        report = HealReport(True, 0.0, group.world_size, released=released, port=port,
                             replaced={group.rank_ids[s]: pid for s, pid in pids.items()})
         if copy_from is not None:
             keep, skipped = plan or self.what_to_copy(copy_from, names, "the group was healed, but nothing was copied")
@@ -90,7 +96,8 @@ class Healer:
         report.seconds = time.monotonic() - started
         return report
 
-    def what_to_copy(self, copy_from: int, names, then: str = "nothing was changed") -> tuple[list[str], dict[str, str]]:
+    def what_to_copy(self, copy_from: int, names,
+                     then: str = "nothing was changed") -> tuple[list[str], dict[str, str]]:
         """(the variables of `copy_from` that can be copied, the others -> why not); NameError for
         names= it does not have."""
         keep, skipped = self._internal_call([copy_from], _heal.copyable, names)[0]
@@ -274,7 +281,8 @@ class Healer:
             skipped.update(failed)
             if parcel is not None:
                 data, buffers = parcel  # out of band again: what came in shared memory leaves through it
-                copied = self._internal_call(new_ranks, _heal.adopt, (data, [pickle.PickleBuffer(b) for b in buffers]))[0]
+                parcel = (data, [pickle.PickleBuffer(b) for b in buffers])
+                copied = self._internal_call(new_ranks, _heal.adopt, parcel)[0]
         report.copied_from, report.copied, report.skipped = copy_from, copied, skipped
 
     def _internal_send(self, ranks, fn, *args):

@@ -100,8 +100,9 @@ def heal_note(report):
 
 def healed(report) -> str:
     kept = "their variables are kept" if not report.replaced else "the surviving ranks' variables are kept"
-    return (f"healed in {report.seconds:.2f} s: torch.distributed's default group rebuilt on all "
-            f"{report.world_size} ranks (MASTER_PORT {report.port}); {kept}"
+    rebuilt = (f"torch.distributed's default group rebuilt on all {report.world_size} ranks (MASTER_PORT "
+               f"{report.port})" if report.port is not None else "no torch.distributed to rebuild")
+    return (f"healed in {report.seconds:.2f} s: {rebuilt}; {kept}"
             + (f"; rank(s) {', '.join(map(str, report.released))} were released from what they ran"
                if report.released else "")
             + (f".\n{report.replacement().strip().rstrip(';')}.\n{report.redo().strip()}" if report.replaced else ""))
