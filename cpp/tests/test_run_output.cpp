@@ -132,3 +132,25 @@ TEST(RunOutput, ATerminalThatGoesAwayIsSaidOnceAndWrittenNoMore) {
   EXPECT_TRUE(terminal.ok(2));
   EXPECT_EQ(read_ready(term_err.read.get()), "[0] still shown\n");
 }
+
+TEST(RunOutput, ARanksPromptRecordIsHandedOnEvenAfterTextWithoutALineEnd) {
+  RunLoop loop;
+  auto term_out = ddip::make_pipe(true), term_err = ddip::make_pipe(true);
+  Terminal terminal(std::chrono::milliseconds::zero(), term_out.write.get(), term_err.write.get());
+  std::vector<std::pair<size_t, std::string>> records;
+  LabelledStreams streams(loop, terminal, "ddip run",
+                          {[&](size_t u, std::string_view line) { records.emplace_back(u, line); },
+                           nullptr});
+  size_t r = streams.add_rank(2, true);
+  FakeProcess p;
+  streams.attach(r, std::move(p.out.read), std::move(p.err.read));
+  namespace proto = ddip::run::protocol;
+  std::string prompt = proto::encode(proto::Report{proto::Prompt{2, "-> x = 1\n", "ipdb> "}});
+  std::string left = proto::encode(proto::Report{proto::Prompt{2, "", ""}});
+  ddip::test::write_fd(p.err.write.get(), "warn\nloss: " + prompt + left + "after\n");
+  p.out.write.reset();
+  p.err.write.reset();
+  loop.run_until([&] { return !streams.any_open(); });
+  EXPECT_EQ(records, (std::vector<std::pair<size_t, std::string>>{{r, prompt}, {r, left}}));
+  EXPECT_EQ(read_ready(term_err.read.get()), "[2] warn\n[2] loss: \n[2] after\n");
+}

@@ -195,19 +195,23 @@ void LabelledStreams::deliver(size_t u, RankOutput::Stream s, const std::string&
     rank_text(u, text);
 }
 
-// A rank's stderr, with the record its debugger writes before each prompt (ddip.rank.run_debug).
+// A rank's stderr, with the record its debugger writes before each prompt (ddip.rank.run_debug):
+// at the end of a line, after text the rank left without a line end ("loss: " and then the
+// breakpoint), which is shown as a line of its own.
 void LabelledStreams::rank_text(size_t u, const std::string& text) {
   if (text.find(protocol::kPrefix) == std::string::npos) return emit(u, RankOutput::kStderr, text);
   std::string shown;
   for_each_line(text, [&](std::string_view body, std::string_view end) {
     std::string_view line(body.data(), body.size() + end.size());
-    if (protocol::is_record(line)) {
-      emit(u, RankOutput::kStderr, shown);
-      shown.clear();
-      hooks_.on_record(u, line);
-    } else {
+    size_t at = line.find(protocol::kPrefix);
+    if (at == std::string_view::npos) {
       shown.append(line);
+      return;
     }
+    if (at > 0) shown.append(line.substr(0, at)).append("\n");
+    emit(u, RankOutput::kStderr, shown);
+    shown.clear();
+    hooks_.on_record(u, line.substr(at));
   });
   emit(u, RankOutput::kStderr, shown);
 }
