@@ -245,3 +245,19 @@ def test_ctrl_c_at_a_remote_ranks_prompt_stops_the_job_on_every_host(terminal, t
     assert "ipdb> " not in out.split("interrupted at the debugger's prompt", 1)[1], out
     t.close()
     assert t.exitstatus == 128 + 2
+
+
+def test_q_at_a_prompt_ends_that_rank_as_pdb_does_and_the_report_shows_no_records(tmp_path):
+    path = script(tmp_path, """
+        import os
+        if os.environ["RANK"] == "1":
+            breakpoint()
+        print("rank", os.environ["RANK"], "done", flush=True)
+    """)
+    p = subprocess.run([DDIP, "run", "-n", "2", "--", PY, path], input="q\n", capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1
+    assert "ddip run: rank 1 failed first: exit code 1" in p.stderr
+    assert "  | bdb.BdbQuit" in p.stderr  # its report's tail, as pdb ends a script
+    assert "\x1e" not in p.stdout + p.stderr  # no prompt record shown, in the output or the report
+    assert "[0] rank 0 done" in p.stdout

@@ -153,4 +153,6 @@ TEST(RunOutput, ARanksPromptRecordIsHandedOnEvenAfterTextWithoutALineEnd) {
   loop.run_until([&] { return !streams.any_open(); });
   EXPECT_EQ(records, (std::vector<std::pair<size_t, std::string>>{{r, prompt}, {r, left}}));
   EXPECT_EQ(read_ready(term_err.read.get()), "[2] warn\n[2] loss: \n[2] after\n");
+  // A failure report's tail shows what the rank showed.
+  EXPECT_EQ(streams.stderr_tail(r), (std::vector<std::string>{"warn", "loss: ", "after"}));
 }

@@ -248,7 +248,16 @@ void LabelledStreams::emit(size_t u, RankOutput::Stream s, std::string_view text
 }
 
 std::vector<std::string> LabelledStreams::stderr_tail(size_t u) const {
-  return lines_of(units_[u].output.stderr_tail());
+  std::vector<std::string> tail;
+  // Without the records of its debugger's prompts, which it never showed.
+  for (auto& line : lines_of(units_[u].output.stderr_tail())) {
+    size_t at = line.find(protocol::kPrefix);
+    if (at == std::string::npos)
+      tail.push_back(std::move(line));
+    else if (at > 0)
+      tail.push_back(line.substr(0, at));
+  }
+  return tail;
 }
 
 std::vector<std::string> LabelledStreams::launcher_tail(size_t u) const {

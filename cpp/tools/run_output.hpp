@@ -90,7 +90,7 @@ class LabelledStreams {
   void flush_open();
   bool any_open() const;
 
-  // A rank's last lines of stderr.
+  // A rank's last lines of stderr (but its prompt records).
   std::vector<std::string> stderr_tail(size_t u) const;
   // A host launcher's last lines of its own (ssh's errors, the host's ddip run's messages;
   // not its ranks', which are labelled), and notes added about it.
