@@ -158,6 +158,13 @@ def test_pythonbreakpoint_set_by_the_user_is_kept(tmp_path):
     assert "nobody can answer" not in p.stderr and "ipdb> " not in p.stdout
 
 
+def test_help_says_how_a_ranks_breakpoint_is_answered():
+    out = subprocess.run([DDIP, "run", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "A rank's breakpoint() prompts on ddip run's terminal, labelled with its rank" in out
+    assert "PYTHONBREAKPOINT=ddip.rank.run_debug.set_trace" in out
+    assert "each rank's stdin is then a pipe of its own" in out
+
+
 # -- %%diprun through a real kernel: the prompt in the notebook's input box -------------------------
 
 
@@ -261,3 +268,18 @@ def test_q_at_a_prompt_ends_that_rank_as_pdb_does_and_the_report_shows_no_record
     assert "  | bdb.BdbQuit" in p.stderr  # its report's tail, as pdb ends a script
     assert "\x1e" not in p.stdout + p.stderr  # no prompt record shown, in the output or the report
     assert "[0] rank 0 done" in p.stdout
+
+
+def test_diprun_across_hosts_asks_a_remote_ranks_prompt_in_the_notebook(kernel, tmp_path):
+    fifo = tmp_path / "rank1-went-on"
+    os.mkfifo(fifo)
+    # 127.0.0.2: another "host" (not this machine's name) whose launcher template runs right here.
+    cell = ("%%diprun --hosts localhost:1,127.0.0.2:1 --launcher 'exec {command} # {host}'\n"
+            + textwrap.dedent(TWO_RANKS.format(fifo=str(fifo))))
+    answers = ["p x", "c"]
+    cell = kernel.run_answering(cell, lambda prompt: answers.pop(0))
+    out = ANSI.sub("", cell.stream())
+    assert cell.reply["status"] == "ok", (cell.outputs, cell.reply)
+    assert kernel.prompts == ["[rank 1] ipdb> ", "[rank 1] ipdb> "]
+    assert "[1] 41\n" in out and "[1] rank 1 goes on with x=41" in out
+    assert "[0] rank 0's stdin: nothing" in out
