@@ -283,3 +283,21 @@ def test_diprun_across_hosts_asks_a_remote_ranks_prompt_in_the_notebook(kernel, 
     assert kernel.prompts == ["[rank 1] ipdb> ", "[rank 1] ipdb> "]
     assert "[1] 41\n" in out and "[1] rank 1 goes on with x=41" in out
     assert "[0] rank 0's stdin: nothing" in out
+
+
+def test_ctrl_d_at_a_prompt_is_pdbs_own_end_of_input_for_that_rank(terminal, tmp_path):
+    path = script(tmp_path, """
+        import os
+        if os.environ["RANK"] == "1":
+            breakpoint()
+        print("rank", os.environ["RANK"], "done", flush=True)
+    """)
+    t = terminal(["run", "-n", "2", "--", PY, path])
+    t.expect(r"\[1\] ipdb> ")
+    t.sendeof()  # Ctrl-D: pdb quits, as it does in a terminal; the terminal itself stays open
+    t.expect(pexpect.EOF)
+    out = ANSI.sub("", t.before)
+    assert "[1] bdb.BdbQuit" in out and "rank 1 failed first: exit code 1" in out, out
+    assert "rank 0: exit code 0" in out
+    t.close()
+    assert t.exitstatus == 1
