@@ -133,7 +133,8 @@ def copyable(names=None) -> tuple[list[str], dict[str, str]]:
     copy, and the others with why not. `names`: those only (when one does not exist: no
     variable, and each missing name with why "missing"); None: every variable but IPython's own
     and private ones (a leading underscore). Modules (the new rank imports them itself), open
-    files and DDP wrappers are left out; what does not pickle is found by export()."""
+    files and DDP wrappers are left out; what does not pickle is found by export(). A module
+    travels by its name: the new rank imports it (`import torch` need not be run again)."""
     import io
 
     from IPython import get_ipython
@@ -150,8 +151,10 @@ def copyable(names=None) -> tuple[list[str], dict[str, str]]:
         return [], {n: "missing" for n in missing}
     for name in names:
         value = ns[name]
-        if isinstance(value, type(sys)):
-            skipped[name] = "a module: import it on the new rank"
+        if isinstance(value, type(sys)) and not getattr(value, "__name__", "").startswith("__main__"):
+            keep.append(name)  # by its name (_travelling)
+        elif isinstance(value, type(sys)):
+            skipped[name] = "a module made in the notebook's code: make it again on the new rank"
         elif isinstance(value, io.IOBase):
             skipped[name] = "an open file: open it again on the new rank"
         elif _holds_a_process_group(value):
@@ -187,11 +190,26 @@ class MainFunction:
         return fn
 
 
+class ModuleName:
+    """A module of the rank's namespace (`import torch`, `import numpy as np`), travelling as its
+    name: the new rank imports it from its own environment."""
+
+    def __init__(self, module):
+        self.name = module.__name__
+
+    def rebuild(self, ns: dict):
+        import importlib
+
+        return importlib.import_module(self.name)
+
+
 def _travelling(value):
     import types
 
     if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
         return MainFunction(value)
+    if isinstance(value, types.ModuleType):
+        return ModuleName(value)
     return value
 
 
@@ -229,6 +247,12 @@ def adopt(parcel: tuple[bytes, list]) -> list[str]:
     ns = sys.modules["__main__"].__dict__
     data, buffers = parcel
     values = loads(data, buffers=buffers)
+    taken = []
     for name, value in values.items():
-        ns[name] = value.rebuild(ns) if isinstance(value, MainFunction) else value
-    return sorted(values)
+        try:
+            ns[name] = value.rebuild(ns) if isinstance(value, (MainFunction, ModuleName)) else value
+        except ImportError as exc:  # a module this rank's environment lacks: left out, and said
+            print(f"ddip: {name} (module {value.name}) was not copied: {exc}", file=sys.stderr)
+            continue
+        taken.append(name)
+    return sorted(taken)
