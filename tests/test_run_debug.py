@@ -301,3 +301,16 @@ def test_ctrl_d_at_a_prompt_is_pdbs_own_end_of_input_for_that_rank(terminal, tmp
     assert "rank 0: exit code 0" in out
     t.close()
     assert t.exitstatus == 1
+
+
+def test_timeout_does_not_count_the_time_at_a_prompt(terminal, tmp_path):
+    t = terminal(["run", "-n", "2", "--timeout", "3", "--", PY, two_ranks(tmp_path)])
+    t.expect(r"\[1\] ipdb> ")
+    # Longer at the prompt than the whole --timeout: the job is not stopped meanwhile.
+    assert t.expect([pexpect.EOF, pexpect.TIMEOUT], timeout=4) == 1, t.before
+    t.sendline("c")
+    t.expect(pexpect.EOF)
+    out = ANSI.sub("", t.before)
+    assert "[1] rank 1 goes on with x=41" in out and "timed out" not in out, out
+    t.close()
+    assert t.exitstatus == 0, out

@@ -163,6 +163,25 @@ TEST(RunPolicy, TimeoutStopsEveryRank) {
   EXPECT_EQ(p.outcome().exit_code(), 124);
 }
 
+TEST(RunPolicy, TheTimeoutStandsStillWhileAPromptWaits) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.timeout_s = 1.5;
+  FailurePolicy p(crew, o, t0);
+  p.paused(true, t0 + milliseconds(1000));  // 1 s of the job's time, then a prompt
+  EXPECT_EQ(p.next_deadline(false), std::nullopt);
+  p.tick(t0 + milliseconds(60000), false);
+  EXPECT_TRUE(crew.did.empty()) << "a minute at the prompt is not the job's";
+  p.paused(true, t0 + milliseconds(70000));  // still the same pause
+  p.paused(false, t0 + milliseconds(100000));
+  EXPECT_EQ(p.next_deadline(false), t0 + milliseconds(100500));  // the 0.5 s left
+  p.tick(t0 + milliseconds(100499), false);
+  EXPECT_TRUE(crew.did.empty());
+  p.tick(t0 + milliseconds(100500), false);
+  EXPECT_TRUE(p.outcome().timed_out);
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"terminate"}));
+}
+
 TEST(RunPolicy, AHostsLauncherFailingIsNoCauseAfterAForwardedSignal) {
   RecordingCrew crew;
   FailurePolicy p(crew, {}, t0);

@@ -171,3 +171,19 @@ TEST(RunPrompts, ARankThatLeavesWithoutAnAnswerNoLongerShowsItsPrompt) {
   d.until_answers(1);
   EXPECT_EQ(d.answers, (std::vector<Answered>{{2, 2, "c"}})) << "rank 1 was never answered";
 }
+
+TEST(RunPrompts, ItSaysWhenAPromptWaitsForItsLineAndWhenNoneDoes) {
+  Desk d;
+  std::vector<bool> asking;
+  d.prompts.on_asking([&](bool on) { asking.push_back(on); });
+  d.prompts.waiting(0, at(0));
+  d.prompts.waiting(1, at(1));
+  EXPECT_EQ(asking, (std::vector<bool>{true}));
+  d.type("c\n");
+  d.until_answers(1);
+  EXPECT_EQ(asking, (std::vector<bool>{true, false})) << "rank 0 runs on: the job's time again";
+  d.prompts.waiting(0, left(0));
+  EXPECT_EQ(asking, (std::vector<bool>{true, false, true}));  // rank 1's turn
+  d.prompts.ended(1);
+  EXPECT_EQ(asking, (std::vector<bool>{true, false, true, false}));
+}

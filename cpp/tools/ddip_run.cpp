@@ -155,6 +155,8 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
     else
       streams_.add_rank(p.first_rank, p.shown);
   }
+  // --timeout stands still while a prompt waits for its line.
+  prompts_.on_asking([this](bool asking) { policy_.paused(asking, Clock::now()); });
   loop_.deadline([this] { return policy_.next_deadline(all_exited()); },
                  [this](Clock::time_point now) { policy_.tick(now, all_exited()); });
   loop_.deadline(

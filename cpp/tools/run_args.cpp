@@ -60,7 +60,8 @@ CLI::Option* CommandLine::add_rank_options() {
                    "DIR/rank<i>.stderr (DIR is created)")
       ->type_name("DIR");
   run_->add_option("--timeout", opts_.timeout_s,
-                   "Stop every rank after this many seconds and exit with 124")
+                   "Stop every rank after this many seconds and exit with 124 (time while a "
+                   "rank's debugger prompt waits for an answer does not count)")
       ->type_name("SECONDS")
       ->check(
           [](const std::string& v) -> std::string {

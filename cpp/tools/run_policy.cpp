@@ -104,16 +104,25 @@ void FailurePolicy::link_closed(std::string why, Clock::time_point now) {
   stop(now);
 }
 
+void FailurePolicy::paused(bool on, Clock::time_point now) {
+  if (on && !paused_since_) {
+    paused_since_ = now;
+  } else if (!on && paused_since_) {
+    if (timeout_at_) *timeout_at_ += now - *paused_since_;
+    paused_since_.reset();
+  }
+}
+
 std::optional<Clock::time_point> FailurePolicy::next_deadline(bool all_exited) const {
   std::optional<Clock::time_point> next;
-  if (timeout_at_ && !stopping_) next = timeout_at_;
+  if (timeout_at_ && !stopping_ && !paused_since_) next = timeout_at_;
   if (stop_at_ && !stopping_ && !all_exited && (!next || *stop_at_ < *next)) next = stop_at_;
   if (kill_at_ && !killed_ && !all_exited && (!next || *kill_at_ < *next)) next = kill_at_;
   return next;
 }
 
 void FailurePolicy::tick(Clock::time_point now, bool all_exited) {
-  if (timeout_at_ && !stopping_ && now >= *timeout_at_) {
+  if (timeout_at_ && !stopping_ && !paused_since_ && now >= *timeout_at_) {
     outcome_.timed_out = true;
     stop(now);
   }

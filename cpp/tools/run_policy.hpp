@@ -62,6 +62,10 @@ class FailurePolicy {
   void link_lost(std::string why, Clock::time_point now);
   void link_closed(std::string why, Clock::time_point now);
 
+  // While a rank's debugger prompt waits for an answer (`on`), the timeout stands still: time at
+  // a prompt is the person's, not the job's.
+  void paused(bool on, Clock::time_point now);
+
   // When tick() next has something to do (the timeout, the SIGKILL after the grace).
   std::optional<Clock::time_point> next_deadline(bool all_exited) const;
   void tick(Clock::time_point now, bool all_exited);
@@ -80,6 +84,7 @@ class FailurePolicy {
   Options opts_;
   Outcome outcome_;
   std::optional<Clock::time_point> timeout_at_;
+  std::optional<Clock::time_point> paused_since_;  // a prompt waits: the timeout stands still
   // When the ranks still running are stopped after a terminate_abort, if they have not ended.
   std::optional<Clock::time_point> stop_at_;
   // When every rank still running gets SIGKILL: the grace after a stop or a forwarded signal.

@@ -32,13 +32,19 @@ void Prompts::watch(bool on) {
     loop_.unwatch(in_.get());
 }
 
+void Prompts::set_shown(bool on) {
+  if (on == shown_) return;
+  shown_ = on;
+  if (asking_) asking_(on);
+}
+
 void Prompts::waiting(size_t u, protocol::Prompt p) {
   Waiter w{u, std::move(p)};
   if (w.prompt.prompt.empty()) {  // its debugger has left: its last words, and the next one's turn
     // Left without an answer (Ctrl-C at its prompt): its prompt is no longer shown.
     if (shown_ && queue_.front().unit == u && queue_.front().prompt.rank == w.prompt.rank) {
       queue_.pop_front();
-      shown_ = false;
+      set_shown(false);
       terminal_.answered(true);
     }
     bool after_cr = false;
@@ -57,7 +63,7 @@ void Prompts::ended(size_t u) {
   std::erase_if(queue_, [u](const Waiter& w) { return w.unit == u; });
   if (turn_ && turn_->first == u) turn_.reset();
   if (shown_gone) {
-    shown_ = false;
+    set_shown(false);
     terminal_.answered(true);
   }
   show_next();
@@ -74,7 +80,7 @@ void Prompts::show_next() {
       answer_front(std::nullopt);
       continue;
     }
-    shown_ = true;
+    set_shown(true);
     if (show_ == Show::kText)
       terminal_.prompt(tag + w.prompt.prompt);
     else
@@ -88,7 +94,7 @@ void Prompts::show_next() {
 void Prompts::answer_front(std::optional<std::string> line) {
   Waiter w = std::move(queue_.front());
   queue_.pop_front();
-  shown_ = false;
+  set_shown(false);
   answer_(w.unit, w.prompt.rank, std::move(line));
 }
 

@@ -44,6 +44,9 @@ class Prompts {
   void ended(size_t u);
   // How many ranks wait (the one shown included).
   size_t count() const { return queue_.size(); }
+  // `asking(true)` when a prompt is shown and waits for its line, `asking(false)` when none does
+  // any more (ddip run's --timeout stands still meanwhile).
+  void on_asking(std::function<void(bool)> asking) { asking_ = std::move(asking); }
 
  private:
   struct Waiter {
@@ -59,6 +62,7 @@ class Prompts {
   void answer_front(std::optional<std::string> line);
   void close_input();
   void watch(bool on);
+  void set_shown(bool on);
 
   RunLoop& loop_;
   Terminal& terminal_;
@@ -70,6 +74,7 @@ class Prompts {
   bool shown_ = false;
   std::optional<std::pair<size_t, int>> turn_;  // (unit, rank) whose turn it is
   std::string typed_;  // read, not yet a whole line
+  std::function<void(bool)> asking_;
 };
 
 }  // namespace ddip::run
