@@ -51,7 +51,7 @@ class DipRunMagics(Magics):
     @argument("--log-dir", default=None, metavar="DIR",
               help="also keep each rank's full stdout/stderr in DIR/rank<i>.stdout|stderr")
     @argument("--timeout", default=None, metavar="SECONDS",  # a string: ddip run judges it
-              help="stop every rank after this many seconds")
+              help="stop every rank after this many seconds (time at a rank's debugger prompt not counted)")
     @argument("--hosts", default=None, metavar="HOSTS",
               help="ranks on several hosts, numbered host by host: node1:4,node2:4, 'node1[0,1] node2[2,3]', "
                    "or node1,node2 with -g 0,1; localhost runs here; the cell travels with the launch")
