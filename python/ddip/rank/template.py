@@ -21,7 +21,9 @@ from .. import _core
 
 # Imported by every template: what the rank's worker needs before it can serve.
 BASE_MODULES = ("IPython.core.interactiveshell", "cloudpickle", "numpy", "ddip.rank.worker", "ddip.worker")
-DEFAULT_MODULES = ("torch",) if importlib.util.find_spec("torch") is not None else ()
+# torch._dynamo too: DDP's first construction in a process imports it (1 s here), which every
+# rank of every group, and a rank that replaces a dead one, would otherwise pay again.
+DEFAULT_MODULES = ("torch", "torch._dynamo") if importlib.util.find_spec("torch") is not None else ()
 
 forked = False  # True in a rank forked from a template (for tests and `%makedip -v`)
 serving = False  # True in the template once it waits for fork requests
