@@ -259,6 +259,7 @@ CELLS = [
     "%%dip --see all\ndef f():\n    raise ValueError('boom')\nf()",
     "%%dip\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
     "%%dip --see all\n'after the stop'",
+    "%%dip --see all\nimport os\nx = int(os.environ['RANK']) * 10 + 3\nbreakpoint()\nprint('after the breakpoint', x)",
 ]
 
 
@@ -358,6 +359,48 @@ def test_the_stop_button_interrupts_every_rank_and_the_next_cell_runs(page):
     page.run(8, timeout=60)
     text = page.text(8)
     assert re.search(r"Out\[0:\d+\]: 'after the stop'", text) and re.search(r"Out\[1:\d+\]: 'after the stop'", text), text
+
+
+def test_a_ranks_breakpoint_is_an_input_box_under_the_cell_answered_by_typing(page):
+    # JupyterLab keeps an answered prompt's box in the page, hidden (jp-OutputArea-stdin-hiding):
+    # the prompt waiting for an answer is the one box not being hidden.
+    waiting = ".jp-OutputArea-stdin-item:not(.jp-OutputArea-stdin-hiding) .jp-Stdin-input"
+
+    def box():
+        boxes = page.cells()[9].find_elements(By.CSS_SELECTOR, waiting)
+        return boxes[-1] if boxes else None
+
+    def taken(el) -> bool:
+        try:
+            return el not in page.cells()[9].find_elements(By.CSS_SELECTOR, waiting)
+        except StaleElementReferenceException:
+            return True
+
+    page.run(9, until_started=True)
+    typed = []
+    for rank in (0, 1):  # each rank's prompt in turn, labelled; the user types into the box
+        for line in ("p x", "c"):
+            page.wait(lambda: box() is not None, 60, f"an input box for rank {rank}'s prompt")
+            typed.append(page.cells()[9].find_elements(
+                By.CSS_SELECTOR, ".jp-OutputArea-stdin-item:not(.jp-OutputArea-stdin-hiding) .jp-Stdin-prompt")[-1]
+                .text.strip())
+            el = box()
+            el.send_keys(line + Keys.ENTER)
+            page.wait(lambda: taken(el), 30, f"the answer {line!r} to be taken")
+    page.wait_done(9, 60)
+    assert sorted(typed) == ["[rank 0] ipdb>"] * 2 + ["[rank 1] ipdb>"] * 2, typed
+    # The answered boxes turn into text as the outputs settle: read it once it has.
+    seen = {}
+
+    def settled() -> bool:
+        seen["text"] = strip_ansi(page.text(9))  # a stale read is retried by wait()
+        return "after the breakpoint 3" in seen["text"] and "after the breakpoint 13" in seen["text"]
+
+    page.wait(settled, 30, "the cell's last output")
+    text = seen["text"]
+    assert "[rank 0] 3" in text and "[rank 1] 13" in text, text
+    assert "after the breakpoint 3" in text and "after the breakpoint 13" in text, text
+    page.screenshot("breakpoint", cell=9)
 
 
 def test_the_executed_user_guide_opens_and_shows_its_outputs(page, browser, lab):
