@@ -5,6 +5,7 @@ answers its input_request messages on the stdin channel, as JupyterLab does (kc.
 from __future__ import annotations
 
 import queue
+import signal
 import subprocess
 import sys
 import re
@@ -343,3 +344,26 @@ def test_dip_ranks_runs_a_cell_on_the_chosen_ranks_only(kernel):
     assert not bad.ok and "--see 0 names rank(s) 0, which --ranks 1 leaves out" in bad.stream("stderr") + str(
         bad.outputs), bad.outputs
     assert not kernel.run("%%dip --ranks 5\nmine").ok
+
+
+def test_a_kernel_that_dies_while_ranks_wait_at_prompts_takes_them_along(tmp_path_factory):
+    from conftest import alive, wait_until
+
+    with running_kernel(tmp_path_factory.mktemp("jupyter"), wrap=Answering) as k:
+        assert k.run(GROUP).ok
+        cell = k.run("%%dip --see all\nimport os\nos.getpid()")
+        pids = [int(p.rsplit(": ", 1)[1]) for p in cell.plain]
+        assert len(pids) == 2 and all(alive(p) for p in pids), cell.plain
+        msg_id = k.kc.execute("%%dip\nbreakpoint()\n'never'", allow_stdin=True, stop_on_error=False)
+        deadline = time.monotonic() + 60
+        while True:  # the first prompt is up: both ranks are paused (one at it, one queued)
+            assert time.monotonic() < deadline, "no prompt came"
+            try:
+                msg = k.kc.get_stdin_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "input_request" and msg["parent_header"].get("msg_id") == msg_id:
+                break
+        k.km.signal_kernel(signal.SIGKILL)  # no clean-up code of the kernel runs
+        # The ranks, paused at their prompts, go with it (the runtime's kernel-death handling).
+        assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
