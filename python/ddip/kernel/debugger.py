@@ -101,3 +101,18 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
         _cannot_ask(rank, "this frontend can't take input (a Jupyter client needs allow_stdin)")
         line = None
     rt.answer(slot, req, {"line": line})
+
+
+def root_cause_rank(error, nothing: str, give: str) -> int:
+    """The rank to debug after `error` (a RemoteError, or None: nothing failed): its root cause,
+    when that rank's code raised. LookupError otherwise, its message ending in how to `give` a
+    rank (debug(rank=1), %dipdebug -r 1); `nothing` says what has not failed."""
+    from ..errors import FailureKind
+
+    if error is None:
+        raise LookupError(f"nothing to debug: {nothing}; give the rank: {give}")
+    first = error.failures[0]
+    if first.kind is not FailureKind.RAISED:
+        raise LookupError(f"the last failure's root cause, rank {first.rank}, {first.kind} ({first.evalue}): "
+                          f"there is no exception to debug in it; give a rank whose code raised: {give}")
+    return first.rank

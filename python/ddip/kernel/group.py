@@ -23,12 +23,13 @@ import weakref
 from typing import Callable, Iterable, Sequence
 
 from .. import _core, gpus as _gpus
-from ..errors import FailureKind, GroupClosedError, HealReport, RemoteError
+from ..errors import GroupClosedError, HealReport, RemoteError
 from ..hosts import keeper as _keeper
 from ..hosts import placement as _hosts
 from ..hosts.placement import cpu_count, omp_threads
 from ..labels import LabelledOutput
 from ..messages import picklable
+from . import debugger as _debugger
 from . import heal as _heal
 from .collectives import CollectivePicture, Stacks
 from . import template as _template
@@ -477,16 +478,8 @@ class Group:
             raise LookupError(f"{result.value['nothing']}; debug(rank=...) takes a rank whose code raised")
 
     def _root_cause_rank(self) -> int:
-        err = self.last_error
-        if err is None:
-            raise LookupError("nothing to debug: no run or apply of this group has failed since it "
-                              "started; give the rank: debug(rank=1)")
-        first = err.failures[0]
-        if first.kind is not FailureKind.RAISED:
-            raise LookupError(f"the last failure's root cause, rank {first.rank}, {first.kind} "
-                              f"({first.evalue}): there is no exception to debug in it; give a rank "
-                              f"whose code raised: debug(rank=...)")
-        return first.rank
+        return _debugger.root_cause_rank(self.last_error, "no run or apply of this group has failed since it "
+                                         "started", "debug(rank=1)")
 
     # -- internals ----------------------------------------------------------------------------
 

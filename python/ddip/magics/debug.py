@@ -11,7 +11,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import FailureKind, GroupClosedError, RankError, RemoteError
+from ..errors import GroupClosedError, RankError, RemoteError
+from ..kernel.debugger import root_cause_rank
 from . import render
 from .flags import parse, rank_list, usage_error
 from .lifecycle import RESTART
@@ -63,26 +64,22 @@ class DebugMagics(Magics):
         error, s.new_error = s.new_error, None
         if error is None or not s.auto_debug or not s.running:
             return
-        first = error.failures[0]
-        if first.kind is not FailureKind.RAISED:
-            print(f"ddip: %dippdb: rank {first.rank} {first.kind} ({first.evalue}); there is no exception "
-                  f"to debug in it", file=sys.stderr)
+        try:
+            rank = root_cause_rank(error, "", "%dipdebug -r N")
+        except LookupError as exc:
+            print(f"ddip: %dippdb: {exc}", file=sys.stderr)
             return
         try:
-            self._debug(s.group, first.rank)
+            self._debug(s.group, rank)
         except (UsageError, render.CellError) as exc:
             print(f"ddip: %dippdb: {exc}", file=sys.stderr)
 
     def _root_cause_rank(self) -> int:
-        error = self.session.last_error
-        if error is None:
-            raise UsageError("%dipdebug: no %%dip cell has failed on the ranks yet; give the rank: %dipdebug -r 1")
-        first = error.failures[0]
-        if first.kind is not FailureKind.RAISED:
-            raise UsageError(f"%dipdebug: the last failure's root cause, rank {first.rank}, {first.kind} "
-                             f"({first.evalue}): there is no exception to debug in it; give another "
-                             f"rank: %dipdebug -r N")
-        return first.rank
+        try:
+            return root_cause_rank(self.session.last_error, "no %%dip cell has failed on the ranks yet",
+                                   "%dipdebug -r 1")
+        except LookupError as exc:
+            raise UsageError(f"%dipdebug: {exc}") from None
 
     def _debug(self, group, rank: int):
         try:
