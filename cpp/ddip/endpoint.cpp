@@ -139,19 +139,27 @@ void Endpoint::enable_collectives(Fd write_end) {
   set_nonblocking(write_end.get());
   std::lock_guard lock(signals_mu_);
   collectives_pipe_ = std::move(write_end);
+  std::vector<uint64_t> early;
+  early.swap(early_collectives_);
+  for (uint64_t seq : early) hand_collectives(seq);
 }
 
 void Endpoint::ask_collectives(uint64_t seq) {
-  {
-    std::lock_guard lock(signals_mu_);
-    if (collectives_pipe_) {
-      // Full (the thread stopped reading): this request goes unanswered, as a stuck rank's would.
-      ssize_t n = ::write(collectives_pipe_.get(), &seq, sizeof seq);
-      if (n == static_cast<ssize_t>(sizeof seq)) return;
-      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-    }
+  std::lock_guard lock(signals_mu_);
+  if (!collectives_pipe_) {
+    // Still starting: kept for the reader (a bounded few; the kernel asks one at a time).
+    if (early_collectives_.size() < 64) early_collectives_.push_back(seq);
+    return;
   }
-  send(Frame::make(kCollectives, rank_, seq, ""));
+  hand_collectives(seq);
+}
+
+void Endpoint::hand_collectives(uint64_t seq) {
+  // A full pipe (the reader stopped reading) leaves this request unanswered, as a stuck rank's.
+  ssize_t n;
+  do {
+    n = ::write(collectives_pipe_.get(), &seq, sizeof seq);
+  } while (n < 0 && errno == EINTR);
 }
 
 void Endpoint::keep_signal(int signum) {

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "ddip/channel.hpp"
 
@@ -76,7 +77,8 @@ class Endpoint {
   void enable_abort(int signum);
   // Collectives requests (kCollectivesRequest) are handed to whoever reads the pipe `write_end`
   // belongs to: each request's seq, 8 bytes, written without blocking (a Python thread reads
-  // them and answers with kCollectives). Until then they are answered at once, empty.
+  // them and answers with kCollectives). Requests that come before (a rank asked right after its
+  // hello, while it is still starting) are kept and handed over then.
   void enable_collectives(Fd write_end);
 
   // The handler now installed for `signum` is the runtime's: kept from here on. Requests are
@@ -110,7 +112,9 @@ class Endpoint {
   std::map<int, struct sigaction> kept_;  // signum -> the runtime's handler
   int abort_signal_ = 0;
   Fd collectives_pipe_;  // under signals_mu_
+  std::vector<uint64_t> early_collectives_;  // requests before enable_collectives, under signals_mu_
   void ask_collectives(uint64_t seq);
+  void hand_collectives(uint64_t seq);  // under signals_mu_, the pipe set
   std::thread watchdog_;
 
   void watch();

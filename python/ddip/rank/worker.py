@@ -359,6 +359,7 @@ def _connect(backend):
     hello = {"pid": os.getpid(), "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)),
              "backend": backend or None, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     _endpoint = _core.Endpoint(os.environ["DDIP_SOCKET"], int(os.environ.get("DDIP_SLOT", 0)), dumps(hello))
+    _collectives.serve(_endpoint, _core.COLLECTIVES)  # which collective it waits in, when asked
     _displays = DisplayFrames(_send_display)
     _debugger.install(ask_kernel, _can_ask)  # breakpoint() prompts in the notebook
     install_notebook_progress()  # only in a notebook's group (DDIP_NOTEBOOK=1)
@@ -371,7 +372,6 @@ def _connect(backend):
     os.set_blocking(dump_w, False)  # a dump nobody reads must never block the rank
     faulthandler.register(stack_signal, file=dump_w, all_threads=True, chain=False)
     _endpoint.enable_stack_dumps(stack_signal, dump_r)  # it owns dump_r; dump_w stays open for good
-    _collectives.serve(_endpoint, _core.COLLECTIVES)  # which collective it waits in, when asked
     if backend:  # only groups whose torch.distributed ddip set up are healed
         _heal.listen_for_abort()  # a heal can free this rank from a broken collective, even in C code
         _endpoint.enable_abort(_heal.ABORT_SIGNAL)  # asked through the endpoint, which keeps the handler
