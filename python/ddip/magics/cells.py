@@ -4,6 +4,7 @@ runs every following cell that way."""
 from __future__ import annotations
 
 import sys
+import time
 
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -121,6 +122,7 @@ class CellMagics(Magics):
             busy = [r["rank"] for r in group.status() if r["state"] == "busy"]
             if busy:
                 group.interrupt(busy)
+                _until_stopped(group, busy)
             raise render.CellError.of("KeyboardInterrupt", str(exc) or "interrupted",
                                       *render.stuck_lines(getattr(exc, "results", None))) from None
         except TimeoutError as exc:
@@ -177,3 +179,17 @@ class CellMagics(Magics):
         self._shown(self.dip, dip_args, group)
         s.set_autodip(args.args.strip())
         print(s.autodip_state())
+
+
+def _until_stopped(group: Group, busy: list[int]):
+    """Waits, as Group.run's own interrupt does (at most its grace), for interrupted ranks to
+    finish, so that the next cell finds them idle; a further Ctrl-C stops waiting."""
+    from ..kernel.request import INTERRUPT_GRACE_S
+
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    try:
+        while busy and time.monotonic() < deadline:
+            group.runtime.pump(0.05)
+            busy = [r["rank"] for r in group.status() if r["state"] == "busy" and r["rank"] in busy]
+    except KeyboardInterrupt:
+        pass
