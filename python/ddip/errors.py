@@ -68,11 +68,6 @@ class RankFailure:
         """The rank's process is gone: it exited, or its host is lost."""
         return self.kind in (FailureKind.DIED, FailureKind.LOST)
 
-    @property
-    def caused_by_peer(self) -> bool:
-        """Not a failure of its own: stopped, left running, or closed after another one."""
-        return _ORDER[self.kind] >= 3
-
     def describe(self) -> str:
         """Plain text: the headline and the remote traceback (or stderr tail)."""
         head = f"rank {self.rank}: {self.ename}: {self.evalue}" if self.evalue else f"rank {self.rank}: {self.ename}"
