@@ -1,0 +1,50 @@
+// The picture of a hang, by collective: per rank, the last completed and the pending collective
+// (sequence number, op, process group, shapes and dtypes, for how long), read from each rank's
+// torch flight recorder (python/ddip/rank/collectives.py's snapshot()); then who has not joined
+// the collective the others wait in, or who disagrees with them about it. One rule for the kernel
+// (%dipstack, Group.stacks(), a cell that timed out, heal) and for `ddip run` (--timeout, Ctrl-C).
+#pragma once
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace ddip {
+
+class CollectivePicture {
+ public:
+  // rank -> that rank's snapshot, the JSON text of python/ddip/rank/collectives.py's snapshot():
+  // {"off": why} or {"rank","world","now_ns","groups","entries":[{seq,p2p,pg,op,sizes,dtypes,done,
+  // created_ns}]}. A text that does not parse counts as that rank's "off" (with the parser's
+  // reason).
+  explicit CollectivePicture(const std::map<int, std::string>& snapshots);
+
+  // Whether any rank had collectives to show.
+  bool known() const { return known_; }
+  // The block messages lead with: a title, rank_lines() indented, then "=> " + each finding;
+  // "" when !known().
+  std::string describe() const;
+  // One line per rank, in rank order: where it is among its collectives, or why it has none.
+  std::vector<std::string> rank_lines() const { return rank_lines_; }
+  // Who has not entered the collective the others wait in, who disagrees about it.
+  const std::vector<std::string>& findings() const { return findings_; }
+
+  // What the kernel's heal reads: ranks missing from the collective others wait in, ranks waiting
+  // in one, and the ranks of a disagreement (those that differ and those they differ from).
+  std::set<int> missing() const { return missing_; }
+  std::set<int> waiting() const;
+  std::set<int> mismatched() const { return mismatched_; }
+  // rank -> how long it has waited in its pending collective, in seconds (the ranks of waiting()).
+  const std::map<int, double>& waited_s() const { return waited_s_; }
+
+ private:
+  bool known_ = false;
+  std::vector<std::string> rank_lines_;
+  std::vector<std::string> findings_;
+  std::set<int> missing_;
+  std::set<int> mismatched_;
+  std::map<int, double> waited_s_;
+};
+
+}  // namespace ddip
