@@ -32,18 +32,24 @@ class CollectivePicture {
 
   // What the kernel's heal reads: ranks missing from the collective others wait in, ranks waiting
   // in one, and the ranks of a disagreement (those that differ and those they differ from).
-  std::set<int> missing() const { return missing_; }
+  std::set<int> missing() const;
   std::set<int> waiting() const;
   std::set<int> mismatched() const { return mismatched_; }
-  // rank -> how long it has waited in its pending collective, in seconds (the ranks of waiting()).
+  // rank -> the collective the others wait in that it has not entered ("all_reduce #7
+  // (float32[1024])", " of group 'name'" after it outside the default group).
+  const std::map<int, std::string>& missing_from() const { return missing_from_; }
+  // rank -> the collective it waits in, written the same way.
+  const std::map<int, std::string>& waiting_in() const { return waiting_in_; }
+  // rank -> how long it has waited in that collective, in seconds.
   const std::map<int, double>& waited_s() const { return waited_s_; }
 
  private:
   bool known_ = false;
   std::vector<std::string> rank_lines_;
   std::vector<std::string> findings_;
-  std::set<int> missing_;
   std::set<int> mismatched_;
+  std::map<int, std::string> missing_from_;
+  std::map<int, std::string> waiting_in_;
   std::map<int, double> waited_s_;
 };
 

@@ -1,0 +1,250 @@
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ddip/collectives.hpp"
+
+using ddip::CollectivePicture;
+
+namespace {
+
+using Lines = std::vector<std::string>;
+using Ranks = std::set<int>;
+
+constexpr long long kSecond = 1'000'000'000;
+
+// One flight-recorder entry as python/ddip/rank/collectives.py's snapshot() writes it.
+struct E {
+  long long seq;
+  std::string op = "all_reduce";
+  std::string sizes = "[[1024]]";
+  std::string dtypes = R"(["Float"])";
+  bool done = true;
+  long long created_ns = 0;
+  std::string pg = "0";
+  bool p2p = false;
+
+  std::string json() const {
+    return R"({"seq": )" + std::to_string(seq) + R"(, "p2p": )" + (p2p ? "true" : "false") +
+           R"(, "pg": ")" + pg + R"(", "op": ")" + op + R"(", "sizes": )" + sizes +
+           R"(, "dtypes": )" + dtypes + R"(, "done": )" + (done ? "true" : "false") +
+           R"(, "created_ns": )" + std::to_string(created_ns) + "}";
+  }
+};
+
+E pending(long long seq, long long created_ns = 0) {
+  E e{seq};
+  e.done = false;
+  e.created_ns = created_ns;
+  return e;
+}
+
+std::string snapshot(int rank, const std::vector<E>& entries, long long now_ns = 12 * kSecond,
+                     const std::string& groups = "{}") {
+  std::string list;
+  for (const E& e : entries) list += (list.empty() ? "" : ", ") + e.json();
+  return R"({"rank": )" + std::to_string(rank) + R"(, "world": 2, "now_ns": )" +
+         std::to_string(now_ns) + R"(, "groups": )" + groups + R"(, "entries": [)" + list + "]}";
+}
+
+const std::string kTitle = "collectives (torch's flight recorder):";
+
+}  // namespace
+
+TEST(CollectivePicture, NamesTheRankThatSkippedTheCollectiveTheOthersWaitIn) {
+  CollectivePicture p({{0, snapshot(0, {E{1}, pending(2)})}, {1, snapshot(1, {E{1}})}});
+  EXPECT_TRUE(p.known());
+  EXPECT_EQ(p.waiting(), Ranks({0}));
+  EXPECT_EQ(p.missing(), Ranks({1}));
+  EXPECT_EQ(p.mismatched(), Ranks());
+  EXPECT_DOUBLE_EQ(p.waited_s().at(0), 12.0);
+  EXPECT_EQ(p.waiting_in(), (std::map<int, std::string>{{0, "all_reduce #2 (float32[1024])"}}));
+  EXPECT_EQ(p.missing_from(), (std::map<int, std::string>{{1, "all_reduce #2 (float32[1024])"}}));
+  EXPECT_EQ(
+      p.describe(),
+      kTitle +
+          "\n  rank 0: waiting 12.0 s in all_reduce #2 (float32[1024]); last completed: "
+          "all_reduce #1"
+          "\n  rank 1: in no collective; last completed: all_reduce #1"
+          "\n=> rank 1 has not entered all_reduce #2 (float32[1024]), which rank 0 has waited "
+          "in for 12.0 s; its last collective was all_reduce #1");
+}
+
+TEST(CollectivePicture, GroupsAbsentRanksByTheirLastCollective) {
+  const std::string groups = R"({"0": [0, 1, 2, 3, 4]})";
+  CollectivePicture p({{0, snapshot(0, {E{2}, pending(3, 2 * kSecond)}, 12 * kSecond, groups)},
+                       {1, snapshot(1, {E{2}, pending(3, 4 * kSecond)}, 12 * kSecond, groups)},
+                       {2, snapshot(2, {E{1}, E{2}}, 12 * kSecond, groups)},
+                       {3, snapshot(3, {E{1}}, 12 * kSecond, groups)},
+                       {4, snapshot(4, {}, 12 * kSecond, groups)}});
+  EXPECT_EQ(p.waiting(), Ranks({0, 1}));
+  EXPECT_EQ(p.missing(), Ranks({2, 3, 4}));
+  // The longest wait is the one named; each rank's own is on its line.
+  EXPECT_EQ(p.findings(),
+            Lines({"rank 2 has not entered all_reduce #3 (float32[1024]), which ranks 0, 1 have "
+                   "waited in for 10.0 s; its last collective was all_reduce #2",
+                   "rank 3 has not entered all_reduce #3 (float32[1024]), which ranks 0, 1 have "
+                   "waited in for 10.0 s; its last collective was all_reduce #1",
+                   "rank 4 has not entered all_reduce #3 (float32[1024]), which ranks 0, 1 have "
+                   "waited in for 10.0 s; it has run no collective in this group"}));
+  EXPECT_EQ(
+      p.rank_lines()[1],
+      "rank 1: waiting 8.0 s in all_reduce #3 (float32[1024]); last completed: all_reduce #2");
+  EXPECT_EQ(p.rank_lines()[4], "rank 4: in no collective");
+}
+
+TEST(CollectivePicture, RanksThatStoppedTogetherShareALine) {
+  CollectivePicture p(
+      {{0, snapshot(0, {E{1}, pending(2)})}, {1, snapshot(1, {E{1}})}, {2, snapshot(2, {E{1}})}});
+  EXPECT_EQ(p.findings(),
+            Lines({"ranks 1, 2 have not entered all_reduce #2 (float32[1024]), which rank 0 has "
+                   "waited in for 12.0 s; their last collective was all_reduce #1"}));
+}
+
+TEST(CollectivePicture, AShapeMismatchNamesBothRanksAndWhatEachGave) {
+  E mine = pending(2), theirs = pending(2);
+  theirs.sizes = "[[512]]";
+  CollectivePicture p({{0, snapshot(0, {E{1}, mine})}, {1, snapshot(1, {E{1}, theirs})}});
+  EXPECT_EQ(p.mismatched(), Ranks({0, 1}));
+  EXPECT_EQ(p.missing(), Ranks());
+  EXPECT_EQ(p.waiting(), Ranks({0, 1}));
+  EXPECT_EQ(p.findings(), Lines({"ranks disagree about collective #2: rank 0: all_reduce "
+                                 "float32[1024]; rank 1: all_reduce float32[512]"}));
+}
+
+TEST(CollectivePicture, AnOpMismatchAndADtypeMismatch) {
+  E bcast = pending(2);
+  bcast.op = "broadcast";
+  bcast.sizes = "[[512]]";
+  CollectivePicture op({{0, snapshot(0, {pending(2)})}, {1, snapshot(1, {bcast})}});
+  EXPECT_EQ(op.findings(), Lines({"ranks disagree about collective #2: rank 0: all_reduce "
+                                  "float32[1024]; rank 1: broadcast float32[512]"}));
+  E longs = pending(1);
+  longs.dtypes = R"(["Long", "BFloat16"])";
+  longs.sizes = "[[2, 3], []]";
+  E floats = longs;
+  floats.dtypes = R"(["Double", "Half"])";
+  CollectivePicture dtype({{0, snapshot(0, {longs})}, {1, snapshot(1, {floats})}});
+  EXPECT_EQ(
+      dtype.findings(),
+      Lines({"ranks disagree about collective #1: rank 0: all_reduce int64[2, 3], bfloat16[]; "
+             "rank 1: all_reduce float64[2, 3], float16[]"}));
+}
+
+TEST(CollectivePicture, EveryRankWaitingInTheSameCollectiveIsAStall) {
+  CollectivePicture p({{0, snapshot(0, {E{1}, pending(2, 8'500'000'000)})},
+                       {1, snapshot(1, {E{1}, pending(2, 9 * kSecond)})}});
+  EXPECT_EQ(p.waiting(), Ranks({0, 1}));
+  EXPECT_EQ(p.missing(), Ranks());
+  EXPECT_EQ(p.findings(), Lines({"every rank is in all_reduce #2 (float32[1024]) and it has not "
+                                 "completed after 3.5 s (a peer outside these ranks, or the "
+                                 "network)"}));
+}
+
+TEST(CollectivePicture, EachProcessGroupIsReadOnItsOwn) {
+  // Ranks 0 and 1 form group "pairs"; rank 2 is not in it and is not named as missing from it.
+  const std::string groups = R"({"0": [0, 1, 2], "pairs": [0, 1]})";
+  E pair_pending = pending(1, 7 * kSecond);
+  pair_pending.pg = "pairs";
+  CollectivePicture p({{0, snapshot(0, {E{1}, pair_pending}, 12 * kSecond, groups)},
+                       {1, snapshot(1, {E{1}}, 12 * kSecond, groups)},
+                       {2, snapshot(2, {E{1}, pending(2, 10 * kSecond)}, 12 * kSecond, groups)}});
+  EXPECT_EQ(p.missing(), Ranks({0, 1}));
+  EXPECT_EQ(p.waiting(), Ranks({0, 2}));
+  EXPECT_EQ(p.findings(),
+            Lines({"ranks 0, 1 have not entered all_reduce #2 (float32[1024]), which rank 2 has "
+                   "waited in for 2.0 s; their last collective was all_reduce #1",
+                   "rank 1 has not entered all_reduce #1 (float32[1024]) of group 'pairs', which "
+                   "rank 0 has waited in for 5.0 s; it has run no collective in this group"}));
+  // Rank 0 waits in one group and is missing from the other.
+  EXPECT_EQ(p.waiting_in().at(0), "all_reduce #1 (float32[1024]) of group 'pairs'");
+  EXPECT_EQ(p.missing_from().at(0), "all_reduce #2 (float32[1024])");
+  EXPECT_EQ(p.missing_from().at(1), "all_reduce #1 (float32[1024]) of group 'pairs'");
+  EXPECT_EQ(p.rank_lines()[0],
+            "rank 0: waiting 5.0 s in all_reduce #1 (float32[1024]) of group 'pairs'; last "
+            "completed: all_reduce #1");
+}
+
+TEST(CollectivePicture, PointToPointIsNotACollective) {
+  E send = pending(1);
+  send.op = "send";
+  send.p2p = true;
+  E recv{1};
+  recv.op = "recv";
+  recv.p2p = true;
+  CollectivePicture p({{0, snapshot(0, {E{1}, send})}, {1, snapshot(1, {E{1}, recv})}});
+  EXPECT_TRUE(p.known());
+  EXPECT_EQ(p.findings(), Lines());
+  EXPECT_EQ(p.waiting(), Ranks());
+  EXPECT_EQ(p.rank_lines(), Lines({"rank 0: in no collective; last completed: all_reduce #1",
+                                   "rank 1: in no collective; last completed: all_reduce #1"}));
+}
+
+TEST(CollectivePicture, RanksWithoutARecorderSayWhyAndAreNoMembers) {
+  CollectivePicture none({{0, R"({"off": "torch.distributed is not initialized"})"},
+                          {1, R"({"off": "torch.distributed is not initialized"})"}});
+  EXPECT_FALSE(none.known());
+  EXPECT_EQ(none.describe(), "");
+  EXPECT_EQ(none.findings(), Lines());
+  EXPECT_EQ(none.rank_lines(), Lines({"rank 0: torch.distributed is not initialized",
+                                      "rank 1: torch.distributed is not initialized"}));
+  // A dead rank is no member: the one left waits alone, which reads as a stall.
+  CollectivePicture dead({{0, snapshot(0, {E{1}, pending(2)})},
+                          {1, R"j({"off": "dead: killed by signal 9 (SIGKILL)"})j"}});
+  EXPECT_EQ(dead.missing(), Ranks());
+  EXPECT_EQ(dead.rank_lines()[1], "rank 1: dead: killed by signal 9 (SIGKILL)");
+  EXPECT_EQ(dead.findings(), Lines({"every rank is in all_reduce #2 (float32[1024]) and it has not "
+                                    "completed after 12.0 s (a peer outside these ranks, or the "
+                                    "network)"}));
+}
+
+TEST(CollectivePicture, AnUnreadableSnapshotIsThatRanksOffWithTheParsersReason) {
+  CollectivePicture p({{0, snapshot(0, {E{1}, pending(2)})},
+                       {1, "{not json"},
+                       {2, "[1, 2]"},
+                       {3, R"({"now_ns": 5, "entries": [{"seq": "two"}]})"},
+                       {4, ""}});
+  auto lines = p.rank_lines();
+  ASSERT_EQ(lines.size(), 5u);
+  const std::string unreadable = ": its snapshot could not be read: ";
+  EXPECT_EQ(lines[1].rfind("rank 1" + unreadable + "[json.exception.parse_error.", 0), 0u)
+      << lines[1];
+  EXPECT_EQ(lines[2], "rank 2" + unreadable + "it is array, not an object");
+  EXPECT_EQ(lines[3].rfind("rank 3" + unreadable + "[json.exception.type_error.", 0), 0u)
+      << lines[3];
+  EXPECT_NE(lines[3].find("string"), std::string::npos) << lines[3];
+  EXPECT_EQ(lines[4].rfind("rank 4" + unreadable + "[json.exception.parse_error.", 0), 0u)
+      << lines[4];
+  // The readable rank is still read.
+  EXPECT_EQ(p.waiting(), Ranks({0}));
+}
+
+TEST(CollectivePicture, AGroupRebuiltByAHealNumbersFromOneAgain) {
+  // The rank side (rank/collectives.py's _current) sends only the current generation of a group:
+  // after a heal, #1 again, done on both. Nothing is pending and nobody is named.
+  CollectivePicture p({{0, snapshot(0, {E{1}})}, {1, snapshot(1, {E{1}})}});
+  EXPECT_EQ(p.findings(), Lines());
+  EXPECT_EQ(p.waiting(), Ranks());
+  EXPECT_EQ(p.rank_lines(), Lines({"rank 0: in no collective; last completed: all_reduce #1",
+                                   "rank 1: in no collective; last completed: all_reduce #1"}));
+}
+
+TEST(CollectivePicture, TheLowestPendingCollectiveIsTheOneRead) {
+  // Rank 1 has gone on to #3 (an async op it did not wait for) while rank 0 is still in #2.
+  CollectivePicture p({{0, snapshot(0, {E{1}, pending(2, 2 * kSecond)})},
+                       {1, snapshot(1, {E{1}, pending(2, 3 * kSecond), pending(3)})}});
+  EXPECT_EQ(p.waiting(), Ranks({0, 1}));
+  EXPECT_EQ(p.findings(), Lines({"every rank is in all_reduce #2 (float32[1024]) and it has not "
+                                 "completed after 10.0 s (a peer outside these ranks, or the "
+                                 "network)"}));
+}
+
+TEST(CollectivePicture, AClockBehindTheEntryCountsNoWait) {
+  CollectivePicture p(
+      {{0, snapshot(0, {pending(1, 20 * kSecond)}, 12 * kSecond)}, {1, snapshot(1, {})}});
+  EXPECT_EQ(p.waited_s().at(0), 0.0);
+  EXPECT_EQ(p.rank_lines()[0], "rank 0: waiting 0.0 s in all_reduce #1 (float32[1024])");
+}
