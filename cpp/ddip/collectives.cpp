@@ -208,7 +208,9 @@ class GroupReading {
   bool find_reference() {
     for (int r : members_) {
       const Entry* e = pending_first(r);
-      if (e && (!ref_ || e->seq < k_)) ref_ = e, k_ = e->seq;
+      if (!e || (ref_ && e->seq >= k_)) continue;
+      ref_ = e;
+      k_ = e->seq;
     }
     return ref_ != nullptr;
   }
