@@ -140,10 +140,8 @@ void Coordinator::start_slot(size_t slot, RankTemplate* rank_template) {
 pid_t Coordinator::respawn(int slot, std::optional<SpawnSpec> spec, RankTemplate* rank_template) {
   if (slot < 0 || static_cast<size_t>(slot) >= slots_.size())
     throw std::out_of_range("no worker slot " + std::to_string(slot));
-  if (slots_[slot].remote)
-    throw std::logic_error("worker slot " + std::to_string(slot) +
-                           " runs on another host: starting it again there is not supported yet");
-  if (spec) own_environment(*spec);
+  // A remote slot's spec holds only what the kernel adds; its host's agent adds its own.
+  if (spec && !slots_[slot].remote) own_environment(*spec);
   auto started = std::make_shared<std::promise<pid_t>>();
   auto pid = started->get_future();
   try {
@@ -173,6 +171,7 @@ pid_t Coordinator::start_again(size_t slot, std::optional<SpawnSpec> spec,
   std::string which = "worker slot " + std::to_string(slot);
   if (stop_ != Stop::kRunning)
     throw std::logic_error("the group is closing: " + which + " can't be started again");
+  if (s.remote) return start_again_there(slot, std::move(spec));
   if (!s.exited)
     throw std::logic_error(which + " (pid " + std::to_string(pids_[slot]) + ") " +
                            (s.exit_pending ? "exited but has not been reaped yet"
@@ -194,6 +193,24 @@ pid_t Coordinator::start_again(size_t slot, std::optional<SpawnSpec> spec,
   }
   std::lock_guard lock(mu_);
   return pids_[slot];
+}
+
+// On the IO thread: a remote slot's worker started again by its host's agent, forked from that
+// host's own template as at the start. Its pid is that host's: -1 here, as pids() says.
+pid_t Coordinator::start_again_there(size_t slot, std::optional<SpawnSpec> spec) {
+  Slot& s = slots_[slot];
+  if (!s.exited)
+    throw std::logic_error("worker slot " + std::to_string(slot) + " on host " +
+                           links_->host_of(static_cast<int>(slot)) +
+                           " is still running: only a worker that exited can be started again");
+  links_->respawn(static_cast<int>(slot), spec);  // throws, changing nothing
+  if (spec) options_.workers[slot] = std::move(*spec);
+  s = Slot{};
+  s.remote = true;
+  std::lock_guard lock(mu_);
+  connected_[slot] = false;
+  last_ack_[slot] = Clock::now();
+  return -1;
 }
 
 // ---- What callers on other threads ask ------------------------------------------------------

@@ -115,10 +115,13 @@ class Coordinator {
   // DDIP_SOCKET and DDIP_KERNEL_PID are ours either way), forked from `rank_template` when one
   // is given and it can (not owned; used only inside this call), else spawned cold. Returns the
   // new pid; the new worker connects and says hello as any worker does, and the exited one's
-  // pid never attaches to the slot. Throws std::out_of_range for no such slot;
-  // std::logic_error for a worker still running (or exited and not reaped yet), one on another
-  // host, or a group that is closing; std::system_error when it can't be started (the slot
-  // then stays exited, as it was).
+  // pid never attaches to the slot. A slot on another host is started again there by its host's
+  // agent (HostLinks::respawn), forked from that host's own template (`rank_template` is not
+  // used), and -1 is returned: its pid is in its hello; when the agent can't start it, its exit
+  // comes as an exited event with why. Throws std::out_of_range for no such slot;
+  // std::logic_error for a worker still running (or exited and not reaped yet), one whose
+  // host's link is gone, or a group that is closing; std::system_error when it can't be started
+  // (the slot then stays exited, as it was).
   pid_t respawn(int slot, std::optional<SpawnSpec> spec = std::nullopt,
                 RankTemplate* rank_template = nullptr);
 
@@ -168,6 +171,7 @@ class Coordinator {
   void own_environment(SpawnSpec& w) const;
   void start_slot(size_t slot, RankTemplate* rank_template);
   pid_t start_again(size_t slot, std::optional<SpawnSpec> spec, RankTemplate* rank_template);
+  pid_t start_again_there(size_t slot, std::optional<SpawnSpec> spec);
   void loop();
   void fail(const std::string& why) noexcept;
   void finish() noexcept;

@@ -291,10 +291,8 @@ void HostLinks::flush_rejection_log(const char* when) {
 
 void HostLinks::tick() {
   // One heartbeat per connected host with a live worker there; its agent answers for them all.
-  std::set<size_t> beating;
-  for (auto& [slot, s] : slots_)
-    if (!s.gone && links_[s.link].conn) beating.insert(s.link);
-  for (size_t link : beating) send_link(link, Frame::make(kHeartbeat, kHostRank, 0));
+  for (size_t link = 0; link < links_.size(); ++link)
+    if (links_[link].conn) send_link(link, Frame::make(kHeartbeat, kHostRank, 0));
   auto now = Clock::now();
   if (unlogged_ > 0 && now >= log_window_end_) {
     flush_rejection_log("in the last minute");
@@ -367,9 +365,11 @@ void HostLinks::on_handshake(uint64_t id) {
           closed.shipped.clear();
           launcher_grace_[link] = loop_.after(kLauncherGrace, [this, link, why] {
             launcher_grace_.erase(link);
+            links_[link].lost_why = why;
             for (int slot : links_[link].host.slots)
               lose_slot(slot, "lost the link to its host " + links_[link].host.name + ": " + why);
           });
+          closed.lost_why = why;
           // Last: it destroys this callback (and what it captured). The agent stops its workers.
           closed.conn.reset();
           return;
@@ -446,6 +446,27 @@ void HostLinks::signal(int slot, int sig, bool whole_group) {
   send(slot, Frame::make(kSignal, slot, 0, encode_signal(sig, whole_group)), {});
 }
 
+void HostLinks::respawn(int slot, std::optional<SpawnSpec> spec) {
+  Slot& s = slots_.at(slot);
+  Link& l = links_[s.link];
+  std::string which = "worker slot " + std::to_string(slot) + " on host " + l.host.name;
+  if (!s.gone)
+    throw std::logic_error(which + " is still running (its host has not reported its exit): " +
+                           "only a worker that exited can be started again");
+  if (!l.standing && host_done(l))
+    throw std::logic_error(which + " can't be started again there: that host's agent was a " +
+                           "one-shot one (as `ddip run`'s), which leaves with its last worker");
+  if (!l.conn)
+    throw std::logic_error(
+        which + " can't be started again there: the link to that host's agent is gone" +
+        (l.lost_why.empty() ? std::string(l.ever_connected ? "" : " (it never connected)")
+                            : " (" + l.lost_why + ")"));
+  if (spec) specs_[slot] = std::move(*spec);
+  s = Slot{};
+  s.link = static_cast<size_t>(&l - links_.data());
+  send_link(s.link, Frame::make(kSpawn, slot, 0, encode_spawn({{slot, specs_[slot]}})));
+}
+
 void HostLinks::on_frame(size_t link, Frame f) {
   Link& l = links_[link];
   if (f.kind == kHeartbeatAck && f.rank == kHostRank) {
@@ -510,6 +531,7 @@ void HostLinks::lose_link(size_t link, const std::string& why) {
   l.conn.reset();  // closed: the agent stops its workers when it sees that
   l.shipped.clear();
   std::string cause = gone ? launcher_gone(link, *gone) : why;
+  l.lost_why = cause;
   for (int slot : l.host.slots)
     lose_slot(slot, "lost the link to its host " + l.host.name + ": " + cause);
 }
@@ -591,6 +613,7 @@ void HostLinks::on_launcher_exit(size_t link) {
       loop_.cancel(closing->second);
       launcher_grace_.erase(closing);
       std::string why = launcher_gone(link, *status);
+      l.lost_why = why;
       for (int slot : l.host.slots)
         lose_slot(slot, "lost the link to its host " + l.host.name + ": " + why);
       return;
@@ -611,6 +634,7 @@ void HostLinks::on_launcher_exit(size_t link) {
     why += " (meanwhile the kernel's listener closed " + std::to_string(made_room_) +
            " unauthenticated connection(s): " + made_room_why_ + ")";
   if (!lines.empty()) why += "; its last lines:\n" + lines;
+  l.lost_why = why;
   for (int slot : l.host.slots) lose_slot(slot, why);
 }
 

@@ -86,8 +86,18 @@ class HostLinks {
   // drop its copy (kForget).
   void send(int slot, Frame f, std::vector<uint64_t> segments);
   void signal(int slot, int sig, bool whole_group);
-  // Heartbeats to every live worker of a connected host (its agent takes a silent link for a
-  // dead kernel, and its workers may take long to say hello), and handshakes that took too long
+  // Asks the host's agent to start the worker of `slot` again (a heal that replaces a dead
+  // rank): another kSpawn on the live link, for that slot only, with `spec` (none: the spec it
+  // was first started with); the agent forks it from its own template as at the start, or
+  // reports it exited (kExit) with why it could not. The slot is reset (no hello, nothing
+  // waiting). Throws std::logic_error, changing nothing, for a worker whose exit its host has
+  // not reported, a host whose link is gone (its agent with it), or one whose one-shot agent
+  // left with its last worker; the message names the host.
+  void respawn(int slot, std::optional<SpawnSpec> spec);
+  const std::string& host_of(int slot) const { return links_.at(slots_.at(slot).link).host.name; }
+  // Heartbeats to every connected host, live workers there or not (its agent takes a silent
+  // link for a dead kernel; a standing one keeps its link while its workers are dead, for
+  // respawn(), and its workers may take long to say hello), and handshakes that took too long
   // are closed.
   void tick();
   bool launchers_exited() const;
@@ -130,6 +140,7 @@ class HostLinks {
     bool ever_connected = false;
     std::set<uint64_t> shipped;         // segments its agent holds
     bool standing = false;              // its launcher is the keeper's (`child` is unused)
+    std::string lost_why;               // why its link ended, once it has
     std::unique_ptr<AgentLease> lease;  // until the group ends there
   };
   struct Handshake {

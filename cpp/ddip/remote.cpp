@@ -284,7 +284,7 @@ HostAgent::HostAgent(AgentOptions options) : options_(std::move(options)) {}
 
 HostAgent::~HostAgent() = default;
 
-RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers) {
+RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers, bool may_wait) {
   if (!template_ || !template_spec_ || options_.ticket.warm == 0) return nullptr;
   for (const auto& w : workers)
     if (std::string why = unforkable(*template_spec_, w); !why.empty()) {
@@ -305,7 +305,7 @@ RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers) {
     st = template_->status();
   }
   // One template importing torch costs the cores less than each rank importing it cold.
-  if (st.state == RankTemplate::State::kStarting && options_.ticket.warm == 2)
+  if (st.state == RankTemplate::State::kStarting && options_.ticket.warm == 2 && may_wait)
     st = template_->wait_ready(options_.template_wait);
   if (st.state == RankTemplate::State::kReady) return template_.get();
   if (st.state != RankTemplate::State::kStarting)
@@ -479,6 +479,7 @@ class HostAgent::Relay {
   std::vector<bool> exited_;
   size_t alive_ = 0;
   bool link_lost_ = false, failed_ = false, kernel_closed_ = false;
+  bool workers_broken_ = false;  // the workers' Coordinator failed: they are all gone
   Clock::time_point last_frame_ = Clock::now();
 
   void lose(std::string why);
@@ -486,6 +487,9 @@ class HostAgent::Relay {
   // The kernel's side.
   void on_frame(Frame f);
   void start_workers(const Frame& f);
+  void start_again(const Frame& f);
+  SpawnSpec on_this_host(SpawnSpec spec) const;
+  bool serving() const;
   void ack_host_heartbeat(const Frame& f);
   void to_worker(int l, Frame f);
   bool vouched(int l) const;
@@ -507,8 +511,15 @@ HostAgent::Relay::Relay(HostAgent& agent, Channel channel)
     loop_.try_watch(agent_.lifeline_, EPOLLIN, [this](uint32_t) { on_lifeline(); });
 }
 
+// A standing agent serves its link until the kernel closes it, even with every worker dead:
+// the kernel may start one again (a heal). A one-shot one is done when its workers are.
+bool HostAgent::Relay::serving() const {
+  if (link_lost_ || failed_ || workers_broken_) return false;
+  return !coord_ || alive_ > 0 || options_.ticket.standing;
+}
+
 int HostAgent::Relay::run() {
-  while (!link_lost_ && !failed_ && (!coord_ || alive_ > 0)) loop_.run_once();
+  while (serving()) loop_.run_once();
   // What is still queued for the kernel (the last exits) is written before the link closes.
   auto flush_until = Clock::now() + options_.kernel_timeout;
   while (!link_lost_ && link_->channel().wants_write() && Clock::now() < flush_until)
@@ -546,22 +557,28 @@ void HostAgent::Relay::on_frame(Frame f) {
     if (f.kind == kSegment || f.kind == kForget) return;
   }
   if (f.kind == kHeartbeat && f.rank == kHostRank) return ack_host_heartbeat(f);
+  if (f.kind == kSpawn) return start_again(f);
   auto it = local_.find(f.rank);
   if (it == local_.end()) return;  // not one of ours: nothing to do with it
   to_worker(it->second, std::move(f));
+}
+
+// A worker's spec from the kernel, as it runs here.
+SpawnSpec HostAgent::Relay::on_this_host(SpawnSpec spec) const {
+  spec.env = detail::merged_environment(spec.env);
+  plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
+  // The notebook's directory, where this host shares it; else the agent's own (the home).
+  if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
+  return spec;
 }
 
 void HostAgent::Relay::start_workers(const Frame& f) {
   auto spawn = decode_spawn(f.data());
   CoordinatorOptions co;
   for (auto& [slot, spec] : spawn) {
-    spec.env = detail::merged_environment(spec.env);
-    plan::add_thread_default(spec.env);  // this host's cores: the kernel can't count them
-    // The notebook's directory, where this host shares it; else the agent's own (the home).
-    if (!spec.cwd.empty() && ::access(spec.cwd.c_str(), X_OK) != 0) spec.cwd.clear();
     local_[slot] = static_cast<int>(co.workers.size());
     global_.push_back(slot);
-    co.workers.push_back(std::move(spec));
+    co.workers.push_back(on_this_host(std::move(spec)));
   }
   co.rank_template = agent_.warm_template(co.workers);
   last_frame_ = Clock::now();  // a wait for the template is no silence of the kernel's
@@ -586,6 +603,38 @@ void HostAgent::Relay::start_workers(const Frame& f) {
     alive_ = 0;
     failed_ = true;
     if (agent_.why_.empty()) agent_.why_ = e.what();
+  }
+}
+
+// A later kSpawn: workers of this host that exited, started again in their slots, forked from
+// the host's template when it is ready (never waited for: the link would go unserved). One that
+// can't be started is reported exited, with why; a slot that is not an exited worker of this
+// host is a kernel that can't be trusted.
+void HostAgent::Relay::start_again(const Frame& f) {
+  std::vector<std::pair<int, SpawnSpec>> spawn;
+  try {
+    spawn = decode_spawn(f.data());
+  } catch (const std::exception& e) {
+    return lose(std::string("the kernel's request to start workers again: ") + e.what());
+  }
+  for (auto& [slot, spec] : spawn) {
+    auto it = local_.find(slot);
+    if (it == local_.end() || !exited_[it->second])
+      return lose("the kernel asked to start rank slot " + std::to_string(slot) +
+                  " again, which is not an exited worker of this host");
+    int l = it->second;
+    SpawnSpec here = on_this_host(std::move(spec));
+    RankTemplate* tmpl = agent_.warm_template({here}, false);
+    try {
+      coord_->respawn(l, std::move(here), tmpl);
+    } catch (const std::exception& e) {
+      send(Frame::make(kExit, slot, 0,
+                       encode_exit(ExitStatus{127, 0, false},
+                                   std::string("could not start the worker again: ") + e.what())));
+      continue;
+    }
+    exited_[l] = false;
+    ++alive_;
   }
 }
 
@@ -666,6 +715,7 @@ void HostAgent::Relay::on_worker_event(Event& e) {
         if (!exited_[i])
           send(Frame::make(kExit, global_[i], 0, encode_exit(ExitStatus{0, 0, true}, e.text)));
       alive_ = 0;
+      workers_broken_ = true;  // none can be started again either
       break;
     default:
       break;  // connections and heartbeats of our own workers are ours to judge

@@ -7,6 +7,12 @@
 // When the link drops or goes silent, the agent stops its workers (their whole process groups)
 // and exits: no worker outlives the notebook's group on any host.
 //
+// A later kSpawn on the link names workers that exited, to be started again in their slots (a
+// heal that replaces a dead rank): the same spec or the one it carries, forked from the host's
+// template when it can, else cold; one that can't be started is reported exited (kExit) with
+// why. So a standing agent keeps its link while all its workers are dead, until the kernel
+// closes it; a one-shot one (`ddip run`) ends when its last worker does.
+//
 // A standing agent (the kernel's AgentKeeper, keeper.hpp) serves one group per ticket line on
 // its stdin, which stays open to the kernel: after a group that ended cleanly it waits for the
 // next ticket; end of file there (the kernel died or let the host go) stops everything under it.
@@ -115,7 +121,10 @@ class HostAgent {
   bool clean_ = false;   // the last group ended with every worker reported and the link intact
   std::optional<SpawnSpec> template_spec_;
   std::unique_ptr<RankTemplate> template_;
-  RankTemplate* warm_template(const std::vector<SpawnSpec>& workers);
+  // The template to fork `workers` from, or null (cold). `may_wait`: a template still importing
+  // is waited for when the ticket says so (a group's start; never a worker started again, which
+  // would leave the link unserved meanwhile).
+  RankTemplate* warm_template(const std::vector<SpawnSpec>& workers, bool may_wait = true);
   // One group's link to the kernel and this host's workers, relayed on one thread.
   class Relay;
 };

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <map>
@@ -29,7 +30,7 @@ using namespace std::chrono_literals;
 namespace {
 // Requests: "echo:TEXT" prints TEXT on stdout and stderr, then replies "pid"; "exit:N" exits
 // with N after a line on stderr; "segment" replies with the first fd's contents; "memfd:TEXT"
-// replies with a memfd holding TEXT.
+// replies with a memfd holding TEXT; "env:NAME" replies with that variable's value.
 int worker_main() {
   int slot = std::atoi(std::getenv("DDIP_TEST_SLOT"));
   Endpoint ep(std::getenv("DDIP_SOCKET"), slot, "pid=" + std::to_string(::getpid()),
@@ -59,6 +60,9 @@ int worker_main() {
         got.assign(buf, n > 0 ? static_cast<size_t>(n) : 0);
       }
       ep.send(Frame::make(kDone, slot, f->seq, got));
+    } else if (req.rfind("env:", 0) == 0) {
+      const char* v = std::getenv(req.c_str() + 4);
+      ep.send(Frame::make(kDone, slot, f->seq, v ? v : "(unset)"));
     } else if (req.rfind("memfd:", 0) == 0) {
       Frame r = Frame::make(kDone, slot, f->seq, "with a buffer");
       Fd m(::memfd_create("reply", MFD_CLOEXEC));
@@ -440,6 +444,128 @@ TEST(Remote, TheEndOfTheKeeperEndsItsAgentsAndTheirWorkers) {
   ASSERT_TRUE(lost.last);
   EXPECT_NE(lost.last->text.find("loopback-host"), std::string::npos) << lost.last->text;
   c->close();
+}
+
+// Events until every slot of `slots` has exited (or the deadline): slot -> its exit event.
+std::map<int, Event> wait_exits(Coordinator& c, std::vector<int> slots,
+                                std::chrono::milliseconds limit = 10s) {
+  std::map<int, Event> got;
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (got.size() < slots.size() && std::chrono::steady_clock::now() < deadline) {
+    auto e = c.next_event(100ms);
+    if (e && e->kind == Event::kExited &&
+        std::find(slots.begin(), slots.end(), e->slot) != slots.end())
+      got.emplace(e->slot, std::move(*e));
+  }
+  return got;
+}
+
+std::string reply(Coordinator& c, int slot, uint64_t seq, const std::string& request) {
+  c.send(slot, Frame::make(kRequest, slot, seq, request));
+  auto done = wait_for(c, Event::kFrame, slot, 10s, kDone);
+  return done.last ? done.last->frame.data() : "(no reply)";
+}
+
+TEST(Remote, AHostsAgentStartsItsExitedWorkersAgainInTheirSlotsWhenTheKernelAsks) {
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  Coordinator c(o);
+  pid_t one = remote_pid(c, 1, 1), two = remote_pid(c, 2, 2);
+  ASSERT_GT(one, 0);
+  ASSERT_GT(two, 0);
+  pid_t agent = keeper.launchers().at(0);
+  try {
+    c.respawn(1);
+    ADD_FAILURE() << "a running remote worker was started again";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("worker slot 1 on host loopback-host is still running"),
+              std::string::npos)
+        << e.what();
+  }
+  // Every worker of the host dies; its standing agent keeps the link (the kernel's heartbeats)
+  // for longer than it waits for a silent kernel (3 s, agent_main).
+  c.signal(1, SIGKILL, true);
+  c.signal(2, SIGKILL, true);
+  ASSERT_EQ(wait_exits(c, {1, 2}).size(), 2u);
+  std::this_thread::sleep_for(3500ms);
+  SpawnSpec spec = worker(1);
+  spec.env.push_back("DDIP_TEST_NOTE=started again");
+  EXPECT_EQ(c.respawn(1, spec), -1) << "a remote worker's pid is its host's";
+  EXPECT_EQ(c.respawn(2), -1);
+  // Frames sent before they connect wait for them, there.
+  pid_t again = remote_pid(c, 1, 3);
+  ASSERT_GT(again, 0) << "slot 1 was not started again";
+  EXPECT_NE(again, one);
+  EXPECT_EQ(parent_of(again), agent) << "started by the same agent";
+  EXPECT_EQ(reply(c, 1, 4, "env:DDIP_TEST_NOTE"), "started again");
+  EXPECT_EQ(reply(c, 1, 5, "env:DDIP_TEST_SLOT"), "1");
+  pid_t again2 = remote_pid(c, 2, 6);
+  EXPECT_GT(again2, 0);
+  EXPECT_NE(again2, two);
+  EXPECT_EQ(reply(c, 2, 7, "env:DDIP_TEST_NOTE"), "(unset)") << "slot 2 has its first spec";
+  // One the agent can't start is reported exited, with why.
+  c.signal(2, SIGKILL, true);
+  ASSERT_EQ(wait_exits(c, {2}).size(), 1u);
+  SpawnSpec bad = worker(2);
+  bad.argv = {"/nonexistent/ddip-worker"};
+  EXPECT_EQ(c.respawn(2, bad), -1);
+  auto failed = wait_exits(c, {2});
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[2].status.code, 127);
+  EXPECT_NE(failed[2].text.find("could not start the worker again"), std::string::npos)
+      << failed[2].text;
+  EXPECT_NE(failed[2].text.find("/nonexistent/ddip-worker"), std::string::npos) << failed[2].text;
+  EXPECT_EQ(remote_pid(c, 1, 8), again) << "the other worker there goes on";
+  EXPECT_TRUE(c.close().empty());
+  for (int i = 0; i < 50 && alive(again); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(alive(again));
+  EXPECT_EQ(keeper.launchers(), std::vector<pid_t>{agent}) << "the group ended cleanly there";
+}
+
+TEST(Remote, AWorkerWhoseHostsAgentIsGoneIsNotStartedAgainAndTheErrorNamesTheHost) {
+  {
+    Coordinator c(options());  // a one-shot agent: it leaves with its last worker
+    ASSERT_GT(remote_pid(c, 1, 1), 0);
+    ASSERT_GT(remote_pid(c, 2, 2), 0);
+    c.signal(1, SIGKILL, true);
+    c.signal(2, SIGKILL, true);
+    ASSERT_EQ(wait_exits(c, {1, 2}).size(), 2u);
+    try {
+      c.respawn(1);
+      ADD_FAILURE() << "a worker of a one-shot agent that left was started again";
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("worker slot 1 on host loopback-host can't be started "
+                                           "again there: that host's agent was a one-shot one"),
+                std::string::npos)
+          << e.what();
+    }
+    c.close();
+  }
+  // A standing agent killed: its link is gone, and the slot can't come back there.
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  Coordinator c(o);
+  ASSERT_GT(remote_pid(c, 1, 1), 0);
+  ::kill(keeper.launchers().at(0), SIGKILL);
+  auto lost = wait_for(c, Event::kLost, 1, 10s);
+  ASSERT_TRUE(lost.last);
+  try {
+    c.respawn(1);
+    ADD_FAILURE() << "a worker whose host's agent is gone was started again";
+  } catch (const std::logic_error& e) {
+    std::string why = e.what();
+    EXPECT_NE(why.find("worker slot 1 on host loopback-host can't be started again there: the "
+                       "link to that host's agent is gone ("),
+              std::string::npos)
+        << why;
+    std::string prefix = "lost the link to its host loopback-host: ";
+    ASSERT_EQ(lost.last->text.rfind(prefix, 0), 0u) << lost.last->text;
+    EXPECT_NE(why.find(lost.last->text.substr(prefix.size())), std::string::npos)
+        << "the cause its loss was reported with: " << why;
+  }
+  c.close();
 }
 
 TEST(Remote, TicketsRoundTrip) {

@@ -332,9 +332,11 @@ void init_coordinator(nb::module_& m) {
           nb::arg("rank_template").none() = nb::none(),
           "Starts the worker of `slot` again after it exited (its state reset: connection, hello, "
           "heartbeats, segments), from `spec` (argv, env, cwd; None: its first spec), forked from "
-          "rank_template when given and it can, else cold; returns the new pid. IndexError for no "
-          "such slot; RuntimeError for a worker still running, one on another host or a closing "
-          "group; OSError when it can't be started.")
+          "rank_template when given and it can, else cold; returns the new pid. A slot on another "
+          "host is started by that host's agent, from its own template (rank_template unused), "
+          "and -1 is returned (the pid comes in its hello; a failure there, as its exit). "
+          "IndexError for no such slot; RuntimeError for a worker still running, one whose host's "
+          "link is gone, or a closing group; OSError when it can't be started.")
       .def("heartbeat_age_ms", &ddip::Coordinator::heartbeat_age_ms, "slot"_a)
       .def("connected", &ddip::Coordinator::connected, "slot"_a)
       .def(
