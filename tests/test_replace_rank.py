@@ -5,7 +5,9 @@ copy of a survivor's variables. Real ranks, real gloo, a real kernel."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 
@@ -202,24 +204,88 @@ def train(n):
         k.run("%makedip -k")
 
 
-def test_a_dead_rank_on_another_host_is_refused_naming_its_host_and_changes_nothing():
+TRAIN = IMPORTS + """
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+X = torch.randn(64, 4); Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+model = torch.nn.Linear(4, 1)
+ddp = DDP(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+losses = []
+def train(n):
+    rank = dist.get_rank()
+    for _ in range(n):
+        loss = torch.nn.functional.mse_loss(ddp(X[rank::2]), Y[rank::2])
+        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+"""
+PARAMS = "[p.detach().flatten().tolist() for p in model.parameters()]"
+# Which rank, where, which process, started by whom (a host's agent), forked from a template.
+WHO = ("import os, ddip.template\n(os.environ['RANK'], os.environ['DDIP_HOST'], os.getpid(), os.getppid(), "
+       "ddip.template.forked)")
+
+
+def test_a_dead_rank_on_a_network_namespace_host_comes_back_there_from_its_agents_template():
+    """Through Group, as the other multi-host tests: both ranks on hosts made of network
+    namespaces, each reached by ssh; rank 1's host's standing agent starts it again."""
     from netns_hosts import Hosts, _missing
 
     if _missing() is not None:
         pytest.skip(_missing())
+    from test_multihost import _launcher_pid
+
     hosts = Hosts()
     try:
         a, b = hosts.addr["A"], hosts.addr["B"]
         with ddip.Group(hosts=f"{a}:1,{b}:1", launcher=hosts.launcher, backend="gloo", timeout=120,
                         env={"GLOO_SOCKET_IFNAME": "ddip0"}) as g:
+            g.run(TRAIN + "train(3)")
+            g.run("mine = 'only on rank 0'", ranks=[0])
+            before = [r.value for r in g.run(WHO)]
+            assert [w[:2] for w in before] == [("0", a), ("1", b)] and before[1][4], before
             _kill_from_inside(g, 1)
+            report = g.heal(copy_from=0)
+            assert report.ok and list(report.replaced) == [1] and report.copied_from == 0, report
+            assert {"model", "opt", "X", "Y", "losses", "train", "mine"} <= set(report.copied)
+            assert "ddp" in report.skipped
+            after = [r.value for r in g.run(WHO)]
+            assert after[0] == before[0], "rank 0 is the same process"
+            rank, host, pid, agent, forked = after[1]
+            # The same rank, on its host, started by the same agent from that host's template.
+            assert (rank, host) == ("1", b) and pid != before[1][2]
+            assert pid == report.replaced[1] == g.pids[1]
+            assert agent == before[1][3] and forked
+            assert f"rank 1 is a new process (pid {pid})" in report.describe()
+            # A world of 2 again, rank 1 with rank 0's parameters and how far it trained.
+            got = [r.value for r in g.run(f"dist.get_world_size(), {PARAMS}, len(losses)")]
+            assert got[0] == got[1] and got[0][0] == 2 and got[0][2] == 3, got
+            # Training goes on once DDP wraps the model again: loss falling, parameters identical.
+            trained = [r.value for r in g.run(f"ddp = DDP(model)\nn = len(losses)\ntrain(5)\n"
+                                              f"losses[n] > losses[-1], {PARAMS}")]
+            assert trained[0][0] and trained[1][0] and trained[0][1] == trained[1][1], trained
+            assert g.run("mine, len(losses)", ranks=[0])[0].value == ("only on rank 0", 8)
+            # Rank 0 on its host too: the new one opens the group's store itself, there.
+            g.run("theirs = 'only on rank 1'", ranks=[1])
+            _kill_from_inside(g, 0)
+            report = g.heal(copy_from=1, names=["model", "theirs"])
+            assert list(report.replaced) == [0] and report.copied == ["model", "theirs"], report
+            rank, host, pid, agent, forked = g.run(WHO, ranks=[0])[0].value
+            assert (rank, host, agent, forked) == ("0", a, before[0][3], True) and pid != before[0][2]
+            assert g.run("os.environ['MASTER_PORT'], theirs", ranks=[0])[0].value == \
+                (str(report.port), "only on rank 1")
+            assert [r.value for r in g.run(ALL_REDUCE)] == [2.0, 2.0]
+            g.run("mine = 'only on rank 0'", ranks=[0])
+
+            # A rank lost with its host's link has no agent there to start it: refused, naming
+            # the host, and nothing changes.
+            os.kill(_launcher_pid(b), signal.SIGKILL)
             _wait_dead(g, 1)
-            refused = (rf"rank 1 on host {re.escape(b)} \(killed by SIGKILL\) is dead, "
-                       r"and replacing a dead rank on another host is not supported yet")
+            refused = (rf"rank 1 on host {re.escape(b)} \(lost the link to its host .*\): that host's "
+                       r"agent is gone with its link")
             with pytest.raises(ddip.HealError, match=refused) as err:
                 g.heal()
             assert isinstance(err.value.__cause__, ddip.RankDeadError) and err.value.report.seconds == 0
-            assert "%makedip -r (g.restart()) starts fresh ranks" in str(err.value)
+            assert "%makedip -r (g.restart()) starts fresh ranks, with a new agent on that host" in str(err.value)
             assert [r["state"] for r in g.status()] == ["idle", "dead"]
+            assert g.run("mine", ranks=[0])[0].value == "only on rank 0"
     finally:
         hosts.close()

@@ -446,11 +446,12 @@ class Group:
         size (a fresh store and port), keeping every rank's namespace. Ranks still stuck in a
         collective broken by an earlier failure are released first (their peers' process groups
         are torn down). A dead rank is replaced: a new process in its slot (same rank, GPU and
-        environment, forked from the warm rank template when the group's ranks were), with an
-        empty namespace, joins the rebuilt group. copy_from=R then copies survivor R's variables
-        into it (every one that pickles, or `names`); the report says which were skipped.
-        Raises HealError when it can't (refused before anything changed: bad input, a dead
-        rank on another host, a group without torch.distributed)."""
+        environment, forked from the warm rank template when the group's ranks were; on another
+        host, by that host's agent from its own template), with an empty namespace, joins the
+        rebuilt group. copy_from=R then copies survivor R's variables into it (every one that
+        pickles, or `names`); the report says which were skipped. Raises HealError when it
+        can't (refused before anything changed: bad input, a rank lost with its host's link, a
+        group without torch.distributed)."""
         self._check_open()
         return self.healer().heal(copy_from, names)
 

@@ -1,9 +1,9 @@
 """Heal, kernel side: when a group's torch.distributed is healed, releasing the ranks a failure
 left waiting in a collective, and rebuilding the default group on every rank (`Group.heal()`, or
 by itself after a rank raised while its peers waited for it). Group.heal() also replaces a dead
-rank on this machine: a new process in its slot (Coordinator.respawn) that joins the rebuilt group
-as it starts, optionally with a copy of a survivor's variables (copy_from). The rank side is
-ddip/rank/heal.py."""
+rank: a new process in its slot (Coordinator.respawn; on another host, started there by that
+host's agent from its own template) that joins the rebuilt group as it starts, optionally with a
+copy of a survivor's variables (copy_from). The rank side is ddip/rank/heal.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from .. import _core
 from ..rank import heal as _heal
 from . import request as _request
-from ..errors import GroupClosedError, HealError, HealReport, RankDeadError, RankError
+from ..errors import FailureKind, GroupClosedError, HealError, HealReport, RankDeadError, RankError
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
 # collective by themselves (gloo: at once) before they are interrupted too.
@@ -23,8 +23,11 @@ WHAT = "ddip heal"  # the `what` of a heal's own requests (never healed themselv
 
 
 def _free_port(group) -> int:
-    """A free port where the group's rank 0 runs (this machine: only local ranks are replaced)."""
-    return _core.plan.free_port(group._master_addr)
+    """A free port for a new rank 0's store: where it runs when that is this machine; on another
+    host (which ddip can't look at) one drawn from the plan's range, as at a group's start."""
+    if group.runtime.hosts[group.slot_of(0)] is None:
+        return _core.plan.free_port(group._master_addr)
+    return _core.plan.master_port(False, group._master_addr)
 
 
 class Healing:
@@ -89,12 +92,16 @@ class Healer:
             port, pids, released = None, self.replace(dead, group.master_port), []
             self.joined(dead)
         report = HealReport(True, 0.0, group.world_size, released=released, port=port,
-                            replaced={group.rank_ids[s]: pid for s, pid in pids.items()})
+                            replaced={group.rank_ids[s]: self.pid(s, pid) for s, pid in pids.items()})
         if copy_from is not None:
             keep, skipped = plan or self.what_to_copy(copy_from, names, "the group was healed, but nothing was copied")
             self.copy_namespace(report, copy_from, keep, skipped, [group.rank_ids[s] for s in dead])
         report.seconds = time.monotonic() - started
         return report
+
+    def pid(self, slot: int, pid: int) -> int | None:
+        """A new rank's pid: respawn's, or (on another host, where respawn can't know it) its hello's."""
+        return pid if pid >= 0 else self.group.runtime.info[slot].get("pid")
 
     def what_to_copy(self, copy_from: int, names,
                      then: str = "nothing was changed") -> tuple[list[str], dict[str, str]]:
@@ -108,7 +115,8 @@ class Healer:
 
     def check_replacing(self, copy_from, names) -> list[int]:
         """The dead slots a heal replaces; raises, changing nothing, for bad copy_from / names or
-        a dead rank this heal can't replace (one on another host)."""
+        a dead rank this heal can't replace (one lost with its host's link: no agent there to
+        start it)."""
         group = self.group
         rt = group.runtime
         with rt.mu:
@@ -131,12 +139,14 @@ class Healer:
             if not dead:
                 raise ValueError(f"copy_from={copy_from}: no rank is dead, so there is no new rank to "
                                  f"copy into (copy_from goes with a heal that replaces a dead rank)")
-        remote = [f for s, f in zip(dead, failures) if rt.hosts[s] is not None]
-        if remote:
-            where = "; ".join(f"rank {f.rank} on host {rt.hosts[group.slot_of(f.rank)]} ({f.evalue})" for f in remote)
+        lost = [f for s, f in zip(dead, failures) if rt.hosts[s] is not None and f.kind is FailureKind.LOST]
+        if lost:
+            where = "; ".join(f"rank {f.rank} on host {rt.hosts[group.slot_of(f.rank)]} ({f.evalue})" for f in lost)
             raise HealError(HealReport(False, 0.0, group.world_size, reason=(
-                f"{where} is dead, and replacing a dead rank on another host is not supported yet "
-                f"(ranks on this machine are)"))) from RankDeadError(remote)
+                f"{where}: that host's agent is gone with its link, so no rank can be started there "
+                f"again (a rank that died while its host stayed connected is)")),
+                way_out="%makedip -r (g.restart()) starts fresh ranks, with a new agent on that host"
+            ) from RankDeadError(lost)
         return dead
 
     def release_all(self, started: float) -> Healing:
@@ -268,8 +278,10 @@ class Healer:
         group = self.group
         bad = group.runtime.wait_hello(dead, _heal.REJOIN_TIMEOUT_S, _request.SLICE_S)
         if bad:
-            raise RuntimeError("; ".join(f"the new rank {group.rank_ids[s]} did not come up: {why}"
-                                         for s, why in sorted(bad.items())))
+            hosts = group.runtime.hosts
+            raise RuntimeError("; ".join(
+                f"the new rank {group.rank_ids[s]}" + (f" on host {hosts[s]}" if hosts[s] else "") +
+                f" did not come up: {why}" for s, why in sorted(bad.items())))
 
     def copy_namespace(self, report: HealReport, copy_from: int, keep, skipped, new_ranks: list[int]):
         """The new ranks get a copy of survivor `copy_from`'s variables `keep`: each pickled there,
