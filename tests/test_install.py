@@ -5,9 +5,10 @@
   Python 3.13, the cp312-abi3 wheel), with no compiler and no headers. A venv there installs
   the wheel with its dependencies from the package index, then tests/install_check.py uses ddip
   the three ways a user would: a Group, the `ddip` launcher on PATH, a notebook through nbclient.
-- The sdist built where OpenSSL's and CLI11's headers are hidden (a mount namespace): the build
-  stops on one line naming the package to install, and CLI11 comes through FetchContent, here
-  from a local copy of its headers (Debian's libcli11-dev) instead of the network.
+- The sdist built where OpenSSL's, CLI11's and nlohmann/json's headers are hidden (a mount
+  namespace): the build stops on one line naming the package to install, and CLI11 and
+  nlohmann/json come through FetchContent, here from local copies of their headers (Debian's
+  libcli11-dev and nlohmann-json3-dev) instead of the network.
 - libcrypto hidden: a local group still runs, and a group across hosts says what to install.
 
 Debian roots and wheels are cached under DDIP_CACHE (default /var/cache/ddip-tests), keyed by
@@ -43,6 +44,8 @@ WHEEL_INPUTS = ["CMakeLists.txt", "pyproject.toml", "LICENSE", "cpp/ddip", "cpp/
 OPENSSL_LINE = ("ddip needs OpenSSL's headers (openssl/hmac.h): install libssl-dev (Debian, Ubuntu), "
                 "openssl-devel (RHEL, Fedora) or openssl (conda), or set OPENSSL_ROOT_DIR")
 CLI11_LINE = "CLI11 is not installed: using CLI11 2.5.0, fetched by CMake and checked by its SHA-256"
+JSON_LINE = ("nlohmann/json is not installed: using nlohmann/json 3.11.3, fetched by CMake and checked by "
+             "its SHA-256")
 LIBCRYPTO_FIX = ("install libssl3 (Debian, Ubuntu; libssl1.1 on older releases), openssl-libs (RHEL, Fedora) "
                  "or openssl (conda)")
 
@@ -72,6 +75,14 @@ def _cli11_copy(dest: Path) -> str | None:
     return str(dest)
 
 
+def _json_copy(dest: Path) -> str | None:
+    """A local copy of nlohmann/json for FetchContent (Debian's nlohmann-json3-dev's headers)."""
+    if not Path("/usr/include/nlohmann/json.hpp").exists():
+        return None
+    shutil.copytree("/usr/include/nlohmann", dest / "include" / "nlohmann")
+    return str(dest)
+
+
 @pytest.fixture(scope="module")
 def wheels() -> list[Path]:
     """The cp39 and cp312-abi3 wheels of these sources, built once and cached."""
@@ -90,9 +101,10 @@ def wheels() -> list[Path]:
     if not (dest / ".complete").exists():
         store.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=store, prefix=f".{key}.") as tmp:
-            cli11 = _cli11_copy(Path(tmp, "cli11"))
+            cli11, json_copy = _cli11_copy(Path(tmp, "cli11")), _json_copy(Path(tmp, "json"))
             cmd = [sys.executable, str(REPO / "packaging" / "build_wheels.py"), "--out", f"{tmp}/dist",
-                   "--python", "3.9", "3.12"] + (["--cli11", cli11] if cli11 else [])
+                   "--python", "3.9", "3.12"] + (["--cli11", cli11] if cli11 else []) \
+                + (["--json", json_copy] if json_copy else [])
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert r.returncode == 0, f"building the wheels failed:\n{r.stdout[-8000:]}"
             for old in store.iterdir():  # wheels of other sources
@@ -231,17 +243,20 @@ def test_sdist_without_cli11_fetches_it(sdist):
     if os.geteuid() != 0:
         pytest.skip("hiding headers takes a mount namespace, which needs root")
     with tempfile.TemporaryDirectory() as tmp:
-        cli11 = _cli11_copy(Path(tmp, "cli11"))
-        if cli11 is None:
-            pytest.skip("needs a local copy of CLI11: Debian's libcli11-dev (make setup installs it)")
+        cli11, json_copy = _cli11_copy(Path(tmp, "cli11")), _json_copy(Path(tmp, "json"))
+        if cli11 is None or json_copy is None:
+            pytest.skip("needs local copies of CLI11 and nlohmann/json: Debian's libcli11-dev and "
+                        "nlohmann-json3-dev (make setup installs them)")
         out = Path(tmp, "dist")
-        # FETCHCONTENT_FULLY_DISCONNECTED: had the local copy not been used, the build would fail.
-        r = _build_with_hidden(sdist, ["/usr/include/CLI", "/usr/share/cmake/CLI11", "/usr/lib/cmake/CLI11"],
+        # FETCHCONTENT_FULLY_DISCONNECTED: had the local copies not been used, the build would fail.
+        r = _build_with_hidden(sdist, ["/usr/include/CLI", "/usr/share/cmake/CLI11", "/usr/lib/cmake/CLI11",
+                                       "/usr/include/nlohmann", "/usr/share/cmake/nlohmann_json"],
                                str(out), [f"FETCHCONTENT_SOURCE_DIR_CLI11={cli11}",
+                                          f"FETCHCONTENT_SOURCE_DIR_NLOHMANN_JSON={json_copy}",
                                           "FETCHCONTENT_FULLY_DISCONNECTED=ON"])
         assert r.returncode == 0, r.stdout[-8000:]
         lines = [line.strip() for line in r.stdout.splitlines()]
-        assert f"-- {CLI11_LINE}" in lines
+        assert f"-- {CLI11_LINE}" in lines and f"-- {JSON_LINE}" in lines
         assert [line for line in lines if line.endswith("Building CXX object CMakeFiles/ddip_run_args.dir/"
                                                         "cpp/tools/run_args.cpp.o")]
         [wheel] = out.glob("*.whl")
