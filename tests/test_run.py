@@ -589,7 +589,7 @@ def test_a_hosts_ddip_run_stops_on_a_control_message_it_cannot_read(tmp_path):
         out, err = p.communicate(timeout=30)
         assert p.returncode == 1
         assert ('ddip run on here: the ddip run that started it sent a malformed ddip record "\\x1eddip halt": '
-                'unknown kind "halt" (expected ping, signal, stop, kill or answer); is the ddip program on both hosts '
+                'unknown kind "halt" (expected ping, signal, stop, kill, answer or collect); is the ddip program on both hosts '
                 "the same version? (--ddip); stopped its ranks\n") in err, err
         assert err.endswith("\x1eddip done 1 0 killed\\sby\\sSIGTERM\\s(stopped\\sby\\sddip\\srun)\n"), err
         assert wait_until(lambda: not alive(pid), 10)

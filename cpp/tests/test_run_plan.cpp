@@ -52,7 +52,7 @@ Args after(const Args& argv, const std::string& flag) {
 }  // namespace
 
 TEST(RunPlan, RanksHereGetTorchrunsEnvironmentOnTopOfThisOne) {
-  Elastic elastic{"run-1", nullptr};
+  Elastic elastic{"run-1", nullptr, ""};
   auto units = plan_units(parse({"run", "-n", "2", "--env", "A=mine", "python", "t.py"}), machine(),
                           elastic, "");
   ASSERT_EQ(units.size(), 2u);
@@ -78,7 +78,7 @@ TEST(RunPlan, RanksHereGetTorchrunsEnvironmentOnTopOfThisOne) {
 
 TEST(RunPlan, EachRankGetsItsErrorFileAndTeeChoosesWhoIsShown) {
   ErrorFiles errors;
-  Elastic elastic{"run-2", &errors};
+  Elastic elastic{"run-2", &errors, ""};
   auto units = plan_units(parse({"run", "-n", "3", "--tee", "1", "--master-addr", "10.1.1.1",
                                  "--master-port", "1234", "true"}),
                           machine(), elastic, "");
@@ -94,21 +94,22 @@ TEST(RunPlan, GpusAreResolvedAgainstTheVisibleOnes) {
   Machine m = machine();
   m.env.push_back("CUDA_VISIBLE_DEVICES=2,3");
   m.gpu_count = [] { return 4; };
-  auto units = plan_units(parse({"run", "--gpus", "1,0", "true"}), m, Elastic{"r", nullptr}, "");
+  auto units =
+      plan_units(parse({"run", "--gpus", "1,0", "true"}), m, Elastic{"r", nullptr, ""}, "");
   ASSERT_EQ(units.size(), 2u);
   for (const auto& p : units) {
     EXPECT_EQ(var(p, "CUDA_VISIBLE_DEVICES"), "3,2");
     EXPECT_EQ(var(p, "WORLD_SIZE"), "2");
     EXPECT_EQ(var(p, "ACCELERATE_USE_CPU"), std::nullopt);
   }
-  EXPECT_THROW(plan_units(parse({"run", "--gpus", "2", "true"}), m, Elastic{"r", nullptr}, ""),
+  EXPECT_THROW(plan_units(parse({"run", "--gpus", "2", "true"}), m, Elastic{"r", nullptr, ""}, ""),
                std::invalid_argument);
 }
 
 TEST(RunPlan, ANodeRunsItsShareOfTheRanksOfTheWholeLaunch) {
   auto units = plan_units(parse({"run", "--node", "2,5,1,3", "--node-name", "b", "-n", "2",
                                  "--master-addr", "a", "--master-port", "4000", "true"}),
-                          machine(), Elastic{"shared", nullptr}, "");
+                          machine(), Elastic{"shared", nullptr, ""}, "");
   ASSERT_EQ(units.size(), 2u);
   EXPECT_EQ(units[1].first_rank, 3);
   EXPECT_EQ(var(units[1], "RANK"), "3");
@@ -132,7 +133,7 @@ TEST(RunPlan, AnotherHostGetsItsLauncherRunningDdipRunThereWithItsPlace) {
   auto units = plan_units(parse({"run", "--hosts", "localhost:1,node1:2", "--launcher", "slurm",
                                  "--master-addr", "10.0.0.1", "--env", "A=1", "--log-dir", "logs",
                                  "--ship", "t.py", "python", "t.py"}),
-                          m, Elastic{"run-3", nullptr}, "the files");
+                          m, Elastic{"run-3", nullptr, ""}, "the files");
   EXPECT_EQ(asked, true);  // rank 0 runs here: a port free here
   ASSERT_EQ(units.size(), 2u);
   const UnitPlan& here = units[0];
@@ -188,7 +189,7 @@ TEST(RunPlan, HostsWithGpusPassTheirListAndRank0ElsewhereDrawsARemotePort) {
   };
   auto units = plan_units(parse({"run", "--hosts", "node1[0,1] node2[3]", "--ddip", "/x/ddip",
                                  "--launcher", "slurm", "true"}),
-                          m, Elastic{"r", nullptr}, "");
+                          m, Elastic{"r", nullptr, ""}, "");
   EXPECT_EQ(asked, false);
   ASSERT_EQ(units.size(), 2u);
   EXPECT_EQ(units[1].first_rank, 2);
@@ -204,7 +205,7 @@ TEST(RunPlan, HostsWithGpusPassTheirListAndRank0ElsewhereDrawsARemotePort) {
 }
 
 TEST(RunPlan, RanksGetTheBreakpointHookAndAStdinPipeOnlyWhenSomeoneCanAnswer) {
-  Elastic elastic{"run-5", nullptr};
+  Elastic elastic{"run-5", nullptr, ""};
   RunOptions opts = parse({"run", "-n", "2", "python", "t.py"});
   auto units = plan_units(opts, machine(), elastic, "");
   for (const auto& p : units) {
@@ -233,13 +234,35 @@ TEST(RunPlan, AnotherHostIsToldWhetherItsRanksPromptsCanBeAnswered) {
       return a.find(" --node-prompts ") != std::string::npos;
     });
   };
-  EXPECT_FALSE(has(plan_units(opts, machine(), Elastic{"run-6", nullptr}, "")[1]));
+  EXPECT_FALSE(has(plan_units(opts, machine(), Elastic{"run-6", nullptr, ""}, "")[1]));
   opts.prompts = true;
-  auto units = plan_units(opts, machine(), Elastic{"run-6", nullptr}, "");
+  auto units = plan_units(opts, machine(), Elastic{"run-6", nullptr, ""}, "");
   EXPECT_TRUE(units[1].host);
   EXPECT_TRUE(has(units[1]));
   // And that host's ddip run reads it back.
   EXPECT_TRUE(parse({"run", "--node", "1,2,1,2", "--node-name", "node1", "--node-prompts", "-n",
                      "1", "python", "t.py"})
                   .prompts);
+}
+
+TEST(RunPlan, RanksHereGetDdipsStartupHookFirstOnPythonpathUnlessTurnedOff) {
+  Elastic elastic{"run-7", nullptr, "/tmp/ddip-run-x/hook"};
+  Machine m = machine();
+  m.env.push_back("PYTHONPATH=/mine");
+  for (const auto& p : plan_units(parse({"run", "-n", "2", "python", "t.py"}), m, elastic, "")) {
+    EXPECT_EQ(var(p, "PYTHONPATH"), "/tmp/ddip-run-x/hook:/mine");
+    EXPECT_EQ(var(p, "DDIP_RUN_HOOK"), "1");
+  }
+  // Turned off by the user, here or with --env: the environment stays as it was.
+  auto off = plan_units(parse({"run", "-n", "1", "--env", "DDIP_RUN_HOOK=0", "python", "t.py"}),
+                        m, elastic, "");
+  EXPECT_EQ(var(off[0], "PYTHONPATH"), "/mine");
+  EXPECT_EQ(var(off[0], "DDIP_RUN_HOOK"), "0");
+  // Another host's ddip run makes its own hook there: its launcher's environment has none.
+  auto hosts = plan_units(parse({"run", "--hosts", "localhost:1,node1:1", "--master-addr",
+                                 "10.0.0.1", "python", "t.py"}),
+                          m, elastic, "");
+  EXPECT_EQ(var(hosts[0], "DDIP_RUN_HOOK"), "1");
+  EXPECT_TRUE(hosts[1].host);
+  EXPECT_EQ(var(hosts[1], "PYTHONPATH"), "/mine");
 }

@@ -11,6 +11,8 @@ using std::chrono::milliseconds;
 
 namespace {
 
+const Clock::time_point t0 = Clock::now();
+
 struct RecordingCrew : Crew {
   std::vector<std::string> did;
   std::vector<RootCause> upstream;
@@ -18,6 +20,13 @@ struct RecordingCrew : Crew {
   void kill() override { did.push_back("kill"); }
   void forward(int sig) override { did.push_back("forward " + ddip::signal_name(sig)); }
   void report_upstream(const RootCause& cause) override { upstream.push_back(cause); }
+  void collect() override {
+    did.push_back("collect");
+    if (nobody_to_ask) policy->collected(t0);
+  }
+  // collect() finds no rank to ask: collected() at once, from inside collect().
+  bool nobody_to_ask = false;
+  FailurePolicy* policy = nullptr;
 };
 
 RootCause rank_failed(int rank, int code, int64_t when_ns = 0, bool reported = false) {
@@ -33,7 +42,6 @@ RootCause rank_failed(int rank, int code, int64_t when_ns = 0, bool reported = f
   return c;
 }
 
-const Clock::time_point t0 = Clock::now();
 const milliseconds kGrace(5000);
 
 }  // namespace
@@ -161,6 +169,93 @@ TEST(RunPolicy, TimeoutStopsEveryRank) {
   p.tick(t0 + milliseconds(6500), false);
   EXPECT_EQ(crew.did, (std::vector<std::string>{"terminate", "kill"}));
   EXPECT_EQ(p.outcome().exit_code(), 124);
+}
+
+TEST(RunPolicy, TheTimeoutAsksTheRanksWhereTheyAreBeforeItStopsThem) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.timeout_s = 1.5;
+  o.collect = true;
+  FailurePolicy p(crew, o, t0);
+  p.tick(t0 + milliseconds(1500), false);
+  EXPECT_TRUE(p.outcome().timed_out);
+  EXPECT_TRUE(p.collecting());
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect"})) << "asked, not stopped yet";
+  EXPECT_EQ(p.next_deadline(false), std::nullopt) << "the asking keeps its own deadline";
+  p.tick(t0 + milliseconds(9000), false);
+  EXPECT_EQ(crew.did.size(), 1u);
+  p.collected(t0 + milliseconds(4500));
+  EXPECT_FALSE(p.collecting());
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect", "terminate"}));
+  EXPECT_EQ(p.next_deadline(false), t0 + milliseconds(4500) + kGrace) << "the grace starts now";
+  p.collected(t0 + milliseconds(4600));  // once only
+  EXPECT_EQ(crew.did.size(), 2u);
+  EXPECT_EQ(p.outcome().exit_code(), 124);
+}
+
+TEST(RunPolicy, WithNobodyToAskTheTimeoutStopsAtOnce) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.timeout_s = 1;
+  o.collect = true;
+  FailurePolicy p(crew, o, t0);
+  crew.policy = &p;
+  crew.nobody_to_ask = true;
+  p.tick(t0 + milliseconds(1000), false);
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect", "terminate"}));
+  EXPECT_FALSE(p.collecting());
+}
+
+TEST(RunPolicy, CtrlCAsksTheRanksFirstThenForwardsIt) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.collect = true;
+  FailurePolicy p(crew, o, t0);
+  EXPECT_EQ(p.signalled(SIGINT, t0), FailurePolicy::Signalled::kForwarded);
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect"}));
+  EXPECT_EQ(p.outcome().first_signal, SIGINT);
+  p.collected(t0 + milliseconds(3000));
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect", "forward SIGINT"}));
+  EXPECT_EQ(p.next_deadline(false), t0 + milliseconds(3000) + kGrace);
+}
+
+TEST(RunPolicy, ASecondCtrlCWhileTheRanksAreAskedKillsAndForwardsNothing) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.collect = true;
+  FailurePolicy p(crew, o, t0);
+  p.signalled(SIGINT, t0);
+  EXPECT_EQ(p.signalled(SIGINT, t0 + milliseconds(500)), FailurePolicy::Signalled::kKilling);
+  p.collected(t0 + milliseconds(600));
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect", "kill"}));
+}
+
+TEST(RunPolicy, SigtermAndAStopAreActedOnWithoutAsking) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.collect = true;
+  o.timeout_s = 2;
+  FailurePolicy p(crew, o, t0);
+  p.signalled(SIGTERM, t0);
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"forward SIGTERM"}));
+  RecordingCrew crew2;
+  FailurePolicy q(crew2, o, t0);
+  q.failed(rank_failed(1, 3), t0);
+  q.tick(t0 + milliseconds(2000), false);  // stopping already: the timeout asks nobody
+  EXPECT_EQ(crew2.did, (std::vector<std::string>{"terminate"}));
+}
+
+TEST(RunPolicy, AFailureWhileTheRanksAreAskedStopsThemAtOnce) {
+  RecordingCrew crew;
+  FailurePolicy::Options o;
+  o.collect = true;
+  o.timeout_s = 1;
+  FailurePolicy p(crew, o, t0);
+  p.tick(t0 + milliseconds(1000), false);
+  p.failed(rank_failed(0, 1), t0 + milliseconds(1200));
+  EXPECT_EQ(crew.did, (std::vector<std::string>{"collect", "terminate"}));
+  p.collected(t0 + milliseconds(2000));
+  EXPECT_EQ(crew.did.size(), 2u) << "stopped once";
 }
 
 TEST(RunPolicy, TheTimeoutStandsStillWhileAPromptWaits) {

@@ -40,7 +40,7 @@ const std::vector<std::string> kAwkward = {
 TEST(RunProtocol, ControlMessagesRoundTrip) {
   for (const Control& m : {Control{Ping{}}, Control{Signal{SIGINT}}, Control{Signal{SIGTERM}},
                            Control{Stop{}}, Control{Kill{}}, Control{Answer{3, false, "p x"}},
-                           Control{Answer{0, true, ""}}}) {
+                           Control{Answer{0, true, ""}}, Control{Collect{}}}) {
     std::string line = encode(m);
     EXPECT_TRUE(is_record(line));
     EXPECT_EQ(line.find('\n'), line.size() - 1) << "one line";
@@ -65,6 +65,24 @@ TEST(RunProtocol, PromptRoundTripsAnyText) {
   // As ddip.rank.run_debug writes it.
   EXPECT_EQ(std::get<Prompt>(decode_report("\x1e" "ddip prompt 1 >\\sf.py(3)\\n ipdb>\\s\n")),
             (Prompt{1, "> f.py(3)\n", "ipdb> "}));
+}
+
+TEST(RunProtocol, RankStateRoundTripsAnyText) {
+  for (const auto& text : kAwkward) {
+    RankState m{3, R"({"rank": 3, "entries": [{"op": "all_reduce"}], "x": ")" + text + "\"}",
+                "  File \"train.py\", line 7, in <module>\n    " + text + "\n"};
+    std::string line = encode(Report{m});
+    EXPECT_EQ(line.find_first_of("\r\n"), line.size() - 1) << "one line, whatever the text held";
+    EXPECT_EQ(std::get<RankState>(decode_report(line)), m) << text;
+  }
+  // A host's word for a rank that can't answer: no snapshot, no stack.
+  EXPECT_EQ(encode(Report{RankState{2, "", ""}}), "\x1e" "ddip state 2 \\e \\e\n");
+  // As ddip.rank.run_hook writes it (json.dumps, traceback.format_stack).
+  EXPECT_EQ(std::get<RankState>(decode_report(
+                "\x1e" "ddip state 1 {\"off\":\\s\"torch.distributed\\sis\\snot\\sinitialized\"} "
+                "\\s\\sFile\\s\"t.py\",\\sline\\s3,\\sin\\s<module>\\n\n")),
+            (RankState{1, R"({"off": "torch.distributed is not initialized"})",
+                       "  File \"t.py\", line 3, in <module>\n"}));
 }
 
 TEST(RunProtocol, RankFailedRoundTripsAnyText) {
@@ -131,7 +149,7 @@ TEST(RunProtocol, MalformedControlIsRejectedSayingWhy) {
       {p + "stop now\n", "1 field(s) more than a \"stop\" record"},
       {p + "ping \n", "1 field(s) more"},
       {p + "signal  15\n", "signal number is empty (two spaces in a row?)"},
-      {p + "halt\n", "unknown kind \"halt\" (expected ping, signal, stop, kill or answer); is the ddip program on both hosts the same version? (--ddip)"},
+      {p + "halt\n", "unknown kind \"halt\" (expected ping, signal, stop, kill, answer or collect); is the ddip program on both hosts the same version? (--ddip)"},
       {p + "\n", "unknown kind \"\""},
       {p + "failed 1 2 0 5 x 0\n", "unknown kind \"failed\""},  // a report on the control channel
       {p + "stop\rkill\n", "has a line end inside"},
@@ -167,8 +185,11 @@ TEST(RunProtocol, MalformedReportsAreRejectedSayingWhy) {
       {p + "done 2 0 ok\n", "says 2 rank(s) follow, which takes 4 fields, but 2 do"},
       {p + "done 1 zero ok\n", "rank \"zero\" is not a number"},
       {p + "done x\n", "rank count \"x\" is not a number"},
-      {p + "tail some stderr\n", "unknown kind \"tail\" (expected failed, done or prompt)"},
-      {p + "state 1 exit\n", "unknown kind \"state\""},
+      {p + "tail some stderr\n", "unknown kind \"tail\" (expected failed, done, prompt or state)"},
+      {p + "status 1 exit\n", "unknown kind \"status\""},
+      {p + "state 1 {}\n", "it ends before its stack"},
+      {p + "state one {} x\n", "rank \"one\" is not a number"},
+      {p + "state 1 {} x y\n", "1 field(s) more than a \"state\" record"},
       {p + "ping\n", "unknown kind \"ping\""},  // a control message in a report's place
   };
   for (const auto& c : cases) {

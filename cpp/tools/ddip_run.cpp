@@ -5,8 +5,8 @@
 // main reads the command line, has the launch planned as data (run_plan) and runs it. The
 // Launcher here wires the launcher's units together: the event loop (run_loop), the ranks' output
 // (run_output), the channel to other hosts' ddip runs (run_channel, speaking run_protocol), the
-// failure policy (run_policy), the ranks' debugger prompts (run_prompts) and the report
-// (run_report).
+// failure policy (run_policy), the ranks' debugger prompts (run_prompts), where the ranks are
+// when it times out or is interrupted (run_collectives) and the report (run_report).
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
@@ -31,6 +31,7 @@
 #include "ddip/supervisor.hpp"
 #include "run_args.hpp"
 #include "run_channel.hpp"
+#include "run_collectives.hpp"
 #include "run_elastic.hpp"
 #include "run_loop.hpp"
 #include "run_output.hpp"
@@ -77,6 +78,7 @@ class Launcher final : Crew {
   void kill() override;
   void forward(int sig) override;
   void report_upstream(const RootCause& cause) override;
+  void collect() override;
 
   void start_units();
   // Rank unit `u` is about to get `sig` to stop it: it counts as stopped, as it stands now.
@@ -87,6 +89,12 @@ class Launcher final : Crew {
   void on_control(const protocol::Control& message);
   void on_record(size_t u, std::string_view line);
   void on_prompt(size_t u, protocol::Prompt prompt);
+  // Every rank here is sent SIGURG if it answers it; from the top, every host is sent Collect.
+  // A rank that can't answer is said so at once (here, or upstream from another host).
+  void ask_states();
+  void on_state(size_t u, protocol::RankState state);
+  // The ranks' answers are in, or the wait is over: the picture is shown, and the policy goes on.
+  void show_states();
   // The line typed at rank `rank`'s prompt (nullopt: nobody can answer), to it: through its
   // stdin here, or through the control channel of its host (unit `u`).
   void answer(size_t u, int rank, std::optional<std::string> line);
@@ -109,6 +117,7 @@ class Launcher final : Crew {
   Terminal terminal_;
   LabelledStreams streams_;
   Prompts prompts_;
+  RankStates states_;
   FailurePolicy policy_;
   Downstream downstream_;
   std::optional<Upstream> upstream_;  // node mode
@@ -141,7 +150,8 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
                [this](size_t u, int rank, std::optional<std::string> line) {
                  answer(u, rank, std::move(line));
                }),
-      policy_(*this, {kGrace, opts_.timeout_s, node_.has_value()}, Clock::now()),
+      policy_(*this, {kGrace, opts_.timeout_s, node_.has_value(), !node_.has_value()},
+              Clock::now()),
       downstream_(loop_, link_timeout_, [this](size_t u) { sup_.signal(u, SIGKILL); }) {
   for (const auto& p : plans_) {
     UnitEnd e;
@@ -165,6 +175,8 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
         return drain_until_;
       },
       [](Clock::time_point) {});  // run_until's condition ends the loop
+  loop_.deadline([this] { return states_.deadline(); },
+                 [this](Clock::time_point) { show_states(); });
   if (node_)
     upstream_.emplace(loop_, terminal_, link_timeout_,
                       Upstream::Hooks{[this](const protocol::Control& m) { on_control(m); },
@@ -239,11 +251,55 @@ void Launcher::report_upstream(const RootCause& cause) {
                                        cause.what, cause.error, cause.tail});
 }
 
+void Launcher::collect() {
+  states_.begin(Clock::now() + kStateWait);
+  ask_states();
+  if (states_.complete()) show_states();
+}
+
+void Launcher::ask_states() {
+  for (size_t u = 0; u < ends_.size(); ++u) {
+    const UnitPlan& p = plans_[u];
+    const bool live = !ends_[u].status && sup_.running(u);
+    if (p.host) {
+      for (int r = p.first_rank; r < p.first_rank + p.nranks; ++r)
+        live ? states_.asked(r) : states_.answer({r, "", ""});
+      if (live) downstream_.tell(u, protocol::Collect{});
+    } else if (live && answers_sigurg(sup_.child(u).pid())) {
+      states_.asked(p.first_rank);
+      sup_.signal(u, SIGURG, false);  // the rank itself: its children have no hook
+    } else if (node_) {
+      upstream_->send(protocol::RankState{p.first_rank, "", ""});
+    } else {
+      states_.answer({p.first_rank, "", ""});
+    }
+  }
+}
+
+void Launcher::on_state(size_t u, protocol::RankState state) {
+  if (!plans_[u].host) state.rank = plans_[u].first_rank;  // its own number, whatever RANK says
+  if (node_) {
+    upstream_->send(state);
+    return;
+  }
+  states_.answer(std::move(state));
+  if (states_.open() && states_.complete()) show_states();
+}
+
+void Launcher::show_states() {
+  if (!states_.open()) return;
+  std::string text = states_.end();
+  if (!text.empty()) terminal_.write(2, me() + ": " + text);
+  policy_.collected(Clock::now());
+}
+
 void Launcher::on_record(size_t u, std::string_view line) {
   try {
     auto report = protocol::decode_report(line);
     if (auto* p = std::get_if<protocol::Prompt>(&report)) {
       on_prompt(u, std::move(*p));
+    } else if (auto* s = std::get_if<protocol::RankState>(&report)) {
+      on_state(u, std::move(*s));
     } else if (plans_[u].host == false) {
       throw protocol::ProtocolError("record that only a host's ddip run sends: " +
                                     std::string(line.substr(protocol::kPrefix.size())));
@@ -362,6 +418,8 @@ void Launcher::on_control(const protocol::Control& message) {
     for (size_t u = 0; u < plans_.size(); ++u)
       if (!plans_[u].host && plans_[u].first_rank == a->rank)
         answer(u, a->rank, a->end ? std::nullopt : std::optional<std::string>(a->line));
+  } else if (std::holds_alternative<protocol::Collect>(message)) {
+    ask_states();
   }
   // Ping: hearing it was the point (Upstream keeps the time).
 }
@@ -478,6 +536,18 @@ bool make_error_files(std::optional<ErrorFiles>& errors, Elastic& elastic,
   return true;
 }
 
+// ddip's startup hook for the Python ranks (run_collectives.hpp), beside their error files. Without
+// it (said) the ranks run as they would, but can't say where they are at a timeout or Ctrl-C.
+void add_startup_hook(Elastic& elastic, const ErrorFiles& errors, const std::string& prog) {
+  try {
+    elastic.hook_dir = write_startup_hook(errors.dir() + "/hook");
+  } catch (const std::exception& e) {
+    std::cerr << prog << ": " << e.what()
+              << "; the ranks run without it (no picture of their collectives at a timeout or "
+                 "Ctrl-C)\n";
+  }
+}
+
 // On another host, for the ddip run that started it: in that one's directory when it exists
 // here too.
 void enter_node_directory(const NodeOptions& node, const std::string& prog) {
@@ -533,8 +603,9 @@ int main(int argc, char** argv) {
   ShippedFiles shipped;
   if (opts.node && opts.node->files > 0 && !receive_shipped(opts, shipped, prog)) return 1;
   std::optional<ErrorFiles> errors;
-  Elastic elastic{opts.node ? opts.node->run_id : new_run_id(), nullptr};
+  Elastic elastic{opts.node ? opts.node->run_id : new_run_id(), nullptr, ""};
   if (!opts.check && !make_error_files(errors, elastic, prog)) return 1;
+  if (errors) add_startup_hook(elastic, *errors, prog);
   std::string shipping;
   if (!opts.node && !opts.ship.empty()) {
     try {

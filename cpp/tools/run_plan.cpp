@@ -7,6 +7,7 @@
 #include <system_error>
 
 #include "ddip/plan.hpp"
+#include "run_collectives.hpp"
 
 extern char** environ;
 
@@ -81,6 +82,8 @@ void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machi
     // breakpoint() prompts through ddip run (run_prompts.hpp); a user's own choice stays.
     if (!lookup(p.spec.env, "PYTHONBREAKPOINT"))
       p.spec.env.push_back(std::string("PYTHONBREAKPOINT=") + kBreakpointHook);
+    // Where every rank is, at a timeout or Ctrl-C (run_collectives.hpp); DDIP_RUN_HOOK=0 stays.
+    add_hook_environment(p.spec.env, elastic.hook_dir);
     p.spec.stdin_pipe = opts.prompts;
     plans.push_back(std::move(p));
   }

@@ -43,10 +43,13 @@ struct Machine {
 Machine this_machine();
 
 // torchrun's elastic variables for every rank of the launch: one run id on every host, and each
-// rank's error file here (none under --check, which starts nothing).
+// rank's error file here (none under --check, which starts nothing); and the directory of ddip's
+// startup hook, which every Python rank here gets first on its PYTHONPATH.
 struct Elastic {
   std::string run_id;
   const ErrorFiles* errors = nullptr;
+  // ddip's startup hook for the ranks (run_collectives.hpp), beside the error files; "": none.
+  std::string hook_dir;
 };
 
 // The launch's units, in rank order: one per rank started here, one per other host. `shipped`:

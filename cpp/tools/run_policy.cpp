@@ -1,5 +1,7 @@
 #include "run_policy.hpp"
 
+#include <csignal>
+
 namespace ddip::run {
 
 FailurePolicy::FailurePolicy(Crew& crew, Options options, Clock::time_point started)
@@ -73,10 +75,29 @@ void FailurePolicy::forward(int sig, Clock::time_point now) {
   crew_.forward(sig);
 }
 
+bool FailurePolicy::collect_first(int then) {
+  if (!opts_.collect || collected_once_ || stopping_) return false;
+  collected_once_ = true;
+  after_collect_ = then;
+  crew_.collect();  // may call collected() at once
+  return true;
+}
+
+void FailurePolicy::collected(Clock::time_point now) {
+  if (!after_collect_) return;
+  int then = *after_collect_;
+  after_collect_.reset();
+  if (then == 0)
+    stop(now);
+  else if (!killed_)  // a second Ctrl-C while the ranks were asked has killed them
+    forward(then, now);
+}
+
 FailurePolicy::Signalled FailurePolicy::signalled(int sig, Clock::time_point now) {
   if (++interrupts_ == 1) {
     outcome_.first_signal = sig;
-    forward(sig, now);
+    // Ctrl-C: where every rank is, first; a scheduler's SIGTERM or a hang-up is acted on now.
+    if (sig != SIGINT || !collect_first(sig)) forward(sig, now);
     return Signalled::kForwarded;
   }
   bool again = killed_;
@@ -115,16 +136,17 @@ void FailurePolicy::paused(bool on, Clock::time_point now) {
 
 std::optional<Clock::time_point> FailurePolicy::next_deadline(bool all_exited) const {
   std::optional<Clock::time_point> next;
-  if (timeout_at_ && !stopping_ && !paused_since_) next = timeout_at_;
+  if (timeout_at_ && !stopping_ && !paused_since_ && !after_collect_) next = timeout_at_;
   if (stop_at_ && !stopping_ && !all_exited && (!next || *stop_at_ < *next)) next = stop_at_;
   if (kill_at_ && !killed_ && !all_exited && (!next || *kill_at_ < *next)) next = kill_at_;
   return next;
 }
 
 void FailurePolicy::tick(Clock::time_point now, bool all_exited) {
-  if (timeout_at_ && !stopping_ && !paused_since_ && now >= *timeout_at_) {
+  if (timeout_at_ && !stopping_ && !paused_since_ && !after_collect_ && now >= *timeout_at_) {
     outcome_.timed_out = true;
-    stop(now);
+    timeout_at_.reset();
+    if (!collect_first(0)) stop(now);
   }
   if (stop_at_ && !stopping_ && !all_exited && now >= *stop_at_) stop(now);
   if (kill_at_ && !killed_ && !all_exited && now >= *kill_at_) {

@@ -26,6 +26,10 @@ class Crew {
   virtual void forward(int sig) = 0;
   // On another host: tell the ddip run that started this one of the first failure, at once.
   virtual void report_upstream(const RootCause& cause) = 0;
+  // Ask every rank where it is (its collectives and stack, run_collectives.hpp) and show it;
+  // then, when every rank answered or the wait is over, call collected() (at once when there is
+  // nobody to ask).
+  virtual void collect() = 0;
 };
 
 class FailurePolicy {
@@ -34,6 +38,10 @@ class FailurePolicy {
     std::chrono::milliseconds grace{5000};  // SIGTERM (or a forwarded signal) to SIGKILL
     double timeout_s = 0;                   // --timeout; 0: none
     bool node = false;                      // this is another host's ddip run (--node)
+    // The timeout and the first Ctrl-C first ask the ranks where they are (Crew::collect), and
+    // stop or forward once collected(): not on another host, whose ranks are asked from the
+    // ddip run that started it.
+    bool collect = false;
   };
   FailurePolicy(Crew& crew, Options options, Clock::time_point started);
 
@@ -62,6 +70,11 @@ class FailurePolicy {
   void link_lost(std::string why, Clock::time_point now);
   void link_closed(std::string why, Clock::time_point now);
 
+  // The ranks' states asked for by Crew::collect are shown (or the wait is over): what waited
+  // for them, the stop after the timeout or the forwarded Ctrl-C, is done now.
+  void collected(Clock::time_point now);
+  bool collecting() const { return after_collect_.has_value(); }
+
   // While a rank's debugger prompt waits for an answer (`on`), the timeout stands still: time at
   // a prompt is the person's, not the job's.
   void paused(bool on, Clock::time_point now);
@@ -79,6 +92,9 @@ class FailurePolicy {
   void kill_by(Clock::time_point t);
   void kill_all();
   void forward(int sig, Clock::time_point now);
+  // Asks the ranks first, once per run, when Options::collect: `then` (0: stop; else the signal
+  // to forward) waits for collected(). False when nothing is asked: the caller acts now.
+  bool collect_first(int then);
 
   Crew& crew_;
   Options opts_;
@@ -89,7 +105,8 @@ class FailurePolicy {
   std::optional<Clock::time_point> stop_at_;
   // When every rank still running gets SIGKILL: the grace after a stop or a forwarded signal.
   std::optional<Clock::time_point> kill_at_;
-  bool stopping_ = false, killed_ = false;
+  std::optional<int> after_collect_;  // what waits for collected(): 0 stop, else a signal
+  bool stopping_ = false, killed_ = false, collected_once_ = false;
   int interrupts_ = 0;
 };
 

@@ -148,6 +148,7 @@ struct ControlEncoder {
   std::string operator()(const Answer& m) const {
     return "answer " + std::to_string(m.rank) + " " + (m.end ? "1 " : "0 ") + escape(m.line);
   }
+  std::string operator()(const Collect&) const { return "collect"; }
 };
 
 struct ReportEncoder {
@@ -167,6 +168,9 @@ struct ReportEncoder {
   }
   std::string operator()(const Prompt& m) const {
     return "prompt " + std::to_string(m.rank) + " " + escape(m.output) + " " + escape(m.prompt);
+  }
+  std::string operator()(const RankState& m) const {
+    return "state " + std::to_string(m.rank) + " " + escape(m.snapshot) + " " + escape(m.stack);
   }
 };
 
@@ -200,8 +204,10 @@ Control decode_control(std::string_view line) {
     a.line = f.text("line");
     if (a.line.find('\n') != std::string::npos) f.fail("its line has a line end inside");
     out = std::move(a);
+  } else if (kind == "collect") {
+    out = Collect{};
   } else {
-    f.unknown("ping, signal, stop, kill or answer");
+    f.unknown("ping, signal, stop, kill, answer or collect");
   }
   f.end();
   return out;
@@ -282,7 +288,15 @@ Report decode_report(std::string_view line) {
     f.end();
     return m;
   }
-  f.unknown("failed, done or prompt");
+  if (kind == "state") {
+    RankState m;
+    m.rank = f.number<int>("rank", 0, kMaxRank);
+    m.snapshot = f.text("snapshot");
+    m.stack = f.text("stack");
+    f.end();
+    return m;
+  }
+  f.unknown("failed, done, prompt or state");
 }
 
 }  // namespace ddip::run::protocol

@@ -2,10 +2,11 @@
 // and the one that started it through a launcher (ssh, srun, a template). Every message is one
 // line, "\x1e" "ddip KIND FIELD...\n", encoded and decoded only here.
 //
-// - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill, Answer.
-// - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone, Prompt.
-//   A rank writes Prompt itself (ddip.rank.run_debug, on its stderr) when its breakpoint()
-//   waits for a line; its host's ddip run hands it on.
+// - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill, Answer, Collect.
+// - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone, Prompt,
+//   RankState. A rank writes Prompt itself (ddip.rank.run_debug, on its stderr) when its
+//   breakpoint() waits for a line, and RankState (ddip.rank.run_hook) when asked by SIGURG; its
+//   host's ddip run hands them on.
 //
 // A record begins with an ASCII record separator, which no line of a rank can begin with (its
 // host labels every one "[rank] "). Fields are separated by one space; text fields escape
@@ -58,7 +59,12 @@ struct Answer {
   std::string line;
   bool operator==(const Answer&) const = default;
 };
-using Control = std::variant<Ping, Signal, Stop, Kill, Answer>;
+// Ask every rank there for its collectives and stack (SIGURG, run_collectives.hpp): each answers
+// with a RankState, handed on; a rank that can't answer gets one without a snapshot at once.
+struct Collect {
+  bool operator==(const Collect&) const = default;
+};
+using Control = std::variant<Ping, Signal, Stop, Kill, Answer, Collect>;
 
 // -- from a host's ddip run -------------------------------------------------------------------
 
@@ -94,7 +100,17 @@ struct Prompt {
   std::string prompt;
   bool operator==(const Prompt&) const = default;
 };
-using Report = std::variant<RankFailed, NodeDone, Prompt>;
+// Rank `rank`'s answer to SIGURG (ddip.rank.run_hook): its torch flight recorder's snapshot
+// (the JSON of python/ddip/rank/collectives.py's snapshot()) and its main thread's Python stack.
+// An empty snapshot, from a host's ddip run: that rank can't answer (it has ended, or it is not a
+// Python rank with ddip's hook), so nobody waits for it.
+struct RankState {
+  int rank = 0;
+  std::string snapshot;
+  std::string stack;
+  bool operator==(const RankState&) const = default;
+};
+using Report = std::variant<RankFailed, NodeDone, Prompt, RankState>;
 
 // -- files shipped to a host's ddip run (--ship) -------------------------------------------------
 

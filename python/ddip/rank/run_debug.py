@@ -7,7 +7,8 @@ rank's stderr, "rank waits at a prompt" with what the debugger printed since the
 `prompt` record of cpp/tools/run_protocol.hpp), and reads the answer, one line, from stdin; ddip
 run shows the prompt when it is this rank's turn and writes the line typed there. When the
 debugger leaves (`c`), one more record, without a prompt, carries its last words and ends its
-turn. The debugger is
+turn. `pdb.set_trace()` comes here too (ddip.rank.run_hook makes pdb's set_trace this one). The
+debugger is
 the rank debugger of ddip.rank.debugger (IPython's pdb), which a %%dip cell's breakpoint() uses
 too. When nobody can answer (stdin at its end: ddip run's own stdin is not a terminal or a pipe,
 or has ended), the rank says so once and goes on, as if there were no breakpoint.
@@ -19,16 +20,10 @@ import os
 import sys
 
 from .debugger import PromptRelay, RankPdb
+from .run_hook import field as _field
 
 _RECORD = "\x1eddip prompt"
 _noted = False
-
-
-def _field(text: str) -> str:
-    """A text field of a record, escaped as run_protocol.hpp says: one line, no spaces."""
-    if not text:
-        return "\\e"
-    return text.replace("\\", "\\\\").replace(" ", "\\s").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _rank() -> str:
@@ -94,10 +89,10 @@ class _RunPdb(RankPdb):
             raise
 
 
-def set_trace(*, header=None):
-    """breakpoint() / PYTHONBREAKPOINT's hook: stops in the caller's frame with a prompt that ddip
-    run shows."""
+def set_trace(*, header=None, frame=None):
+    """breakpoint() / PYTHONBREAKPOINT's hook: stops in the caller's frame (or `frame`: pdb.set_trace
+    made this by ddip.rank.run_hook passes its caller's) with a prompt that ddip run shows."""
     debugger = _RunPdb(PromptRelay(_ask))
     if header is not None:
         debugger.message(header)
-    debugger.set_trace(sys._getframe().f_back)
+    debugger.set_trace(frame or sys._getframe().f_back)

@@ -1,0 +1,76 @@
+// Where every rank is when `ddip run` times out or is interrupted (the first Ctrl-C): before it
+// stops them, it asks each rank for its torch flight recorder's collectives and its main thread's
+// Python stack, and prints the collective picture (ddip/collectives.hpp: who has not joined which
+// collective, who disagrees), then each rank's stack.
+//
+// A rank answers through ddip's startup hook (python/ddip/rank/run_hook.py), which nothing in the
+// user's script or command line asks for: ddip run writes a sitecustomize.py that starts it into
+// a private directory and puts that directory first on every rank's PYTHONPATH, with
+// DDIP_RUN_HOOK=1 (DDIP_RUN_HOOK=0 from the user turns it off). The hook blocks SIGURG in the
+// rank's main thread before any other thread exists, and a thread of its own answers each SIGURG
+// with one RankState record on the rank's stderr (run_protocol.hpp). SIGURG is ignored by
+// default, so a rank without the hook is unharmed; whether a rank has it is read from the
+// signals its main thread blocks, so nobody waits for a rank that will never answer.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "run_loop.hpp"
+#include "run_protocol.hpp"
+
+namespace ddip::run {
+
+// The variable that turns the hook on in a rank (1), or, set to 0 by the user, off.
+inline constexpr const char* kRunHookVariable = "DDIP_RUN_HOOK";
+// How long ddip run waits for the ranks' answers before it goes on without the rest.
+inline constexpr std::chrono::milliseconds kStateWait{3000};
+
+// Writes the sitecustomize.py that starts the hook into `dir` (made if missing); returns `dir`.
+// Throws std::system_error naming the file it could not write.
+std::string write_startup_hook(const std::string& dir);
+
+// A rank's environment with the hook in `hook_dir` ("": none) added: PYTHONPATH begins with it
+// and DDIP_RUN_HOOK=1; unchanged when the environment already says DDIP_RUN_HOOK=0.
+void add_hook_environment(std::vector<std::string>& env, const std::string& hook_dir);
+
+// Whether process `pid`'s main thread blocks SIGURG: a Python rank whose hook started, which
+// answers SIGURG. False for any other process, and for one that is gone.
+bool answers_sigurg(pid_t pid);
+
+// One request for every rank's state: who was asked, their answers, until each rank asked has
+// answered or the deadline has passed; then the text to show.
+class RankStates {
+ public:
+  // A new request, answered by `deadline` or not at all; forgets the last one.
+  void begin(Clock::time_point deadline);
+  // Rank `rank` was sent SIGURG (or is on a host that was sent Collect): it should answer.
+  void asked(int rank);
+  // A rank's answer; an empty snapshot says it can't answer (it has ended, or has no hook).
+  // Ignored when no request is open (a late answer).
+  void answer(protocol::RankState state);
+  bool open() const { return deadline_.has_value(); }
+  // Every rank asked has answered.
+  bool complete() const;
+  // While open: when to stop waiting.
+  std::optional<Clock::time_point> deadline() const { return deadline_; }
+
+  // Ends the request. The collective picture, then each rank's stack ("[rank N]", in rank
+  // order), then each rank that did not answer; "" when no rank had collectives to show (no
+  // rank uses torch.distributed, or none answered).
+  std::string end();
+
+ private:
+  std::optional<Clock::time_point> deadline_;
+  std::set<int> asked_;
+  std::map<int, protocol::RankState> answers_;  // with a snapshot
+  std::set<int> unable_;                        // said they can't answer
+};
+
+}  // namespace ddip::run

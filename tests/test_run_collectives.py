@@ -1,0 +1,208 @@
+"""`ddip run --timeout` and a Ctrl-C'd `ddip run` print the collective picture (who never joined
+which collective, from torch's flight recorder in each rank) and each rank's Python stack before
+they stop the ranks (cpp/tools/run_collectives.hpp; each rank answers through ddip's startup hook,
+python/ddip/rank/run_hook.py). Real `ddip run`, real gloo, 2 CPU ranks; Ctrl-C through a
+pseudo-terminal, as a person types it.
+
+Every launcher a test starts is killed by pid if the test fails midway; its ranks die with it
+(PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pexpect
+import pytest
+
+DDIP = str(Path(sys.executable).with_name("ddip"))
+PY = sys.executable
+
+# Rank 1 skips the second all_reduce, which rank 0 waits in. `{issue}` issues rank 0's
+# all_reduce; `{wait}` waits for it. Each rank says where it is once it is there.
+SKIPS = """
+    import os, time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 0:
+        {issue}
+        print("rank 0 waits in its second all_reduce", flush=True)
+        {wait}
+    else:
+        print("rank 1 skips it", flush=True)
+        time.sleep(600)  # rank 1 is here
+"""
+# Issued, and so in rank 0's flight recorder, before rank 0 says so: a Ctrl-C that follows the
+# line finds it there.
+ASYNC = dict(issue="work = dist.all_reduce(t, async_op=True)", wait="work.wait()")
+PLAIN = dict(issue="pass", wait="dist.all_reduce(t)")
+
+
+def script(tmp_path, body: str, name="rank.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+@pytest.fixture
+def launcher():
+    """start(args, env=...) -> Popen of `ddip ARGS`, stdout and stderr piped; killed at the end."""
+    started = []
+
+    def start(args, env=None):
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        p = subprocess.Popen([DDIP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True, env=full_env)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+@pytest.fixture
+def terminal():
+    """spawn(args) -> `ddip ARGS` on a pseudo-terminal of its own (pexpect); killed at the end."""
+    started = []
+
+    def spawn(args):
+        child = pexpect.spawn(DDIP, args, encoding="utf-8", codec_errors="replace", timeout=90,
+                              env=dict(os.environ), echo=False)
+        started.append(child)
+        return child
+
+    yield spawn
+    for child in started:
+        child.close(force=True)
+
+
+def check_picture(text: str, missing: int = 1, waiting: int = 0) -> None:
+    """The picture names `missing` as not having entered the all_reduce `waiting` waits in, and
+    each rank's stack follows it: the waiting one in the all_reduce, the missing one at the line
+    of the script where it is."""
+    assert "ddip run: collectives (torch's flight recorder):\n" in text, text
+    m = re.search(rf"=> rank {missing} has not entered all_reduce #(\d+) \(float32\[4\]\), which "
+                  rf"rank {waiting} has waited in for [0-9.]+ s; its last collective was all_reduce #(\d+)\n", text)
+    assert m, text
+    n = int(m.group(1))
+    assert int(m.group(2)) == n - 1
+    assert re.search(rf"  rank {waiting}: waiting [0-9.]+ s in all_reduce #{n} \(float32\[4\]\)", text), text
+    assert f"  rank {missing}: in no collective; last completed: all_reduce #{n - 1}\n" in text, text
+    stacks = text[m.end():]
+    mine = re.search(rf"\[rank {missing}\]\n(.*?)(?=\n\[rank |\nddip run: |\Z)", stacks, re.S)
+    theirs = re.search(rf"\[rank {waiting}\]\n(.*?)(?=\n\[rank |\nddip run: |\Z)", stacks, re.S)
+    assert mine and theirs, text
+    assert 'rank.py", line' in mine.group(1) and "time.sleep(600)  # rank 1 is here" in mine.group(1), text
+    assert 'rank.py", line' in theirs.group(1) and "wait" in theirs.group(1), text
+    assert "\x1e" not in text, "a record shown as text"
+
+
+def test_timeout_prints_who_never_joined_the_all_reduce_then_each_ranks_stack(launcher, tmp_path):
+    # The issue's case: a plain all_reduce that rank 1 skips (10 s: two ranks import torch on two
+    # busy cores before they get there).
+    p = launcher(["run", "-n", "2", "--timeout", "10", PY, script(tmp_path, SKIPS.format(**PLAIN))])
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 124, err
+    check_picture(err)
+    assert err.index("collectives (torch's flight recorder)") < err.index("timed out after 10 s"), err
+    # Then exactly as before: the ranks stopped, the report.
+    assert "  rank 1: killed by SIGTERM (stopped by ddip run)\n" in err
+    assert "[1] rank 1 skips it" in out and "\x1e" not in out
+
+
+def test_ctrl_c_prints_the_same_and_the_job_stops(terminal, tmp_path):
+    t = terminal(["run", "-n", "2", PY, script(tmp_path, SKIPS.format(**ASYNC))])
+    said = set()
+    while len(said) < 2:  # in whichever order they come
+        said.add(t.expect_exact(["rank 0 waits in its second all_reduce", "rank 1 skips it"]))
+    t.sendintr()
+    t.expect_exact("ddip run: collectives (torch's flight recorder):")
+    t.expect(pexpect.EOF)
+    text = ("ddip run: collectives (torch's flight recorder):" + t.before).replace("\r\n", "\n")
+    check_picture(text)
+    assert "forwarded SIGINT" in text, text  # then as before: the interrupt reaches the ranks
+    t.close()
+    assert t.exitstatus == 128 + 2, text
+
+
+def test_a_remote_ranks_answer_comes_through_its_hosts_ddip_run(launcher, tmp_path):
+    # Rank 1 runs under that host's own `ddip run --node`, reached by a launcher template that
+    # runs it right here: Collect goes down its control channel, its answer comes back up.
+    p = launcher(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
+                  "--master-addr", "127.0.0.1", "--timeout", "10", PY, script(tmp_path, SKIPS.format(**PLAIN))])
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 124, err
+    check_picture(err)
+
+
+def test_the_hook_leaves_the_ranks_environment_as_the_user_gave_it_and_its_children_unhooked(launcher, tmp_path):
+    probe = textwrap.dedent("""
+        import json, os, signal, sys
+        print(sys.argv[1], json.dumps({
+            "hook": os.environ.get("DDIP_RUN_HOOK"), "pythonpath": os.environ.get("PYTHONPATH"),
+            "on_path": [p for p in sys.path if "ddip-run-" in p],
+            "threads": len(os.listdir("/proc/self/task")),
+            "sigurg_blocked": signal.SIGURG in signal.pthread_sigmask(signal.SIG_BLOCK, [])}), flush=True)
+    """)
+    (tmp_path / "probe.py").write_text(probe)
+    rank = script(tmp_path, f"""
+        import subprocess, sys
+        exec(open({str(tmp_path / "probe.py")!r}).read().replace("sys.argv[1]", "'rank'"))
+        subprocess.run([sys.executable, {str(tmp_path / "probe.py")!r}, "child"], check=True)
+    """)
+    p = launcher(["run", "-n", "1", PY, rank], env={"PYTHONPATH": "/the/users/own"})
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    seen = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in out.splitlines()}
+    # The rank: its own thread waits for SIGURG; nothing of the hook shows in what it reads.
+    assert seen["rank"] == {"hook": None, "pythonpath": "/the/users/own", "on_path": [], "threads": 2,
+                            "sigurg_blocked": True}, out
+    # Its child: no hook, no thread of it; SIGURG blocked as inherited, and never sent to it.
+    assert seen["child"]["hook"] is None and seen["child"]["pythonpath"] == "/the/users/own", out
+    assert seen["child"]["threads"] == 1, out
+
+
+def test_ddip_run_hook_0_turns_it_off(launcher, tmp_path):
+    probe = script(tmp_path, """
+        import os, signal
+        print("hook", os.environ.get("DDIP_RUN_HOOK"), len(os.listdir("/proc/self/task")),
+              signal.SIGURG in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
+    """, name="probe.py")
+    p = launcher(["run", "-n", "1", PY, probe], env={"DDIP_RUN_HOOK": "0"})
+    out, err = p.communicate(timeout=60)
+    assert out == "[0] hook 0 1 False\n", (out, err)
+    # With the skipped all_reduce: the timeout stops the ranks as it did before the hook, no picture.
+    p = launcher(["run", "-n", "2", "--env", "DDIP_RUN_HOOK=0", "--timeout", "10", PY,
+                  script(tmp_path, SKIPS.format(**PLAIN))])
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 124, err
+    assert "collectives" not in err and "[rank " not in err, err
+    assert "ddip run: timed out after 10 s" in err
+
+
+def test_nothing_is_printed_when_no_rank_uses_torch_distributed(launcher, tmp_path):
+    path = script(tmp_path, """
+        import time
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    p = launcher(["run", "-n", "2", "--timeout", "3", PY, path])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 124, err
+    assert err.startswith("ddip run: timed out after 3 s"), err
+    assert "collectives" not in err and "[rank " not in err and "no answer" not in err, err
