@@ -90,6 +90,33 @@ def test_breakpoint_prompts_on_the_terminal_and_the_answer_reaches_that_rank_onl
     assert t.exitstatus == 0, rest
 
 
+def test_pdb_set_trace_prompts_like_breakpoint(terminal, tmp_path):
+    # A direct pdb.set_trace() (not breakpoint()): ddip's startup hook in the rank (ddip.rank.run_hook)
+    # makes it ddip run's prompt too, stopping in the caller's frame; pdb is not imported before.
+    path = script(tmp_path, """
+        import os, sys
+        rank = int(os.environ["RANK"])
+        x = 40 + rank
+        assert "pdb" not in sys.modules
+        if rank == 1:
+            import pdb
+            pdb.set_trace()
+            print(f"rank 1 goes on with x={x}", flush=True)
+    """)
+    t = terminal(["run", "-n", "2", "--", PY, path])
+    t.expect(r"\[1\] ipdb> ")
+    assert "pdb.set_trace()" in ANSI.sub("", t.before)  # where it stopped: the script's own line
+    t.sendline("p x")
+    t.expect(r"\[1\] 41\r?\n")
+    t.expect(r"\[1\] ipdb> ")
+    t.sendline("c")
+    t.expect(pexpect.EOF)
+    rest = ANSI.sub("", t.before)
+    assert "[1] rank 1 goes on with x=41" in rest, rest
+    t.close()
+    assert t.exitstatus == 0, rest
+
+
 def test_two_ranks_at_breakpoints_take_turns_each_labelled(terminal, tmp_path):
     path = script(tmp_path, """
         import os
