@@ -288,6 +288,10 @@ class Group:
         rt = self._check_open()
         return [pid if pid >= 0 else rt.info[slot].get("pid") for slot, pid in enumerate(rt.coord.pids)]
 
+    def on_this_host(self, rank: int) -> bool:
+        """Whether the rank runs on this machine (not on another host of hosts=)."""
+        return self._layout is None or not self._layout.remote(self.slot_of(rank))
+
     def device(self, rank: int) -> str:
         slot = self.slot_of(rank)
         if self._layout is not None:
@@ -329,20 +333,28 @@ class Group:
 
     def run(self, code: str, ranks: Iterable[int] | None = None, *, on_output: Callable | None = None,
             on_display: Callable | None = None, timeout: float | None = None,
-            values: bool = True) -> list[RankResult]:
+            values: bool = True, cell: tuple[str, int] | None = None) -> list[RankResult]:
         """Runs `code` in each selected rank's __main__ through IPython; one RankResult per rank.
 
         on_output(rank, stream, text) is called live; on_display(rank, msg) for display() calls.
         timeout: interrupt the ranks after that many seconds (TimeoutError; the stacks of ranks
         that did not stop are in its results). values=False brings back only the display form
-        of the last expression (RankResult.format), never the object itself.
+        of the last expression (RankResult.format), never the object itself. cell=(file name,
+        first line): compile `code` as that file, from that line on (a notebook cell's file, as
+        JupyterLab's debugger names it: ddip.kernel.dap).
         Raises RemoteError (with every failing rank's traceback) if any rank raised."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a string, got {type(code).__name__}")
         _positive_timeout(timeout)
         if not isinstance(values, bool):
             raise TypeError(f"values must be True or False, got {values!r}")
-        req = self.send_request({"op": "run", "code": code, "values": values}, ranks, "code")
+        op = {"op": "run", "code": code, "values": values}
+        if cell is not None:
+            if not (isinstance(cell, tuple) and len(cell) == 2 and isinstance(cell[0], str)
+                    and isinstance(cell[1], int) and cell[1] >= 1):
+                raise TypeError(f"cell must be (file name, first line >= 1), got {cell!r}")
+            op["cell"] = cell
+        req = self.send_request(op, ranks, "code")
         results = collect(self, req, Callbacks(on_output, on_display), timeout, interrupt=True)
         with self._noting_failure():
             raise_failures(results, "code", req.heal.report if req.heal else None, req.collectives)

@@ -19,6 +19,7 @@ become the notebook's own display/error outputs.
 
 from __future__ import annotations
 
+from ..kernel import dap as _dap
 from ..kernel import template as _template
 from . import render
 from .cells import CellMagics
@@ -45,6 +46,7 @@ def load_ipython_extension(ip):
     ip.events.register("post_run_cell", debug.after_cell)  # %dippdb
     _loaded.update(shell=ip, session=session, magics=magics, exc=render.show_cell_errors(ip),
                    after_cell=debug.after_cell)
+    _dap.install(ip)  # JupyterLab's visual debugger reaches the ranks of %%dip cells
     _template.prewarm()  # in the background: the first %makedip forks its ranks from it
 
 
@@ -52,6 +54,7 @@ def unload_ipython_extension(ip):
     if _loaded.get("shell") is not ip:
         return
     _loaded["session"].close()
+    _dap.uninstall(ip)
     ip.events.unregister("post_run_cell", _loaded["after_cell"])
     render.restore_cell_errors(ip, _loaded["exc"])
     for m in _loaded["magics"]:

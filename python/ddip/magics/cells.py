@@ -10,6 +10,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import GroupClosedError, RankDeadError, RankError, RemoteError
+from ..kernel import dap as _dap
 from ..kernel.group import Group
 from . import render
 from .data import push
@@ -111,7 +112,7 @@ class CellMagics(Magics):
             # Only the display form of the last value travels (values=False): the object stays in
             # the rank, so a CUDA tensor never starts CUDA here and nothing big is copied back.
             results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout,
-                                values=False, ranks=ranks)
+                                values=False, ranks=ranks, cell=_dap.cell_for(self.shell, group, cell, ranks))
         except RemoteError as exc:
             results, error = exc.results or [], exc
         except KeyboardInterrupt as exc:

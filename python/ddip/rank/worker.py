@@ -8,6 +8,7 @@ output is captured too); rich output and results travel as frames.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -35,6 +36,7 @@ from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from ddip import _core  # noqa: E402
 from ddip.rank import collectives as _collectives  # noqa: E402
+from ddip.rank import dap as _dap  # noqa: E402
 from ddip.rank import debugger as _debugger  # noqa: E402
 from ddip.rank import heal as _heal  # noqa: E402
 from ddip.rank.displays import DisplayFrames, install_notebook_progress  # noqa: E402
@@ -200,7 +202,9 @@ def _serve(shell, req):
     if op == "run":
         shell.ddip_format = None
         shell.ddip_error = None
-        result = shell.run_cell(req["code"], store_history=True, silent=req.get("silent", False))
+        cell = req.get("cell")  # (file name, first line): the cell JupyterLab's debugger sets breakpoints in
+        with _dap.cell_named(shell, *cell, req["code"]) if cell else contextlib.nullcontext():
+            result = shell.run_cell(req["code"], store_history=True, silent=req.get("silent", False))
         failed = result.error_before_exec is not None or result.error_in_exec is not None
         error = None
         if failed:

@@ -1,0 +1,61 @@
+"""A rank's half of JupyterLab's visual debugger: debugpy in the rank, and cells compiled under
+the name JupyterLab sets its breakpoints on.
+
+Nothing here runs until the kernel asks (the debugger was switched on in JupyterLab and a %%dip
+cell is about to run), so a rank that is never debugged never imports debugpy. `listen()`
+starts debugpy's debugger in this process, speaking the Debug Adapter Protocol itself on a port
+of 127.0.0.1 (its in-process adapter: no adapter process that could outlive the rank); the
+kernel connects to it (ddip/kernel/dap.py). `cell_named()` compiles a cell's code as the file
+ipykernel's dumpCell wrote for the whole cell, its lines where the cell's gutter shows them.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import linecache
+import os
+
+_port: int | None = None
+
+
+def listen() -> int:
+    """Starts debugpy in this rank (once) and returns the port of 127.0.0.1 it listens on."""
+    global _port
+    if _port is None:
+        # Its check for frozen modules would print a warning into the rank's output at each start.
+        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        import debugpy
+
+        _, _port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
+    return _port
+
+
+class _GutterLines(ast.NodeTransformer):
+    """Moves the cell's code down to the lines it has in the whole cell (below its %%dip line),
+    and shows those lines to tracebacks and the debugger under the cell's file name."""
+
+    def __init__(self, filename: str, first_line: int, code: str):
+        self.filename, self.first_line, self.code = filename, first_line, code
+
+    def visit(self, node):  # called once, on the cell's module, after IPython cached the code
+        ast.increment_lineno(node, self.first_line - 1)
+        text = "\n" * (self.first_line - 1) + self.code
+        linecache.cache[self.filename] = (len(text), None, text.splitlines(keepends=True), self.filename)
+        return node
+
+
+@contextlib.contextmanager
+def cell_named(shell, filename: str, first_line: int, code: str):
+    """While it lasts, the cell IPython runs in `shell` is compiled as `filename`, its first line
+    being line `first_line` there (as ipykernel's compiler names the notebook's own cells)."""
+    compiler = shell.compile
+    lines = _GutterLines(filename, first_line, code)
+    compiler.get_code_name = lambda raw_code, transformed_code, number: filename
+    shell.ast_transformers.append(lines)
+    try:
+        yield
+    finally:
+        del compiler.get_code_name  # the class's own again
+        if lines in shell.ast_transformers:
+            shell.ast_transformers.remove(lines)
