@@ -199,3 +199,34 @@ def test_the_notebooks_own_cell_still_stops_at_its_own_breakpoint(dbg):
     assert frame["line"] == 2 and local["a"] == "5" and "b" not in local, (frame, local)
     assert dbg.request("continue", threadId=thread)["success"]
     assert dbg.finish()["status"] == "ok" and "own cell 6" in dbg.text()
+
+
+def test_time_stopped_at_a_breakpoint_is_not_counted_by_the_cells_timeout(dbg):
+    cell = "%%dip --timeout 1.5\nv = 3\nw = v * 2\nprint('w is', w)\n"
+    dbg.break_in(cell, 3)
+    dbg.execute(cell)
+    threads = {dbg.wait_event(stopped, "a rank stopped")["body"]["threadId"],
+               dbg.wait_event(stopped, "the other rank stopped")["body"]["threadId"]}
+    time.sleep(3)  # the user looks at the variables for longer than the cell's --timeout
+    assert dbg.request("continue", threadId=1)["success"]
+    done = dbg.finish()
+    assert done["status"] == "ok" and "w is 6" in dbg.text(), dbg.outputs
+    assert threads <= {e["body"]["threadId"] for e in dbg.events if e["event"] == "continued"}
+
+
+def test_the_stop_button_at_a_breakpoint_ends_the_cell_and_the_group_goes_on(dbg):
+    cell = "%%dip --see all\nimport os\nu = int(os.environ['RANK']) + 100\nprint('u is', u)\n"
+    path = dbg.break_in(cell, 4)
+    dbg.execute(cell)
+    threads = {dbg.wait_event(stopped, "a rank stopped")["body"]["threadId"],
+               dbg.wait_event(stopped, "the other rank stopped")["body"]["threadId"]}
+    dbg.k.km.interrupt_kernel()
+    done = dbg.finish()
+    assert done["status"] == "error" and "KeyboardInterrupt" in dbg.text() and "u is" not in dbg.text(), dbg.outputs
+    # The frontend hears that both ranks went on, and nothing is left stopped.
+    assert threads <= {e["body"]["threadId"] for e in dbg.events if e["event"] == "continued"}
+    assert dbg.request("debugInfo")["body"]["stoppedThreads"] == []
+    # The breakpoint removed, the same cell runs to its end on both ranks.
+    assert dbg.request("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)["success"]
+    dbg.execute(cell)
+    assert dbg.finish()["status"] == "ok" and "u is 100" in dbg.text() and "u is 101" in dbg.text(), dbg.outputs

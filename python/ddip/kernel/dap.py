@@ -36,9 +36,11 @@ import os
 import socket
 import sys
 import threading
+import time
 import weakref
 
 from ..errors import RemoteError
+from . import request as _request
 
 REPLY_S = 30.0  # how long a rank's debugpy gets to answer one request
 BASE_ID = 1 << 48  # above every id the kernel's debugpy hands out: small counters, and id() of objects
@@ -192,18 +194,38 @@ class VisualDebugger:
         self._event_seq = itertools.count(1)
         self._raw_cell: str | None = None
         self._told_remote: set = set()
+        self._paused_total = 0.0  # seconds during which some rank was stopped, before _paused_since
+        self._paused_since: float | None = None
 
     # -- installing ---------------------------------------------------------------------------------
 
     def install(self, shell):
         self.kernel.do_debug_request = self.do_debug_request  # this kernel's only: its class keeps its own
         shell.events.register("pre_run_cell", self._note_cell)
+        _request.PAUSED_CLOCKS.append(self.paused_s)
 
     def uninstall(self, shell):
         shell.events.unregister("pre_run_cell", self._note_cell)
+        if self.paused_s in _request.PAUSED_CLOCKS:
+            _request.PAUSED_CLOCKS.remove(self.paused_s)
         if self.kernel.__dict__.get("do_debug_request") == self.do_debug_request:
             del self.kernel.do_debug_request
         self._drop_sessions()
+
+    def paused_s(self) -> float:
+        """Seconds during which some rank was stopped in its debugpy (a cell's --timeout does not
+        count them, as it does not count the time at a pdb prompt)."""
+        with self._lock:
+            return self._paused_total + (time.monotonic() - self._paused_since if self._paused_since else 0.0)
+
+    def _note_pause(self):
+        """After a rank stopped or went on (under the lock)."""
+        now, stopped = time.monotonic(), any(s.stopped for s in self._sessions.values())
+        if stopped and self._paused_since is None:
+            self._paused_since = now
+        elif not stopped and self._paused_since is not None:
+            self._paused_total += now - self._paused_since
+            self._paused_since = None
 
     def _note_cell(self, info):
         self._raw_cell = info.raw_cell  # the cell as typed: what dumpCell names, %%dip line and all
@@ -275,6 +297,7 @@ class VisualDebugger:
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
             self._stops.clear()
+            self._note_pause()
         for s in sessions:
             s.close()
 
@@ -446,6 +469,7 @@ class VisualDebugger:
                 self._ids.forget(session.rank)
             elif name == "output" and body.get("output"):
                 body["output"] = f"[rank {session.rank}] {body['output']}"
+            self._note_pause()
             body = self._outward(session.rank, body)
         self._publish(name, body)
 
@@ -456,6 +480,7 @@ class VisualDebugger:
             threads = [self._ids.outward("thread", session.rank, t) for t in session.stopped]
             self._stops = [s for s in self._stops if s[0] != session.rank]
             self._ids.forget(session.rank, Ids.KINDS)
+            self._note_pause()
         for t in threads:
             self._publish("continued", {"threadId": t, "allThreadsContinued": False})
 

@@ -35,6 +35,13 @@ FAILURE_GRACE_S = 3.0
 DEATH_REPORT_S = 0.8
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
 SLICE_S = 0.05
+# Clocks of the seconds ranks spent stopped in a debugger other than a prompt (JupyterLab's:
+# ddip.kernel.dap): that time is the user's, and a request's timeout does not count it.
+PAUSED_CLOCKS: list = []
+
+
+def _paused_s() -> float:
+    return sum(clock() for clock in PAUSED_CLOCKS)
 
 
 @dataclass
@@ -116,6 +123,7 @@ class _Waiting:
         self.stop_waiting_at = stop_waiting_at
         self.on_failure = on_failure
         self.next_look = 0.0  # when to read the ranks' collectives again, after a rank raised
+        self.paused_from = _paused_s()
 
     def interrupt_pending(self, reason):
         req = self.req
@@ -197,10 +205,11 @@ class _Waiting:
             else:
                 wake = min(wake, req.failed_at + FAILURE_GRACE_S, self.next_look)
         if self.deadline is not None:
-            if now >= self.deadline:
+            deadline = self.deadline + _paused_s() - self.paused_from
+            if now >= deadline:
                 self.interrupt_pending("timeout")
                 return None
-            wake = min(wake, self.deadline)
+            wake = min(wake, deadline)
         return wake
 
     def _survivors_wait_for_the_failed(self, now) -> bool:
