@@ -165,6 +165,11 @@ def test_a_breakpoint_in_a_dip_cell_stops_every_rank_with_its_own_frames_and_var
         frame, local = locals_of(dbg, threads[rank])
         assert frame["line"] == BREAK_AT and frame["source"]["path"] == path, frame
         assert local["x"] == str(rank * 10) and "y" not in local, local
+        # The debug console and the variable viewer ask in the rank's frame too.
+        value = dbg.request("evaluate", expression="x + 3", frameId=frame["id"], context="repl")
+        assert value["success"] and value["body"]["result"] == str(rank * 10 + 3), value
+        rich = dbg.request("richInspectVariables", variableName="x", frameId=frame["id"])
+        assert rich["body"]["data"]["text/plain"] == str(rank * 10), rich
 
     # A step goes to the rank it names: rank 1 moves to the next line, rank 0 stays.
     assert dbg.request("next", threadId=threads[1])["success"]

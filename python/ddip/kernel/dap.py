@@ -193,6 +193,7 @@ class VisualDebugger:
         self._stops: list[tuple[int, int]] = []  # (rank, its thread id) in the order they stopped
         self._event_seq = itertools.count(1)
         self._raw_cell: str | None = None
+        self._depth = 0  # cells running inside a cell
         self._told_remote: set = set()
         self._paused_total = 0.0  # seconds during which some rank was stopped, before _paused_since
         self._paused_since: float | None = None
@@ -202,10 +203,12 @@ class VisualDebugger:
     def install(self, shell):
         self.kernel.do_debug_request = self.do_debug_request  # this kernel's only: its class keeps its own
         shell.events.register("pre_run_cell", self._note_cell)
+        shell.events.register("post_run_cell", self._cell_ended)
         _request.PAUSED_CLOCKS.append(self.paused_s)
 
     def uninstall(self, shell):
         shell.events.unregister("pre_run_cell", self._note_cell)
+        shell.events.unregister("post_run_cell", self._cell_ended)
         if self.paused_s in _request.PAUSED_CLOCKS:
             _request.PAUSED_CLOCKS.remove(self.paused_s)
         if self.kernel.__dict__.get("do_debug_request") == self.do_debug_request:
@@ -228,7 +231,12 @@ class VisualDebugger:
             self._paused_since = None
 
     def _note_cell(self, info):
-        self._raw_cell = info.raw_cell  # the cell as typed: what dumpCell names, %%dip line and all
+        if self._depth == 0:  # not the body that %%dip --to everywhere runs here too
+            self._raw_cell = info.raw_cell  # the cell as typed: what dumpCell names, %%dip line and all
+        self._depth += 1
+
+    def _cell_ended(self, result):
+        self._depth = max(0, self._depth - 1)
 
     # -- the kernel's side of a %%dip cell (the shell's thread) ---------------------------------------
 
