@@ -206,3 +206,26 @@ def test_nothing_is_printed_when_no_rank_uses_torch_distributed(launcher, tmp_pa
     assert p.returncode == 124, err
     assert err.startswith("ddip run: timed out after 3 s"), err
     assert "collectives" not in err and "[rank " not in err and "no answer" not in err, err
+
+
+def test_a_rank_that_answered_ends_as_it_would_have(launcher, tmp_path):
+    # Asked at Ctrl-C, then interrupted: each rank catches the interrupt and exits 0 at once. The
+    # thread that answered must not hold up the rank's exit (a module that imports threading,
+    # imported first on that thread, would make Python wait for it at exit until the SIGKILL).
+    path = script(tmp_path, """
+        import os, sys, time
+        try:
+            print("ready", flush=True)
+            time.sleep(600)
+        except KeyboardInterrupt:
+            print("rank", os.environ["RANK"], "leaves", flush=True)
+            sys.exit(0)
+    """)
+    p = launcher(["run", "-n", "2", PY, path])
+    for _ in range(2):
+        assert p.stdout.readline().endswith("ready\n")
+    p.send_signal(2)
+    out, err = p.communicate(timeout=60)
+    assert "[0] rank 0 leaves" in out and "[1] rank 1 leaves" in out, (out, err)
+    assert "SIGKILL" not in err, err
+    assert p.returncode == 128 + 2, err

@@ -41,11 +41,15 @@ def start(hook_dir: str) -> None:
         return
     _leave_pythonpath(hook_dir)
     # Every thread started from now on inherits the mask, so SIGURG reaches only the thread
-    # that waits for it. A child forked without exec has no such thread: it gets SIGURG's
-    # default (ignored) back.
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGURG})
+    # that waits for it. That thread blocks every other signal: Ctrl-C's SIGINT, say, must still
+    # interrupt the main thread's wait, which only the thread it is delivered to sees. A child
+    # forked without exec has no such thread: it gets SIGURG's default (ignored) back.
+    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, _signal.valid_signals())
+    try:
+        _thread.start_new_thread(_serve, (_thread.get_ident(),))
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, old | {_signal.SIGURG})
     os.register_at_fork(after_in_child=lambda: _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGURG}))
-    _thread.start_new_thread(_serve, (_thread.get_ident(),))
     if os.environ.get("PYTHONBREAKPOINT") == _BREAKPOINT_HOOK:
         sys.meta_path.insert(0, _PatchPdb())
 
@@ -82,7 +86,13 @@ def _state(main_thread: int) -> str:
     import traceback
 
     try:
-        snapshot = _collectives().snapshot()
+        # Nothing to read without torch.distributed, and nothing imported for it: a module that
+        # imports threading (collectives.py does) must not be imported first on this thread, or
+        # threading takes it for the main thread and the rank's exit waits for it for ever.
+        if "torch.distributed" not in sys.modules or "threading" not in sys.modules:
+            snapshot = {"off": "torch.distributed is not initialized"}
+        else:
+            snapshot = _collectives().snapshot()
     except Exception as exc:  # a torch without the recorder's reader, say: ddip run is told
         snapshot = {"off": f"the flight recorder could not be read: {type(exc).__name__}: {exc}"}
     frame = sys._current_frames().get(main_thread)
@@ -100,12 +110,11 @@ def _collectives():
     if module is not None:
         return module
     if _loaded is None:
-        from importlib.util import module_from_spec, spec_from_file_location
+        from importlib.machinery import SourceFileLoader
 
-        spec = spec_from_file_location("_ddip_run_collectives",
-                                       os.path.join(os.path.dirname(os.path.abspath(__file__)), "collectives.py"))
-        module = module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = type(sys)("_ddip_run_collectives")
+        module.__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collectives.py")
+        SourceFileLoader(module.__name__, module.__file__).exec_module(module)
         _loaded = module
     return _loaded
 
@@ -113,28 +122,22 @@ def _collectives():
 def _set_trace(*, header=None, **_ignored):
     """pdb.set_trace() in a rank of ddip run: ddip.rank.run_debug's, stopping in the caller's
     frame."""
-    from ddip.rank import run_debug
+    from importlib import import_module
 
-    run_debug.set_trace(header=header, frame=sys._getframe().f_back)
+    module, name = _BREAKPOINT_HOOK.rsplit(".", 1)
+    getattr(import_module(module), name)(header=header, frame=sys._getframe().f_back)
 
 
 class _PatchPdb:
-    """A finder first on sys.meta_path that finds nothing itself: when pdb is imported, it has
-    the other finders find it and makes its set_trace ours once it has run."""
-
-    def __init__(self):
-        self._finding = False
+    """A finder first on sys.meta_path that finds nothing itself: when pdb is imported, it finds
+    it where the standard library is and makes its set_trace ours once it has run."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "pdb" or self._finding:
+        if name != "pdb":
             return None
-        from importlib.util import find_spec
+        from importlib.machinery import PathFinder
 
-        self._finding = True
-        try:
-            spec = find_spec(name)
-        finally:
-            self._finding = False
+        spec = PathFinder.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
