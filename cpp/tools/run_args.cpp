@@ -60,8 +60,9 @@ CLI::Option* CommandLine::add_rank_options() {
                    "DIR/rank<i>.stderr (DIR is created)")
       ->type_name("DIR");
   run_->add_option("--timeout", opts_.timeout_s,
-                   "Stop every rank after this many seconds and exit with 124 (time while a "
-                   "rank's debugger prompt waits for an answer does not count)")
+                   "Stop every rank after this many seconds and exit with 124, first printing "
+                   "where each rank is: which collective it has not joined, and its stack "
+                   "(time while a rank's debugger prompt waits for an answer does not count)")
       ->type_name("SECONDS")
       ->check(
           [](const std::string& v) -> std::string {
@@ -158,7 +159,11 @@ void CommandLine::add_program_options() {
       "ranks), and a TORCHELASTIC_ERROR_FILE per rank: a rank that fails inside a function "
       "decorated with torch's @record writes its traceback there, and ddip run's report shows "
       "it. Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal) are forwarded to every "
-      "rank's process group, on every host; a second one kills the ranks. With --hosts, ranks "
+      "rank's process group, on every host; a second one kills the ranks. At --timeout and the "
+      "first Ctrl-C, every Python rank first says where it is (torch's flight recorder and its "
+      "stack) through a startup hook ddip run puts first on its PYTHONPATH, which also makes "
+      "pdb.set_trace() prompt as breakpoint() does; DDIP_RUN_HOOK=0 turns it off. With "
+      "--hosts, ranks "
       "on other hosts get that host's own environment (as under torchrun) plus the variables "
       "above, and run in this directory when it exists there.");
 }
