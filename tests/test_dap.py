@@ -19,10 +19,9 @@ import os
 rank = int(os.environ["RANK"])
 x = rank * 10
 y = x + 1
-print(f"rank {rank}: y = {y}")
-"""
+print(f"rank {rank}: y = {y}")"""  # as JupyterLab sends a cell: no newline at its end
 BREAK_AT = 5
-OWN_CELL = "a = 5\nb = a + 1\nprint('own cell', b)\n"
+OWN_CELL = "a = 5\nb = a + 1\nprint('own cell', b)"
 
 
 class Debugging:
@@ -207,7 +206,7 @@ def test_the_notebooks_own_cell_still_stops_at_its_own_breakpoint(dbg):
 
 
 def test_time_stopped_at_a_breakpoint_is_not_counted_by_the_cells_timeout(dbg):
-    cell = "%%dip --timeout 1.5\nv = 3\nw = v * 2\nprint('w is', w)\n"
+    cell = "%%dip --timeout 1.5\nv = 3\nw = v * 2\nprint('w is', w)\n"  # a newline at its end too
     dbg.break_in(cell, 3)
     dbg.execute(cell)
     threads = {dbg.wait_event(stopped, "a rank stopped")["body"]["threadId"],
@@ -220,7 +219,7 @@ def test_time_stopped_at_a_breakpoint_is_not_counted_by_the_cells_timeout(dbg):
 
 
 def test_the_stop_button_at_a_breakpoint_ends_the_cell_and_the_group_goes_on(dbg):
-    cell = "%%dip --see all\nimport os\nu = int(os.environ['RANK']) + 100\nprint('u is', u)\n"
+    cell = "%%dip --see all\nimport os\nu = int(os.environ['RANK']) + 100\nprint('u is', u)"
     path = dbg.break_in(cell, 4)
     dbg.execute(cell)
     threads = {dbg.wait_event(stopped, "a rank stopped")["body"]["threadId"],
@@ -231,7 +230,27 @@ def test_the_stop_button_at_a_breakpoint_ends_the_cell_and_the_group_goes_on(dbg
     # The frontend hears that both ranks went on, and nothing is left stopped.
     assert threads <= {e["body"]["threadId"] for e in dbg.events if e["event"] == "continued"}
     assert dbg.request("debugInfo")["body"]["stoppedThreads"] == []
-    # The breakpoint removed, the same cell runs to its end on both ranks.
-    assert dbg.request("setBreakpoints", source={"path": path}, breakpoints=[], sourceModified=False)["success"]
+    # The group and its ranks' debuggers go on: the same cell stops at its breakpoint again, and
+    # runs to its end on both ranks.
     dbg.execute(cell)
+    for _ in range(2):
+        frame, local = locals_of(dbg, dbg.wait_event(stopped, "a rank stopped again")["body"]["threadId"])
+        assert frame["line"] == 4 and frame["source"]["path"] == path and local["u"] in ("100", "101"), local
+    assert dbg.request("continue", threadId=1)["success"]
     assert dbg.finish()["status"] == "ok" and "u is 100" in dbg.text() and "u is 101" in dbg.text(), dbg.outputs
+
+
+def test_autodip_cells_stop_at_their_breakpoints_too(dbg):
+    assert dbg.k.run('%autodip on -a "--see all"').ok
+    try:
+        cell = "import os\nq = int(os.environ['RANK']) + 7\nprint('q is', q)"
+        path = dbg.break_in(cell, 3)
+        dbg.execute(cell)
+        for _ in range(2):
+            thread = dbg.wait_event(stopped, "a rank stopped")["body"]["threadId"]
+            frame, local = locals_of(dbg, thread)
+            assert frame["line"] == 3 and frame["source"]["path"] == path, frame
+        assert dbg.request("continue", threadId=1)["success"]
+        assert dbg.finish()["status"] == "ok" and "q is 7" in dbg.text() and "q is 8" in dbg.text(), dbg.outputs
+    finally:
+        dbg.k.run("%autodip off")

@@ -57,6 +57,7 @@ class RankSession:
     def __init__(self, rank: int, port: int, on_event, on_closed):
         self.rank = rank
         self.stopped: dict[int, dict] = {}  # its stopped threads (its own ids) -> their stopped event's body
+        self.interrupted = False  # interrupted while stopped: to be told to continue once it went on
         self._sock = socket.create_connection(("127.0.0.1", port), timeout=REPLY_S)
         self._sock.settimeout(None)
         self._seq = itertools.count(1)
@@ -204,13 +205,13 @@ class VisualDebugger:
         self.kernel.do_debug_request = self.do_debug_request  # this kernel's only: its class keeps its own
         shell.events.register("pre_run_cell", self._note_cell)
         shell.events.register("post_run_cell", self._cell_ended)
-        _request.PAUSED_CLOCKS.append(self.paused_s)
+        _request.DEBUGGERS.append(self)
 
     def uninstall(self, shell):
         shell.events.unregister("pre_run_cell", self._note_cell)
         shell.events.unregister("post_run_cell", self._cell_ended)
-        if self.paused_s in _request.PAUSED_CLOCKS:
-            _request.PAUSED_CLOCKS.remove(self.paused_s)
+        if self in _request.DEBUGGERS:
+            _request.DEBUGGERS.remove(self)
         if self.kernel.__dict__.get("do_debug_request") == self.do_debug_request:
             del self.kernel.do_debug_request
         self._drop_sessions()
@@ -220,6 +221,16 @@ class VisualDebugger:
         count them, as it does not count the time at a pdb prompt)."""
         with self._lock:
             return self._paused_total + (time.monotonic() - self._paused_since if self._paused_since else 0.0)
+
+    def let_go(self, ranks: list[int]):
+        """Before `ranks` are interrupted (the stop button, a timeout, another rank's failure).
+        The interrupt lands in a stopped rank's debugpy, where it ends the wait and the cell, but
+        leaves debugpy taking the rank for stopped (its other threads too): once the rank says
+        it went on, it is told to continue (_on_event), which debugpy takes as a clean start."""
+        with self._lock:
+            for s in self._sessions.values():
+                if s.rank in ranks and s.stopped:
+                    s.interrupted = True
 
     def _note_pause(self):
         """After a rank stopped or went on (under the lock)."""
@@ -247,12 +258,14 @@ class VisualDebugger:
         if not self.own.is_started:
             return None
         raw = self._raw_cell
-        if raw is None or not raw.endswith(code):
+        # The body %%dip got is the cell's end, up to the newline IPython adds to a cell.
+        whole, body = (raw or "").rstrip("\n"), code.rstrip("\n")
+        if raw is None or not whole.endswith(body):
             return None  # not a cell typed in the notebook (run_cell_magic from code): nothing to match
         self._attach(group, list(group.rank_ids) if ranks is None else list(ranks))
         from ipykernel.compiler import get_file_name
 
-        return get_file_name(raw), raw[:len(raw) - len(code)].count("\n") + 1
+        return get_file_name(raw), whole[:len(whole) - len(body)].count("\n") + 1
 
     def _attach(self, group, ranks: list[int]):
         with self._lock:
@@ -475,6 +488,9 @@ class VisualDebugger:
                     if (session.rank, t) in self._stops:
                         self._stops.remove((session.rank, t))
                 self._ids.forget(session.rank)
+                if session.interrupted and not session.stopped:
+                    session.interrupted = False
+                    session.request("continue", {"threadId": tid})  # its answer is not waited for
             elif name == "output" and body.get("output"):
                 body["output"] = f"[rank {session.rank}] {body['output']}"
             self._note_pause()

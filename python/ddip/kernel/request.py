@@ -35,13 +35,14 @@ FAILURE_GRACE_S = 3.0
 DEATH_REPORT_S = 0.8
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
 SLICE_S = 0.05
-# Clocks of the seconds ranks spent stopped in a debugger other than a prompt (JupyterLab's:
-# ddip.kernel.dap): that time is the user's, and a request's timeout does not count it.
-PAUSED_CLOCKS: list = []
+# Debuggers that hold ranks stopped outside a prompt (JupyterLab's: ddip.kernel.dap), each with
+# paused_s(): the seconds ranks spent stopped there, which are the user's and which a request's
+# timeout does not count; and let_go(ranks), told before those ranks are interrupted.
+DEBUGGERS: list = []
 
 
 def _paused_s() -> float:
-    return sum(clock() for clock in PAUSED_CLOCKS)
+    return sum(d.paused_s() for d in DEBUGGERS)
 
 
 @dataclass
@@ -128,6 +129,8 @@ class _Waiting:
     def interrupt_pending(self, reason):
         req = self.req
         req.why, req.interrupted_at = reason, time.monotonic()
+        for debugger in DEBUGGERS:
+            debugger.let_go([self.rt.rank_ids[s] for s in req.pending])
         coord = self.rt.coord
         if coord is not None:
             for s in req.pending:

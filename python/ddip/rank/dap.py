@@ -15,6 +15,7 @@ import ast
 import contextlib
 import linecache
 import os
+import sys
 import threading
 
 _port: int | None = None
@@ -53,6 +54,12 @@ class _GutterLines(ast.NodeTransformer):
 def cell_named(shell, filename: str, first_line: int, code: str):
     """While it lasts, the cell IPython runs in `shell` is compiled as `filename`, its first line
     being line `first_line` there (as ipykernel's compiler names the notebook's own cells)."""
+    if _port is not None and sys.gettrace() is None:
+        # An interrupt while this rank was stopped raised out of debugpy's trace function, which
+        # takes it off this thread: put it back, or no breakpoint would stop the rank again.
+        import debugpy
+
+        debugpy.debug_this_thread()
     compiler = shell.compile
     lines = _GutterLines(filename, first_line, code)
     compiler.get_code_name = lambda raw_code, transformed_code, number: filename
