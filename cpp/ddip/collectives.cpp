@@ -29,6 +29,7 @@ struct Entry {
 struct Snapshot {
   std::optional<std::string> off;  // why this rank has no collectives to show
   std::int64_t now_ns = 0;
+  int world = 0;  // torch.distributed's world size, where the rank said
   std::map<std::string, std::vector<int>> groups;  // process group -> its ranks
   std::vector<Entry> entries;                      // oldest first
 };
@@ -82,6 +83,7 @@ Snapshot parse_snapshot(const std::string& text) {
       return s;
     }
     s.now_ns = field<std::int64_t>(j, "now_ns", 0);
+    s.world = field<int>(j, "world", 0);
     s.groups = parse_groups(j);
     for (const json& e : field<json>(j, "entries", json::array()))
       s.entries.push_back(parse_entry(e));
@@ -204,6 +206,30 @@ class GroupReading {
       if (!s.off && in_group(rank, s)) members_.push_back(rank);
   }
 
+  // The group's ranks that gave no collectives (dead, not asked, no answer): the members know
+  // who belongs to the group (its ranks, or the world for the default group).
+  std::vector<int> find_unheard() const {
+    std::set<int> expected;
+    for (int r : members_) {
+      const Snapshot& s = snapshots_.at(r);
+      auto it = s.groups.find(pg_);
+      if (it != s.groups.end() && !it->second.empty())
+        expected.insert(it->second.begin(), it->second.end());
+      else if (is_default_group(pg_))
+        for (int w = 0; w < s.world; ++w) expected.insert(w);
+    }
+    std::vector<int> unheard;
+    for (int r : expected)
+      if (std::find(members_.begin(), members_.end(), r) == members_.end()) unheard.push_back(r);
+    return unheard;
+  }
+
+  std::string why_unheard(int rank) const {
+    auto it = snapshots_.find(rank);
+    std::string why = it != snapshots_.end() && it->second.off ? *it->second.off : "no answer";
+    return "rank " + std::to_string(rank) + " (" + why + ")";
+  }
+
   // The lowest pending sequence number among the members, and the first member's entry for it.
   bool find_reference() {
     for (int r : members_) {
@@ -282,6 +308,17 @@ class GroupReading {
 
   void name_a_stall() {
     if (!absent_.empty() || !differ_.empty() || waiters_.size() != members_.size()) return;
+    std::vector<int> unheard = find_unheard();
+    if (!unheard.empty()) {  // not a stall of every rank: some could not say where they are
+      std::string who;
+      for (int r : unheard) who += (who.empty() ? "" : ", ") + why_unheard(r);
+      findings.push_back(ranks_text(waiters_) + (waiters_.size() == 1 ? " has" : " have") +
+                         " waited " + seconds(longest_) + " s in " + call(*ref_) + where(pg_) +
+                         "; the group's other " + (unheard.size() == 1 ? "rank" : "ranks") +
+                         " could not say where " + (unheard.size() == 1 ? "it is" : "they are") +
+                         ": " + who);
+      return;
+    }
     findings.push_back("every rank is in " + call(*ref_) + where(pg_) +
                        " and it has not completed after " + seconds(longest_) +
                        " s (a peer outside these ranks, or the network)");

@@ -191,14 +191,39 @@ TEST(CollectivePicture, RanksWithoutARecorderSayWhyAndAreNoMembers) {
   EXPECT_EQ(none.findings(), Lines());
   EXPECT_EQ(none.rank_lines(), Lines({"rank 0: torch.distributed is not initialized",
                                       "rank 1: torch.distributed is not initialized"}));
-  // A dead rank is no member: the one left waits alone, which reads as a stall.
+  // A dead rank is no member: the one left waits for it, and the dead rank is named, not taken
+  // for a stall of every rank.
   CollectivePicture dead({{0, snapshot(0, {E{1}, pending(2)})},
                           {1, R"j({"off": "dead: killed by signal 9 (SIGKILL)"})j"}});
   EXPECT_EQ(dead.missing(), Ranks());
   EXPECT_EQ(dead.rank_lines()[1], "rank 1: dead: killed by signal 9 (SIGKILL)");
-  EXPECT_EQ(dead.findings(), Lines({"every rank is in all_reduce #2 (float32[1024]) and it has not "
-                                    "completed after 12.0 s (a peer outside these ranks, or the "
-                                    "network)"}));
+  EXPECT_EQ(dead.findings(), Lines({"rank 0 has waited 12.0 s in all_reduce #2 (float32[1024]); "
+                                    "the group's other rank could not say where it is: rank 1 "
+                                    "(dead: killed by signal 9 (SIGKILL))"}));
+}
+
+TEST(CollectivePicture, RanksThatGaveNoAnswerAreNamedNotTakenForAStall) {
+  // ddip run asks, and rank 2 of 3 never answers: the world (default group) says it belongs.
+  CollectivePicture world({{0, snapshot(0, {E{1}, pending(2)})},
+                           {1, snapshot(1, {E{1}, pending(2)})}});
+  EXPECT_EQ(world.waiting(), Ranks({0, 1}));
+  EXPECT_EQ(world.findings(), Lines({"every rank is in all_reduce #2 (float32[1024]) and it has not "
+                                     "completed after 12.0 s (a peer outside these ranks, or the "
+                                     "network)"}));
+  std::string three = snapshot(0, {E{1}, pending(2)});
+  three.replace(three.find("\"world\": 2"), 10, "\"world\": 3");
+  CollectivePicture silent({{0, three}, {1, snapshot(1, {E{1}, pending(2)})}});
+  EXPECT_EQ(silent.findings(), Lines({"ranks 0, 1 have waited 12.0 s in all_reduce #2 "
+                                      "(float32[1024]); the group's other rank could not say where "
+                                      "it is: rank 2 (no answer)"}));
+  // A named group's ranks come from its config, whatever the world.
+  E sub = pending(1);
+  sub.pg = "7";
+  CollectivePicture group({{0, snapshot(0, {sub}, 12 * kSecond, R"({"7": [0, 2, 3]})")}});
+  EXPECT_EQ(group.findings(),
+            Lines({"rank 0 has waited 12.0 s in all_reduce #1 (float32[1024]) of group '7'; the "
+                   "group's other ranks could not say where they are: rank 2 (no answer), rank 3 "
+                   "(no answer)"}));
 }
 
 TEST(CollectivePicture, AnUnreadableSnapshotIsThatRanksOffWithTheParsersReason) {
