@@ -23,6 +23,10 @@ every stopped rank. After one rank continues, another still stopped is announced
 
 Ranks on other hosts are left out (their debugpy listens on their own 127.0.0.1); their
 `breakpoint()` prompts under the cell as ever (ddip/kernel/debugger.py).
+
+Why this shape: debugpy's in-process adapter in each rank plus one plain DAP connection each
+(ddip/kernel/dap_session.py) adds no process that could outlive a rank, and leaves the kernel's
+own debugpy and ipykernel's handling of it exactly as they are.
 """
 
 from __future__ import annotations
@@ -31,9 +35,7 @@ import ast
 import asyncio
 import concurrent.futures
 import itertools
-import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -41,110 +43,12 @@ import weakref
 
 from ..errors import RemoteError
 from . import request as _request
-
-REPLY_S = 30.0  # how long a rank's debugpy gets to answer one request
+from .dap_session import REPLY_S, RankSession
 BASE_ID = 1 << 48  # above every id the kernel's debugpy hands out: small counters, and id() of objects
 RANK_EVENTS = ("stopped", "continued", "thread", "output")
 _DDIP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _installed: dict = {}  # the shell -> its VisualDebugger
-
-
-class RankSession:
-    """One rank's debugpy, through a DAP connection of its own; a thread reads it and hands
-    events to `on_event(session, event)`, and its end to `on_closed(session)`."""
-
-    def __init__(self, rank: int, port: int, on_event, on_closed):
-        self.rank = rank
-        self.stopped: dict[int, dict] = {}  # its stopped threads (its own ids) -> their stopped event's body
-        self.interrupted = False  # interrupted while stopped: to be told to continue once it went on
-        self._sock = socket.create_connection(("127.0.0.1", port), timeout=REPLY_S)
-        self._sock.settimeout(None)
-        self._seq = itertools.count(1)
-        self._waiting: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._on_event, self._on_closed = on_event, on_closed
-        reader = threading.Thread(target=self._read, name=f"ddip-dap-rank-{rank}", daemon=True)
-        # The kernel's own debugpy neither traces it nor stops it with the notebook's threads (its
-        # documented opt-out): a rank's events must flow while the notebook's cell is stopped.
-        reader.pydev_do_not_trace = True
-        reader.start()
-
-    def request(self, command: str, arguments: dict | None = None) -> concurrent.futures.Future:
-        """Sends a request; the future is its response (ConnectionError: the rank is gone)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                fut.set_exception(ConnectionError(f"rank {self.rank}'s debugger is gone"))
-                return fut
-            seq = next(self._seq)
-            self._waiting[seq] = fut
-            body = json.dumps({"seq": seq, "type": "request", "command": command,
-                               "arguments": arguments or {}}).encode()
-            try:
-                self._sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            except OSError as exc:
-                del self._waiting[seq]
-                fut.set_exception(ConnectionError(f"rank {self.rank}'s debugger is gone ({exc})"))
-        return fut
-
-    def ask(self, command: str, arguments: dict | None = None) -> dict:
-        """request(), waited for (at most REPLY_S)."""
-        try:
-            return self.request(command, arguments).result(REPLY_S)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"rank {self.rank}'s debugger did not answer {command} within {REPLY_S:.0f} s") from None
-
-    def close(self):
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # the reader sees its end and cleans up
-        except OSError:
-            pass
-
-    def _read(self):
-        stream = self._sock.makefile("rb")
-        try:
-            while (msg := _read_message(stream)) is not None:
-                if msg.get("type") == "response":
-                    with self._lock:
-                        fut = self._waiting.pop(msg.get("request_seq"), None)
-                    if fut is not None:
-                        fut.set_result(msg)
-                elif msg.get("type") == "event":
-                    self._on_event(self, msg)
-        except (OSError, ValueError):
-            pass  # a rank that died mid-message: the same end as any other
-        finally:
-            with self._lock:
-                self._closed = True
-                waiting, self._waiting = self._waiting, {}
-            for fut in waiting.values():
-                fut.set_exception(ConnectionError(f"rank {self.rank}'s debugger is gone"))
-            stream.close()
-            self._sock.close()
-            self._on_closed(self)
-
-
-def _read_message(stream) -> dict | None:
-    """One DAP message ("Content-Length: N" headers, a blank line, N bytes of JSON); None at EOF."""
-    length = None
-    while True:
-        line = stream.readline()
-        if not line:
-            return None
-        line = line.strip()
-        if not line:
-            break
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    if length is None:
-        raise ValueError("a DAP message without Content-Length")
-    body = stream.read(length)
-    if len(body) < length:
-        return None
-    return json.loads(body)
 
 
 class Ids:
@@ -298,12 +202,16 @@ class VisualDebugger:
     def _connect(self, rank: int, port: int):
         """A session with rank's debugpy, configured as JupyterLab configured the kernel's."""
         session = RankSession(rank, port, self._on_event, self._on_closed)
-        _ok(session.ask("initialize", {"clientID": "ddip", "adapterID": "python", "pathFormat": "path",
-                                       "linesStartAt1": True, "columnsStartAt1": True}))
-        # ddip's own frames (the worker's loop around the cell) are not the user's code.
-        attach = dict(self._attach_args,
-                      rules=[*self._attach_args.get("rules", []), {"path": _DDIP_DIR, "include": False}])
-        _ok(session.ask("attach", attach))
+        try:
+            _ok(session.ask("initialize", {"clientID": "ddip", "adapterID": "python", "pathFormat": "path",
+                                           "linesStartAt1": True, "columnsStartAt1": True}))
+            # ddip's own frames (the worker's loop around the cell) are not the user's code.
+            attach = dict(self._attach_args,
+                          rules=[*self._attach_args.get("rules", []), {"path": _DDIP_DIR, "include": False}])
+            _ok(session.ask("attach", attach))
+        except BaseException:
+            session.close()
+            raise
         with self._lock:  # from now on every setBreakpoints reaches it, through the replay or directly
             self._sessions[rank] = session
             sent = [session.request("setBreakpoints", args) for args in self._breakpoints.values()]
@@ -446,7 +354,9 @@ class VisualDebugger:
 
     async def _continue_all(self):
         with self._lock:
-            sent = [s.request("continue", {"threadId": t}) for s in self._sessions.values() for t in list(s.stopped)[:1]]
+            # One continue a rank: debugpy resumes every thread of the rank.
+            sent = [s.request("continue", {"threadId": next(iter(s.stopped))})
+                    for s in self._sessions.values() if s.stopped]
         for fut in sent:
             try:
                 await _awaited(fut)
@@ -470,6 +380,13 @@ class VisualDebugger:
     # -- events (each session's reader thread) --------------------------------------------------------
 
     def _on_event(self, session: RankSession, event: dict):
+        try:
+            self._take_event(session, event)
+        except Exception as exc:  # never into the reader: the session must go on reading
+            print(f"ddip: rank {session.rank}'s debugger event {event.get('event')!r} was dropped: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def _take_event(self, session: RankSession, event: dict):
         name = event.get("event")
         if name not in RANK_EVENTS:
             return  # its process, module and initialized events are the kernel's business

@@ -27,9 +27,11 @@ def listen() -> int:
     if _port is None:
         # Its check for frozen modules would print a warning into the rank's output at each start.
         os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        # The rank's own threads (collectives, displays) run on while its code is stopped
+        # (debugpy's documented opt-out).
         for thread in threading.enumerate():
-            if thread.name.startswith("ddip-"):  # the rank's own (collectives, displays) run on while its code is stopped
-                thread.pydev_do_not_trace = True  # debugpy's documented opt-out
+            if thread.name.startswith("ddip-"):
+                thread.pydev_do_not_trace = True
         import debugpy
 
         _, _port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
