@@ -169,6 +169,8 @@ def test_a_breakpoint_in_a_dip_cell_stops_every_rank_with_its_own_frames_and_var
         assert value["success"] and value["body"]["result"] == str(rank * 10 + 3), value
         rich = dbg.request("richInspectVariables", variableName="x", frameId=frame["id"])
         assert rich["body"]["data"]["text/plain"] == str(rank * 10), rich
+        copied = dbg.request("copyToGlobals", srcVariableName="x", dstVariableName="x_copy", srcFrameId=frame["id"])
+        assert copied["success"], copied
 
     # A step goes to the rank it names: rank 1 moves to the next line, rank 0 stays.
     assert dbg.request("next", threadId=threads[1])["success"]
@@ -190,6 +192,8 @@ def test_a_breakpoint_in_a_dip_cell_stops_every_rank_with_its_own_frames_and_var
     done = dbg.finish()
     assert done["status"] == "ok", dbg.outputs
     assert "rank 0: y = 1\n" in dbg.text() and "rank 1: y = 11\n" in dbg.text(), dbg.outputs
+    copies = dbg.k.run("%%dip --see all\nprint('copied', x_copy)")  # "Copy to globals" went to each rank's own
+    assert "copied 0" in copies.stream() and "copied 10" in copies.stream(), copies.outputs
 
 
 def test_the_notebooks_own_cell_still_stops_at_its_own_breakpoint(dbg):

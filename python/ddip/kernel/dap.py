@@ -292,6 +292,8 @@ class VisualDebugger:
         if cmd == "richInspectVariables":
             return await self._rich_inspect(msg, session, args)
         if cmd == "copyToGlobals":
+            if not (str(args.get("dstVariableName")).isidentifier() and str(args.get("srcVariableName")).isidentifier()):
+                return _failed(msg, "dstVariableName and srcVariableName must be valid identifiers")
             cmd, args = "setExpression", {"expression": f"globals()['{args['dstVariableName']}']",
                                           "value": args["srcVariableName"], "frameId": args["srcFrameId"]}
         try:
