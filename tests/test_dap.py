@@ -258,3 +258,24 @@ def test_autodip_cells_stop_at_their_breakpoints_too(dbg):
         assert dbg.finish()["status"] == "ok" and "q is 7" in dbg.text() and "q is 8" in dbg.text(), dbg.outputs
     finally:
         dbg.k.run("%autodip off")
+
+
+def test_switching_the_debugger_off_lets_stopped_ranks_go_on_and_on_again_stops_them_again(dbg):
+    cell = "%%dip --see all\nimport os\ns = int(os.environ['RANK']) + 50\nprint('s is', s)"
+    dbg.break_in(cell, 4)
+    dbg.execute(cell)
+    dbg.wait_event(stopped, "a rank stopped")
+    dbg.wait_event(stopped, "the other rank stopped")
+    assert dbg.request("disconnect", restart=False, terminateDebuggee=False)["success"]
+    assert dbg.finish()["status"] == "ok" and "s is 50" in dbg.text() and "s is 51" in dbg.text(), dbg.outputs
+    # Off, the ranks' debugpy stop nothing; on again (JupyterLab sets its breakpoints anew), they do.
+    dbg.execute(cell)
+    assert dbg.finish()["status"] == "ok" and not [e for e in dbg.events if stopped(e)], dbg.events
+    dbg.start()
+    dbg.break_in(cell, 4)
+    dbg.execute(cell)
+    for _ in range(2):
+        frame, local = locals_of(dbg, dbg.wait_event(stopped, "a rank stopped again")["body"]["threadId"])
+        assert frame["line"] == 4 and local["s"] in ("50", "51"), (frame, local)
+    assert dbg.request("continue", threadId=1)["success"]
+    assert dbg.finish()["status"] == "ok" and "s is 50" in dbg.text() and "s is 51" in dbg.text(), dbg.outputs
