@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddip.errors import strip_ansi
+from ddip.errors import RemoteError, strip_ansi
 from test_magics import running_kernel
 
 GROUP = "%makedip -n 2 --backend none"
@@ -279,3 +279,26 @@ def test_switching_the_debugger_off_lets_stopped_ranks_go_on_and_on_again_stops_
         assert frame["line"] == 4 and local["s"] in ("50", "51"), (frame, local)
     assert dbg.request("continue", threadId=1)["success"]
     assert dbg.finish()["status"] == "ok" and "s is 50" in dbg.text() and "s is 51" in dbg.text(), dbg.outputs
+
+
+def test_a_cells_file_name_and_first_line_are_checked_and_name_its_code_in_the_rank(group2, tmp_path):
+    for bad in [("cell.py", 0), ("cell.py",), "cell.py", (3, 1), ("cell.py", 1.5)]:
+        with pytest.raises(TypeError, match=r"cell must be \(file name, first line >= 1\)"):
+            group2.run("1", cell=bad)
+    # The code's lines are the whole cell's: line 2 of the code is line 4 of the file.
+    path = str(tmp_path / "cell.py")
+    with pytest.raises(RemoteError) as err:
+        group2.run("a = 1\nraise ValueError('from line 2')", cell=(path, 3), ranks=[1])
+    failure = err.value.failures[0]
+    assert failure.rank == 1 and "line 4" in strip_ansi("\n".join(failure.traceback)), failure.traceback
+    assert group2.apply(_failed_code_file, ranks=[1]) == [path]
+
+
+def _failed_code_file():
+    """In a rank: the file name of the code whose exception it keeps for %dipdebug."""
+    import sys
+
+    tb = sys.last_traceback
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename
