@@ -5,6 +5,7 @@ messages on IOPub, in the order and with the arguments JupyterLab uses."""
 from __future__ import annotations
 
 import queue
+import signal
 import time
 
 import pytest
@@ -302,3 +303,23 @@ def _failed_code_file():
     while tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame.f_code.co_filename
+
+
+def test_a_kernel_that_dies_while_ranks_are_stopped_takes_them_along(tmp_path_factory):
+    from conftest import alive, wait_until
+
+    with running_kernel(tmp_path_factory.mktemp("jupyter")) as k:
+        assert k.run(GROUP).ok
+        cell = k.run("%%dip --see all\nimport os\nos.getpid()")
+        pids = [int(p.rsplit(": ", 1)[1]) for p in cell.plain]
+        assert len(pids) == 2 and all(alive(p) for p in pids), cell.plain
+        d = Debugging(k)
+        d.start()
+        code = "%%dip\nq = 1\nq += 1"
+        d.break_in(code, 3)
+        d.execute(code)
+        d.wait_event(stopped, "a rank stopped")
+        d.wait_event(stopped, "the other rank stopped")
+        k.km.signal_kernel(signal.SIGKILL)  # no clean-up code of the kernel runs
+        # Stopped in their debugpy (which runs inside them: no process of its own), they go too.
+        assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
