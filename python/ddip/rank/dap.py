@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import linecache
-import os
 import sys
 import threading
 
@@ -25,8 +24,6 @@ def listen() -> int:
     """Starts debugpy in this rank (once) and returns the port of 127.0.0.1 it listens on."""
     global _port
     if _port is None:
-        # Its check for frozen modules would print a warning into the rank's output at each start.
-        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         # The rank's own threads (collectives, displays) run on while its code is stopped
         # (debugpy's documented opt-out).
         for thread in threading.enumerate():
