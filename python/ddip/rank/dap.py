@@ -31,7 +31,12 @@ def listen() -> int:
                 thread.pydev_do_not_trace = True
         import debugpy
 
-        _, _port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
+        address = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
+        if not address:  # before debugpy 1.8.2x its in-process listen() did not say where it listens
+            raise RuntimeError(f"debugpy {debugpy.__version__} does not say which port it listens on; "
+                               f"JupyterLab's debugger needs a newer one in the ranks' Python: "
+                               f"pip install -U debugpy (1.8.22 has it)")
+        _port = address[1]
     return _port
 
 
