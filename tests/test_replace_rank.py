@@ -156,23 +156,8 @@ def test_bad_input_is_refused_and_changes_nothing():
 def test_a_dead_rank_in_a_dip_cell_says_heal_replaces_it_and_makedip_heal_copy_from_does(tmp_path):
     from test_magics import running_kernel
 
-    train = """
-import os, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-torch.manual_seed(0)
-X = torch.randn(64, 4); Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-model = torch.nn.Linear(4, 1)
-ddp = DDP(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-losses = []
-def train(n):
-    rank = dist.get_rank()
-    for _ in range(n):
-        loss = torch.nn.functional.mse_loss(ddp(X[rank::2]), Y[rank::2])
-        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
-"""
-    params = "[p.detach().flatten().tolist() for p in model.parameters()]"
-    digest = f"hashlib.md5(str({params}).encode()).hexdigest()"
+    train = TRAIN
+    digest = f"hashlib.md5(str({PARAMS}).encode()).hexdigest()"
     with running_kernel(tmp_path) as k:
         assert k.run("%makedip -n 2").ok
         assert k.run("%%dip\n" + train + "train(3)").ok

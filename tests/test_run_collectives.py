@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -55,24 +54,7 @@ def script(tmp_path, body: str, name="rank.py") -> str:
     return str(path)
 
 
-@pytest.fixture
-def launcher():
-    """start(args, env=...) -> Popen of `ddip ARGS`, stdout and stderr piped; killed at the end."""
-    started = []
-
-    def start(args, env=None):
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        p = subprocess.Popen([DDIP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, text=True, env=full_env)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.communicate()
+from test_run import launcher  # noqa: E402,F401  (the fixture: `ddip` started, killed at the end)
 
 
 @pytest.fixture
