@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 
 #include "run_args.hpp"
 
@@ -91,6 +95,27 @@ TEST(CommandLine, MissingCommand) {
   EXPECT_EQ(error_of({"run", "-n", "2"}), "COMMAND is required");
   EXPECT_EQ(error_of({"run", "-n", "2", "--"}), "COMMAND is required");
   EXPECT_NE(error_of({}), "");  // no subcommand
+}
+
+TEST(CommandLine, APythonScriptAsTheProgramNamesThePythonItNeeds) {
+  // torchrun's `torchrun --nproc-per-node 2 train.py`: here the command needs its interpreter.
+  EXPECT_EQ(error_of({"run", "-n", "2", "train.py", "--lr", "0.1"}),
+            "COMMAND: train.py is a Python script, and ddip run starts a program on every rank: "
+            "name the interpreter, as in `ddip run -n 2 python train.py` (torchrun adds python "
+            "itself)");
+  EXPECT_EQ(error_of({"run", "-n", "2", "python", "train.py"}), "");
+  // A script that runs by itself (its shebang, its x bit) is a program like any other.
+  char dir[] = "/tmp/ddip-run-args-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  std::string script = std::string(dir) + "/train.py";
+  std::FILE* f = std::fopen(script.c_str(), "w");
+  std::fputs("#!/usr/bin/env python3\n", f);
+  std::fclose(f);
+  EXPECT_NE(error_of({"run", "-n", "2", script}), "");
+  ::chmod(script.c_str(), 0755);
+  EXPECT_EQ(error_of({"run", "-n", "2", script}), "");
+  std::remove(script.c_str());
+  ::rmdir(dir);
 }
 
 TEST(CommandLine, UnknownFlagIsAnErrorNotTheCommand) {

@@ -15,6 +15,35 @@ namespace ddip::run {
 using plan::parse_index;
 using plan::split_list;
 
+namespace {
+// Whether `program` can be executed as it is named: a path, or a name looked up in PATH.
+bool runnable(const std::string& program) {
+  if (program.find('/') != std::string::npos) return ::access(program.c_str(), X_OK) == 0;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "";
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t end = std::min(dirs.find(':', start), dirs.size());
+    std::string dir = end > start ? dirs.substr(start, end - start) : ".";
+    if (::access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+// torchrun's habit, `torchrun --nproc-per-node 2 train.py`: ddip run starts a command (any
+// program, as mpirun does), so a script that can't be run by itself is named with the fix rather
+// than failing in every rank with "No such file or directory".
+void check_program(const std::vector<std::string>& command) {
+  const std::string& program = command.front();
+  bool script = program.size() > 3 && program.compare(program.size() - 3, 3, ".py") == 0;
+  if (script && !runnable(program))
+    throw CLI::ValidationError(
+        "COMMAND", program + " is a Python script, and ddip run starts a program on every rank: "
+                             "name the interpreter, as in `ddip run -n 2 python " + program +
+                             "` (torchrun adds python itself)");
+}
+}  // namespace
+
 CommandLine::CommandLine()
     : app_("ddip: distributed data-parallel PyTorch on a C++ runtime", "ddip") {
   app_.require_subcommand(1);
@@ -187,6 +216,7 @@ RunOptions CommandLine::parse(const std::vector<std::string>& args) {
   std::vector<std::string> command;
   app_.parse(split_command(args, command));
   if (command.empty()) throw CLI::RequiredError("COMMAND");
+  check_program(command);
   opts_.command = std::move(command);
   // --gpus says each host's GPUs when there are hosts: with --hosts node1,node2, or naming them.
   bool across = run_->count("--hosts") ||
