@@ -133,10 +133,15 @@ def _check(p: subprocess.CompletedProcess, what: str) -> str:
     return p.stdout
 
 
-def ddip_run(script: str) -> str:
+def ddip_run(script: str, env: dict | None = None) -> str:
     p = subprocess.run([DDIP, "run", "-n", "2", PY, script], capture_output=True, text=True,
-                       env=_env(), timeout=600)
+                       env=dict(_env(), **(env or {})), timeout=600)
     return _check(p, "ddip run")
+
+
+def ddip_run_unhooked(script: str) -> str:
+    """ddip run without its startup hook in the ranks (DDIP_RUN_HOOK=0): what the hook costs."""
+    return ddip_run(script, {"DDIP_RUN_HOOK": "0"})
 
 
 def torchrun(script: str) -> str:
@@ -182,7 +187,8 @@ def main() -> str:
         scripts[name] = str(workdir / f"{name}.py")
         Path(scripts[name]).write_text(body)
 
-    tools = [("ddip run", ddip_run), ("torchrun", torchrun), ("2x plain python", plain)]
+    tools = [("ddip run", ddip_run), ("ddip run, no hook", ddip_run_unhooked), ("torchrun", torchrun),
+             ("2x plain python", plain)]
     times = {(t, k): [] for t, _ in tools for k in ("empty", "all_reduce")}
     for kind, reps in (("empty", LAUNCH_REPS), ("all_reduce", ALL_REDUCE_REPS)):
         for rep in range(reps + 1):
@@ -242,13 +248,14 @@ def main() -> str:
     cpu_ms = {k: statistics.median(v) for k, v in cpu.items()}
     lines = [
         "| 2 processes, start to exit | ddip run | torchrun | 2x plain python | torchrun / ddip run "
-        "| ddip run - plain |",
-        "|---|---|---|---|---|---|",
+        "| ddip run - plain | ddip run, `DDIP_RUN_HOOK=0` | the hook's cost |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for kind, label in (("empty", "empty script"), ("all_reduce", "gloo all_reduce script")):
         d, t, p = med[("ddip run", kind)], med[("torchrun", kind)], med[("2x plain python", kind)]
+        u = med[("ddip run, no hook", kind)]
         lines.append(f"| {label} | {d:.3f} s | {t:.3f} s | {p:.3f} s | {t / d:.1f}x | "
-                     f"{(d - p) * 1000:+.0f} ms |")
+                     f"{(d - p) * 1000:+.0f} ms | {u:.3f} s | {(d - u) * 1000:+.1f} ms |")
     lines += [
         "",
         "| DDP training loop, 2 ranks, gloo | ddip run | torchrun | ddip.Group | ddip run / torchrun "
