@@ -129,14 +129,15 @@ TEST(RunElastic, TheParentsErrorFileIsTheRanksWithItsErrorCode) {
   ASSERT_TRUE(e);
   EXPECT_EQ(e->message, "ValueError: bad batch \xc3\xa9 \xf0\x9f\x98\x80");
   EXPECT_EQ(e->traceback.back(), "ValueError: bad batch");
-  EXPECT_NE(out.find(R"("timestamp": "1700000000"}, "errorCode": 1})"), std::string::npos) << out;
+  EXPECT_NE(out.find(R"("timestamp":"1700000000"},"errorCode":1})"), std::string::npos) << out;
   // A signal, as torch counts it; an errorCode already there is replaced; 0 leaves it alone.
-  EXPECT_NE(parent_error_json(out, -11).find(R"("errorCode": -11})"), std::string::npos);
-  EXPECT_EQ(parent_error_json(out, -11).find("\"errorCode\": 1"), std::string::npos);
+  EXPECT_NE(parent_error_json(out, -11).find(R"("errorCode":-11})"), std::string::npos);
+  EXPECT_EQ(parent_error_json(out, -11).find("\"errorCode\":1"), std::string::npos);
   EXPECT_EQ(parent_error_json(kRecorded, 0).find("errorCode"), std::string::npos);
-  // The plain form has nowhere to put it (torch skips it too); anything kept as it was.
-  EXPECT_EQ(parent_error_json(R"({"message": "lost", "n": [1, 2.5e3, true, null]})", 1),
-            R"({"message": "lost", "n": [1, 2.5e3, true, null]})");
+  // The plain form has nowhere to put it (torch skips it too); anything kept as it was, in
+  // its order (as JSON: 2.5e3 is 2500.0).
+  EXPECT_EQ(parent_error_json(R"({"message": "lost", "n": [1, 2.5e3, true, null], "a": {}})", 1),
+            R"({"message":"lost","n":[1,2500.0,true,null],"a":{}})");
   EXPECT_THROW(parent_error_json("[1]", 1), std::invalid_argument);
   EXPECT_THROW(parent_error_json("{", 1), std::invalid_argument);
 }

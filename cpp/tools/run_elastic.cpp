@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -18,258 +20,15 @@ namespace ddip::run {
 
 namespace {
 
-// The error files' JSON: torch's ErrorHandler writes it with Python's json.dump. A reader of
-// RFC 8259 text small enough to read whole, rather than a JSON library as a build dependency
-// for one small file: values keep their order, numbers their text, so what is read is written
-// back as it was (parent_error_json).
-struct Json {
-  enum Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = kNull;
-  std::string text;  // a string's value; a number's or a literal's text
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> members;
+// The error files' JSON (torch's ErrorHandler writes it with Python's json.dump), read with
+// nlohmann/json; ordered_json keeps the members in the order they came, so what is read is
+// written back as it was, with errorCode last (parent_error_json).
+using Json = nlohmann::ordered_json;
 
-  const Json* get(std::string_view key) const {
-    for (const auto& [k, v] : members)
-      if (k == key) return &v;
-    return nullptr;
-  }
-  Json* get(std::string_view key) {
-    for (auto& [k, v] : members)
-      if (k == key) return &v;
-    return nullptr;
-  }
-};
-
-class JsonReader {
- public:
-  explicit JsonReader(std::string_view s) : s_(s) {}
-
-  Json document() {
-    Json v = value(0);
-    space();
-    if (i_ != s_.size()) fail("text after the value");
-    return v;
-  }
-
- private:
-  static constexpr int kMaxDepth = 64;
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::invalid_argument("not JSON: " + what + " at byte " + std::to_string(i_));
-  }
-  void space() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
-      ++i_;
-  }
-  bool eat(char c) {
-    space();
-    if (i_ < s_.size() && s_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!eat(c)) fail(std::string("expected '") + c + "'");
-  }
-
-  Json value(int depth) {
-    if (depth > kMaxDepth) fail("nested too deep");
-    space();
-    if (i_ >= s_.size()) fail("end of text");
-    Json v;
-    char c = s_[i_];
-    if (c == '{') {
-      ++i_;
-      v.kind = Json::kObject;
-      if (eat('}')) return v;
-      do {
-        space();
-        std::string key = string();
-        expect(':');
-        v.members.emplace_back(std::move(key), value(depth + 1));
-      } while (eat(','));
-      expect('}');
-    } else if (c == '[') {
-      ++i_;
-      v.kind = Json::kArray;
-      if (eat(']')) return v;
-      do v.items.push_back(value(depth + 1));
-      while (eat(','));
-      expect(']');
-    } else if (c == '"') {
-      v.kind = Json::kString;
-      v.text = string();
-    } else if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = Json::kNumber;
-      v.text = number();
-    } else {
-      for (std::string_view lit : {"true", "false", "null"})
-        if (s_.substr(i_, lit.size()) == lit) {
-          i_ += lit.size();
-          v.kind = lit == "null" ? Json::kNull : Json::kBool;
-          v.text = lit;
-          return v;
-        }
-      fail("unexpected character");
-    }
-    return v;
-  }
-
-  std::string number() {
-    size_t start = i_;
-    auto digits = [&] {
-      size_t from = i_;
-      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
-      if (i_ == from) fail("a number without digits");
-    };
-    if (s_[i_] == '-') ++i_;
-    digits();
-    if (i_ < s_.size() && s_[i_] == '.') {
-      ++i_;
-      digits();
-    }
-    if (i_ < s_.size() && (s_[i_] == 'e' || s_[i_] == 'E')) {
-      ++i_;
-      if (i_ < s_.size() && (s_[i_] == '+' || s_[i_] == '-')) ++i_;
-      digits();
-    }
-    return std::string(s_.substr(start, i_ - start));
-  }
-
-  unsigned hex4() {
-    if (i_ + 4 > s_.size()) fail("a short \\u escape");
-    unsigned v = 0;
-    for (int k = 0; k < 4; ++k) {
-      char h = s_[i_++];
-      v <<= 4;
-      if (h >= '0' && h <= '9') v |= static_cast<unsigned>(h - '0');
-      else if (h >= 'a' && h <= 'f') v |= static_cast<unsigned>(h - 'a' + 10);
-      else if (h >= 'A' && h <= 'F') v |= static_cast<unsigned>(h - 'A' + 10);
-      else fail("a bad \\u escape");
-    }
-    return v;
-  }
-
-  static void utf8(std::string& out, unsigned cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
-  std::string string() {
-    if (i_ >= s_.size() || s_[i_] != '"') fail("expected a string");
-    ++i_;
-    std::string out;
-    while (true) {
-      if (i_ >= s_.size()) fail("an unterminated string");
-      char c = s_[i_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (i_ >= s_.size()) fail("an unterminated escape");
-      char e = s_[i_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          unsigned cp = hex4();
-          // A UTF-16 surrogate pair is one character; a lone surrogate (Python writes them for
-          // undecodable bytes) becomes U+FFFD.
-          if (cp >= 0xD800 && cp < 0xDC00 && s_.substr(i_, 2) == "\\u") {
-            size_t back = i_;
-            i_ += 2;
-            unsigned lo = hex4();
-            if (lo >= 0xDC00 && lo < 0xE000) {
-              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-            } else {
-              i_ = back;
-              cp = 0xFFFD;
-            }
-          } else if (cp >= 0xD800 && cp < 0xE000) {
-            cp = 0xFFFD;
-          }
-          utf8(out, cp);
-          break;
-        }
-        default: fail("a bad escape");
-      }
-    }
-  }
-
-  std::string_view s_;
-  size_t i_ = 0;
-};
-
-void write_string(std::string& out, const std::string& s) {
-  out += '"';
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          static const char* hex = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[(c >> 4) & 0xF];
-          out += hex[c & 0xF];
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += '"';
-}
-
-void write(std::string& out, const Json& v) {
-  switch (v.kind) {
-    case Json::kString: write_string(out, v.text); return;
-    case Json::kArray:
-      out += '[';
-      for (size_t k = 0; k < v.items.size(); ++k) {
-        if (k) out += ", ";
-        write(out, v.items[k]);
-      }
-      out += ']';
-      return;
-    case Json::kObject:
-      out += '{';
-      for (size_t k = 0; k < v.members.size(); ++k) {
-        if (k) out += ", ";
-        write_string(out, v.members[k].first);
-        out += ": ";
-        write(out, v.members[k].second);
-      }
-      out += '}';
-      return;
-    default: out += v.text;
-  }
+// The string at `key` of object `j`, or nullptr.
+const std::string* string_at(const Json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get_ptr<const std::string*>() : nullptr;
 }
 
 std::vector<std::string> lines_of(const std::string& text) {
@@ -339,44 +98,29 @@ std::string ErrorFiles::read(int rank) const {
 }
 
 std::optional<RankError> read_rank_error(std::string_view json) {
-  Json doc;
-  try {
-    doc = JsonReader(json).document();
-  } catch (const std::invalid_argument&) {
-    return std::nullopt;
-  }
-  const Json* message = doc.kind == Json::kObject ? doc.get("message") : nullptr;
-  if (!message) return std::nullopt;
+  Json doc = Json::parse(json, nullptr, /*allow_exceptions=*/false);
+  auto message = doc.is_object() ? doc.find("message") : doc.end();
+  if (message == doc.end()) return std::nullopt;
   RankError e;
-  if (message->kind == Json::kString) {
-    e.message = message->text;
+  if (message->is_string()) {
+    e.message = message->get<std::string>();
     return e;
   }
-  if (message->kind != Json::kObject) return std::nullopt;
-  if (const Json* m = message->get("message"); m && m->kind == Json::kString) e.message = m->text;
-  if (const Json* info = message->get("extraInfo"); info && info->kind == Json::kObject)
-    if (const Json* stack = info->get("py_callstack"); stack && stack->kind == Json::kString)
-      e.traceback = lines_of(stack->text);
+  if (!message->is_object()) return std::nullopt;
+  if (const std::string* m = string_at(*message, "message")) e.message = *m;
+  if (auto info = message->find("extraInfo"); info != message->end() && info->is_object())
+    if (const std::string* stack = string_at(*info, "py_callstack")) e.traceback = lines_of(*stack);
   if (e.message.empty() && e.traceback.empty()) return std::nullopt;
   return e;
 }
 
 std::string parent_error_json(std::string_view json, int error_code) {
-  Json doc = JsonReader(json).document();
-  if (doc.kind != Json::kObject) throw std::invalid_argument("not a JSON object");
-  Json* message = doc.get("message");
-  if (error_code != 0 && message && message->kind == Json::kObject) {
-    Json code;
-    code.kind = Json::kNumber;
-    code.text = std::to_string(error_code);
-    if (Json* old = message->get("errorCode"))
-      *old = std::move(code);
-    else
-      message->members.emplace_back("errorCode", std::move(code));
-  }
-  std::string out;
-  write(out, doc);
-  return out;
+  Json doc = Json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (!doc.is_object()) throw std::invalid_argument("not a JSON object");
+  auto message = doc.find("message");
+  if (error_code != 0 && message != doc.end() && message->is_object())
+    (*message)["errorCode"] = error_code;
+  return doc.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
 }  // namespace ddip::run
