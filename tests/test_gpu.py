@@ -344,3 +344,40 @@ def test_nccl_group_heals_after_a_rank_raises_mid_step(ngpu):
         assert info.value.heal is not None and info.value.heal.ok, info.value.heal
         out = g.run("t = torch.ones(2, device='cuda'); dist.all_reduce(t); t.tolist(), x")
         assert [r.value for r in out] == [([2.0, 2.0], 41)] * 2
+
+
+def test_a_dead_nccl_rank_comes_back_with_the_copy_on_its_own_gpu(ngpu):
+    """Issue 27: a rank killed (as the OOM killer would) is replaced by `heal(copy_from=0)`; the
+    CUDA tensors copied from rank 0 land on the new rank's own GPU, and NCCL works again."""
+    if ngpu < 2:
+        pytest.skip("NCCL needs a GPU per rank: needs 2 GPUs")
+    with ddip.Group(gpus=[0, 1]) as g:
+        g.run("import os, torch, torch.distributed as dist\n"
+              "w = torch.full((4,), float(dist.get_rank()) + 1, device='cuda')")
+        with pytest.raises(ddip.RemoteError) as info:
+            g.run("if dist.get_rank() == 1: os.kill(os.getpid(), 9)")
+        assert info.value.failures[0].died and info.value.failures[0].rank == 1
+        report = g.heal(copy_from=0)
+        assert report.ok and list(report.replaced) == [1] and "w" in report.copied, report.describe()
+        where = g.run("str(w.device), w.tolist(), torch.cuda.current_device()")
+        assert [r.value for r in where] == [("cuda:0", [1.0] * 4, 0), ("cuda:1", [1.0] * 4, 1)]
+        out = g.run("t = torch.ones(2, device='cuda'); dist.all_reduce(t); torch.cuda.synchronize(); t.tolist()")
+        assert [r.value for r in out] == [[2.0, 2.0]] * 2
+
+
+def test_an_nccl_hang_is_named_by_its_collective(ngpu):
+    """Issue 27 with NCCL: rank 1 skips the all_reduce rank 0 waits in; the timed-out cell's
+    message names it from the flight recorder, and heal frees rank 0."""
+    if ngpu < 2:
+        pytest.skip("NCCL needs a GPU per rank: needs 2 GPUs")
+    with ddip.Group(gpus=[0, 1]) as g:
+        g.run("import time, torch, torch.distributed as dist\nt = torch.ones(1024, device='cuda')\n"
+              "dist.all_reduce(t); torch.cuda.synchronize()")
+        with pytest.raises(TimeoutError) as info:
+            g.run("if dist.get_rank() == 0:\n    dist.all_reduce(t); torch.cuda.synchronize()\n"
+                  "else:\n    time.sleep(60)", timeout=5)
+        message = str(info.value)
+        assert "=> rank 1 has not entered all_reduce #2 (float32[1024]), which rank 0 has waited in" in message, message
+        assert g.heal().ok
+        out = g.run("t = torch.ones(2, device='cuda'); dist.all_reduce(t); torch.cuda.synchronize(); t.tolist()")
+        assert [r.value for r in out] == [[2.0, 2.0]] * 2
