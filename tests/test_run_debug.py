@@ -72,18 +72,24 @@ def terminal():
         child.close(force=True)
 
 
+def _print_x_and_go_on(t) -> str:
+    """At rank 1's prompt: `p x` shows 41 as rank 1's output, `c` lets it go on; what ddip run
+    printed from then to its end."""
+    t.sendline("p x")
+    t.expect(r"\[1\] 41\r?\n")  # rank 1's value, as rank 1's output
+    t.expect(r"\[1\] ipdb> ")
+    t.sendline("c")
+    t.expect(pexpect.EOF)
+    return ANSI.sub("", t.before)
+
+
 def test_breakpoint_prompts_on_the_terminal_and_the_answer_reaches_that_rank_only(terminal, tmp_path):
     t = terminal(["run", "-n", "2", "--", PY, two_ranks(tmp_path)])
     t.expect_exact("[1] rank 1 stops")
     t.expect(r"\[1\] ipdb> ")
     # Where it stopped, labelled, before the prompt.
     assert "breakpoint()" in ANSI.sub("", t.before)
-    t.sendline("p x")
-    t.expect(r"\[1\] 41\r?\n")  # rank 1's value, as rank 1's output
-    t.expect(r"\[1\] ipdb> ")
-    t.sendline("c")
-    t.expect(pexpect.EOF)
-    rest = ANSI.sub("", t.before)
+    rest = _print_x_and_go_on(t)
     assert "[1] rank 1 goes on with x=41" in rest
     assert "[0] rank 0's stdin: nothing" in rest  # what was typed reached rank 1 alone
     t.close()
@@ -106,12 +112,7 @@ def test_pdb_set_trace_prompts_like_breakpoint(terminal, tmp_path):
     t = terminal(["run", "-n", "2", "--", PY, path])
     t.expect(r"\[1\] ipdb> ")
     assert "pdb.set_trace()" in ANSI.sub("", t.before)  # where it stopped: the script's own line
-    t.sendline("p x")
-    t.expect(r"\[1\] 41\r?\n")
-    t.expect(r"\[1\] ipdb> ")
-    t.sendline("c")
-    t.expect(pexpect.EOF)
-    rest = ANSI.sub("", t.before)
+    rest = _print_x_and_go_on(t)
     assert "[1] rank 1 goes on with x=41" in rest, rest
     t.close()
     assert t.exitstatus == 0, rest
@@ -255,12 +256,7 @@ def test_a_rank_on_another_host_prompts_here_and_gets_its_answer(terminal, tmp_p
     t = terminal(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
                   "--master-addr", "127.0.0.1", "--", PY, two_ranks(tmp_path)])
     t.expect(r"\[1\] ipdb> ")
-    t.sendline("p x")
-    t.expect(r"\[1\] 41\r?\n")
-    t.expect(r"\[1\] ipdb> ")
-    t.sendline("c")
-    t.expect(pexpect.EOF)
-    rest = ANSI.sub("", t.before)
+    rest = _print_x_and_go_on(t)
     assert "[1] rank 1 goes on with x=41" in rest
     assert "[0] rank 0's stdin: nothing" in rest
     t.close()
