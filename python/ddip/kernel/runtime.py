@@ -12,7 +12,6 @@ match); the others wait on the condition. Callbacks never run here: each request
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 import time
@@ -328,9 +327,10 @@ class Runtime:
                 out[s] = f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)"
         return out
 
-    def collectives(self, slots, timeout, slice_s: float) -> dict[int, dict]:
-        """Each live slot's collectives as its flight recorder has them (rank/collectives.py's
-        snapshot), or {"off": why}: dead, not answering, no flight recorder there."""
+    def collectives(self, slots, timeout, slice_s: float) -> dict[int, dict | bytes]:
+        """Each live slot's collectives as its flight recorder has them: rank/collectives.py's
+        snapshot, its JSON as it came (the runtime's CollectivePicture reads it), or {"off": why}:
+        dead, not answering, no flight recorder there."""
         got = self.ask(_core.COLLECTIVES_REQUEST, slots, timeout, slice_s)
         out = {}
         for s in slots:
@@ -340,10 +340,7 @@ class Runtime:
                 out[s] = {"off": f"did not answer within {timeout:g} s (the runtime's Python thread "
                                  f"is held: code that keeps the GIL in C)"}
             else:
-                try:
-                    out[s] = json.loads(got[s]) if got[s] else {"off": "not a rank with torch.distributed"}
-                except ValueError:
-                    out[s] = {"off": "its answer could not be read"}
+                out[s] = got[s] or {"off": "not a rank with torch.distributed"}
         return out
 
     def ask(self, request_kind: int, slots, timeout, slice_s: float) -> dict[int, bytes]:
