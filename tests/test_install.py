@@ -178,6 +178,10 @@ def test_pip_configuration_and_what_it_names_reach_a_root(tmp_path, monkeypatch)
     (tmp_path / "more" / "pins.txt").write_text("ddip-probe==1\n")
     (tmp_path / "constraints.txt").write_text("-c more/pins.txt\n")
     (tmp_path / "pip.conf").write_text(f"[global]\nconstraint = {tmp_path}/constraints.txt\n")
+    # The user's own PIP_* variables outrank the file (PIP_CONSTRAINT would replace its
+    # constraint): the test's pip sees only what the test sets.
+    for name in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "pip.conf"))
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
     root = debian_root.bare("bullseye")
