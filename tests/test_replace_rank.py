@@ -70,18 +70,31 @@ def test_copy_from_gives_the_new_rank_a_survivors_variables_and_names_what_it_sk
     with ddip.Group(n=2, backend="gloo") as g:
         g.run(SET_UP + "import json, threading\nlog = open(os.devnull)\nclass Box:\n    size = 7\nbox = Box()\n"
                        "lock = threading.Lock()\nbig = torch.arange(1 << 20, dtype=torch.float64)\n"
-                       "same = [mine, mine]")
+                       "same = [mine, mine]\nlocal_rank = int(os.environ['LOCAL_RANK']); steps = 0\n"
+                       "gpu = torch.device('cuda', local_rank); cpu = torch.device('cpu')\n"
+                       "from torch.utils.data import DataLoader, DistributedSampler\n"
+                       "sampler = DistributedSampler(range(8), num_replicas=2, rank=rank)\n"
+                       "loader = DataLoader(range(8), sampler=sampler)")
         _kill_from_inside(g, 1)
         report = g.heal(copy_from=0)
         assert report.ok and report.copied_from == 0 and list(report.replaced) == [1]
-        assert {"mine", "note", "rank", "box", "Box"} <= set(report.copied)
+        assert {"mine", "note", "box", "Box"} <= set(report.copied)
         assert {"json", "torch"} <= set(report.copied)  # modules travel by name: imported there
         assert report.skipped["log"].startswith("an open file")
         assert report.skipped["lock"].startswith("lock can't be pickled (TypeError"), report.skipped
         assert not {"log", "In", "Out", "open"} & set(report.copied)
         assert g.run("json.dumps([1]), torch.__name__", ranks=[1])[0].value == ("[1]", "torch")
-        got = g.run("import os\n(mine.tolist(), note, box.size, rank, os.environ['RANK'])", ranks=[1])[0].value
-        assert got == ([0.0] * 3, {"rank": 0, "words": ["kept"]}, 7, 0, "1")  # rank 0's, in rank 1
+        got = g.run("import os\n(mine.tolist(), note, box.size, os.environ['RANK'])", ranks=[1])[0].value
+        assert got == ([0.0] * 3, {"rank": 0, "words": ["kept"]}, 7, "1")  # rank 0's, in rank 1
+        # Rank 0's identity is never handed to rank 1: its rank, local rank, GPU, data shard.
+        assert set(report.identity) == {"rank", "local_rank", "gpu", "sampler", "loader"}, report.skipped
+        assert report.skipped["rank"].startswith("rank 0's own rank (0)")
+        assert report.skipped["gpu"].startswith("rank 0's own GPU (cuda:0)")
+        assert report.skipped["loader"].startswith("rank 0's own data shard (a loader whose sampler is a "
+                                                   "DistributedSampler with rank=0)")
+        assert not {"rank", "local_rank", "gpu", "sampler", "loader"} & set(report.copied)
+        assert {"steps", "cpu"} <= set(report.copied)  # an int not named like a rank; a CPU device
+        assert "On rank(s) 1: set gpu, loader, local_rank, rank, sampler again" in report.describe()
         # 8 MiB of tensor (through shared memory), and what referred to one object still does.
         total = float((1 << 20) * ((1 << 20) - 1) / 2)
         assert g.run("big.sum().item(), same[0] is mine", ranks=[1])[0].value == (total, True)
@@ -160,7 +173,7 @@ def test_a_dead_rank_in_a_dip_cell_says_heal_replaces_it_and_makedip_heal_copy_f
     digest = f"hashlib.md5(str({PARAMS}).encode()).hexdigest()"
     with running_kernel(tmp_path) as k:
         assert k.run("%makedip -n 2").ok
-        assert k.run("%%dip\n" + train + "train(3)").ok
+        assert k.run("%%dip\n" + train + "rank = dist.get_rank()\ntrain(3)").ok
         own = k.run("%%dip -r 0\nmine = 'only on rank 0'; mine")
         assert own.ok
         cell = k.run("%%dip\nif dist.get_rank() == 1: os.kill(os.getpid(), 9)")
@@ -175,6 +188,10 @@ def test_a_dead_rank_in_a_dip_cell_says_heal_replaces_it_and_makedip_heal_copy_f
         assert re.search(r"not copied: ddp \(it holds the old process group: make it again on the new rank\)",
                          out), out
         assert "wrap the model in DDP again" in out, out
+        # Only what is true: the modules came by name (no import again), rank 0's `rank` did not.
+        assert "import the modules" not in out and "On rank(s) 1: set rank again" in out, out
+        cell = k.run("%%dip --ranks 1\nrank")
+        assert not cell.ok and cell.of_type("error")[0]["ename"] == "NameError", cell.outputs
         # Rank 1's parameters are rank 0's (copied), and so is how far it trained.
         cell = k.run(f"%%dip --see all\nimport hashlib\n{digest}, len(losses)")
         values = re.findall(r"Out\[(\d):\d+\]: (.*)", "\n".join(cell.plain))

@@ -116,6 +116,9 @@ class HealReport:
     copied_from: int | None = None  # the survivor whose namespace the new ranks got a copy of
     copied: list[str] = field(default_factory=list)  # the variables copied into them
     skipped: dict[str, str] = field(default_factory=dict)  # variables not copied -> why
+    # Those of `skipped` that were copied_from's own identity (its rank, GPU, data shard): never
+    # handed to another rank, the user sets them again there.
+    identity: list[str] = field(default_factory=list)
 
     def describe(self, way_out: str = "%makedip -r (g.restart()) starts fresh ranks") -> str:
         if not self.ok:
@@ -153,16 +156,24 @@ class HealReport:
         return f" dead rank(s) replaced: {who}, in the same slot (rank, GPU, environment), {has};"
 
     def redo(self) -> str:
-        """What the user must do on the new ranks ("" when none was replaced)."""
+        """What the user must do on the new ranks ("" when none was replaced): only what the copy
+        (or its absence) left undone."""
         if not self.replaced:
             return ""
         ranks = ", ".join(map(str, sorted(self.replaced)))
-        first = ("run your set-up cell again on it (%%dip -r " + ranks + "), or heal with copy_from"
-                 if self.copied_from is None else "import the modules it uses again")
-        if self.port is None:  # no torch.distributed: nothing of DDP's to make again
-            return f" On rank(s) {ranks}: {first}."
-        return (f" On rank(s) {ranks}: {first}; wrap the model in DDP again there too; a "
-                f"DistributedSampler made before keeps its rank: make it again (or set_epoch as before).")
+        todo = []
+        if self.copied_from is None:
+            todo.append(f"run your set-up cell again on it (%%dip -r {ranks}), or heal with copy_from")
+        else:
+            if self.identity:
+                todo.append(f"set {', '.join(self.identity)} again: they were rank {self.copied_from}'s own "
+                            f"(a rank, a GPU, a data shard), so they were not copied")
+            others = sorted(set(self.skipped) - set(self.identity))
+            if others:
+                todo.append(f"make again what was not copied ({', '.join(others)})")
+        if self.port is not None:  # torch.distributed rebuilt: DDP's wrapper is the old group's
+            todo.append("wrap the model in DDP again there too")
+        return f" On rank(s) {ranks}: {'; '.join(todo)}." if todo else ""
 
 
 class HealError(RuntimeError):

@@ -94,8 +94,9 @@ class Healer:
         report = HealReport(True, 0.0, group.world_size, released=released, port=port,
                             replaced={group.rank_ids[s]: self.pid(s, pid) for s, pid in pids.items()})
         if copy_from is not None:
-            keep, skipped = plan or self.what_to_copy(copy_from, names, "the group was healed, but nothing was copied")
-            self.copy_namespace(report, copy_from, keep, skipped, [group.rank_ids[s] for s in dead])
+            keep, skipped, identity = plan or self.what_to_copy(copy_from, names,
+                                                                "the group was healed, but nothing was copied")
+            self.copy_namespace(report, copy_from, keep, skipped, identity, [group.rank_ids[s] for s in dead])
         report.seconds = time.monotonic() - started
         return report
 
@@ -104,14 +105,14 @@ class Healer:
         return pid if pid >= 0 else self.group.runtime.info[slot].get("pid")
 
     def what_to_copy(self, copy_from: int, names,
-                     then: str = "nothing was changed") -> tuple[list[str], dict[str, str]]:
-        """(the variables of `copy_from` that can be copied, the others -> why not); NameError for
-        names= it does not have."""
-        keep, skipped = self._internal_call([copy_from], _heal.copyable, names)[0]
+                     then: str = "nothing was changed") -> tuple[list[str], dict[str, str], list[str]]:
+        """(the variables of `copy_from` that can be copied, the others -> why not, those of them
+        that are its identity: its rank, GPU, data shard); NameError for names= it does not have."""
+        keep, skipped, identity = self._internal_call([copy_from], _heal.copyable, names)[0]
         missing = [n for n, why in skipped.items() if why == "missing"]
         if missing:
             raise NameError(f"names={missing}: not defined on rank {copy_from}; {then}")
-        return keep, skipped
+        return keep, skipped, identity
 
     def check_replacing(self, copy_from, names) -> list[int]:
         """The dead slots a heal replaces; raises, changing nothing, for bad copy_from / names or
@@ -283,7 +284,7 @@ class Healer:
                 f"the new rank {group.rank_ids[s]}" + (f" on host {hosts[s]}" if hosts[s] else "") +
                 f" did not come up: {why}" for s, why in sorted(bad.items())))
 
-    def copy_namespace(self, report: HealReport, copy_from: int, keep, skipped, new_ranks: list[int]):
+    def copy_namespace(self, report: HealReport, copy_from: int, keep, skipped, identity, new_ranks: list[int]):
         """The new ranks get a copy of survivor `copy_from`'s variables `keep`: each pickled there,
         passed on from here unopened, through the data plane (large buffers in shared memory);
         what does not pickle joins `skipped`."""
@@ -294,8 +295,10 @@ class Healer:
             if parcel is not None:
                 data, buffers = parcel  # out of band again: what came in shared memory leaves through it
                 parcel = (data, [pickle.PickleBuffer(b) for b in buffers])
-                copied = self._internal_call(new_ranks, _heal.adopt, parcel)[0]
+                copied, failed = self._internal_call(new_ranks, _heal.adopt, parcel)[0]
+                skipped.update(failed)
         report.copied_from, report.copied, report.skipped = copy_from, copied, skipped
+        report.identity = sorted(identity)
 
     def _internal_send(self, ranks, fn, *args):
         group = self.group

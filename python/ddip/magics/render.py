@@ -105,7 +105,8 @@ def healed(report) -> str:
     return (f"healed in {report.seconds:.2f} s: {rebuilt}; {kept}"
             + (f"; rank(s) {', '.join(map(str, report.released))} were released from what they ran"
                if report.released else "")
-            + (f".\n{report.replacement().strip().rstrip(';')}.\n{report.redo().strip()}" if report.replaced else ""))
+            + (f".\n{report.replacement().strip().rstrip(';')}." if report.replaced else "")
+            + (f"\n{report.redo().strip()}" if report.redo() else ""))
 
 
 # After a rank died in a cell: the way on that keeps the other ranks' variables.

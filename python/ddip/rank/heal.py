@@ -128,13 +128,14 @@ def rejoin(backend: str, port: int, timeout: float = REJOIN_TIMEOUT_S) -> dict:
 _NOT_COPIED = frozenset(("In", "Out", "exit", "quit", "get_ipython"))
 
 
-def copyable(names=None) -> tuple[list[str], dict[str, str]]:
+def copyable(names=None) -> tuple[list[str], dict[str, str], list[str]]:
     """In the rank a new one copies from (heal's copy_from): the variables of its namespace to
-    copy, and the others with why not. `names`: those only (when one does not exist: no
+    copy, the others with why not, and which of those are this rank's identity. `names`: those only (when one does not exist: no
     variable, and each missing name with why "missing"); None: every variable but IPython's own
-    and private ones (a leading underscore). Modules (the new rank imports them itself), open
-    files and DDP wrappers are left out; what does not pickle is found by export(). A module
-    travels by its name: the new rank imports it (`import torch` need not be run again)."""
+    and private ones (a leading underscore). Open files, DDP wrappers and what is this rank's own
+    identity (_Identity: its rank, its GPU, its data shard) are left out; what does not pickle is
+    found by export(). A module travels by its name: the new rank imports it (`import torch` need
+    not be run again)."""
     import io
 
     from IPython import get_ipython
@@ -145,13 +146,18 @@ def copyable(names=None) -> tuple[list[str], dict[str, str]]:
         hidden = shell.user_ns_hidden if shell is not None else {}
         names = [n for n in ns if not n.startswith("_") and n not in _NOT_COPIED
                  and not (n in hidden and hidden[n] is ns[n])]
-    keep, skipped = [], {}
+    keep, skipped, identity = [], {}, []
     missing = [n for n in names if n not in ns]
     if missing:
-        return [], {n: "missing" for n in missing}
+        return [], {n: "missing" for n in missing}, []
+    me = _Identity()
     for name in names:
         value = ns[name]
-        if isinstance(value, type(sys)) and not getattr(value, "__name__", "").startswith("__main__"):
+        whose = me.held_by(name, value)
+        if whose is not None:
+            skipped[name] = whose
+            identity.append(name)
+        elif isinstance(value, type(sys)) and not getattr(value, "__name__", "").startswith("__main__"):
             keep.append(name)  # by its name (_travelling)
         elif isinstance(value, type(sys)):
             skipped[name] = "a module made in the notebook's code: make it again on the new rank"
@@ -161,7 +167,59 @@ def copyable(names=None) -> tuple[list[str], dict[str, str]]:
             skipped[name] = "it holds the old process group: make it again on the new rank"
         else:
             keep.append(name)
-    return keep, skipped
+    return keep, skipped, identity
+
+
+class _Identity:
+    """What makes a rank itself, in the rank copied from: its rank and local rank, its GPU. A
+    copy must not hand them to another rank: rank 1 with rank 0's `rank` would train as rank 0,
+    quietly (its data shard, its device, its `if rank == 0:` logging and checkpoints), where a
+    NameError tells the user at once."""
+
+    # Variable names that say "a rank number" or "a GPU index": rank, local_rank, global_rank,
+    # my_rank, RANK, gpu, gpu_id, device_id, local_device, dev.
+    _NAMED = ("rank", "gpu", "device")
+
+    def __init__(self):
+        self.rank = int(os.environ.get("RANK", "-1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.own = f"rank {self.rank}'s own"
+
+    def held_by(self, name: str, value) -> str | None:
+        """Why `value` is this rank's identity (the reason copyable() gives), or None."""
+        try:
+            return self._int(name, value) or self._gpu(value) or self._sampler(value)
+        except Exception:  # an object whose attributes can't be read: not known to be anyone's
+            return None
+
+    def _int(self, name: str, value) -> str | None:
+        low = name.lower()
+        if not isinstance(value, int) or isinstance(value, bool) or value not in (self.rank, self.local_rank) \
+                or not (any(word in low for word in self._NAMED) or low == "dev"):
+            return None
+        gpu = "gpu" in low or "device" in low or low == "dev"  # a device index: the local rank's
+        local = value == self.local_rank and ("local" in low or gpu or value != self.rank)
+        which, var = ("local rank", "LOCAL_RANK") if local else ("rank", "RANK")
+        return (self.own + f" {which} ({value}): set it again on the new rank "
+                f"(int(os.environ['{var}']))")
+
+    def _gpu(self, value) -> str | None:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(value, torch.device) or value.type == "cpu" \
+                or value.index not in (None, self.local_rank):
+            return None
+        return (self.own + f" GPU ({value}): set it again on the new rank "
+                f"(its own is cuda:LOCAL_RANK)")
+
+    def _sampler(self, value) -> str | None:
+        """A sampler built with this rank (DistributedSampler's `rank`), or a loader drawing from one."""
+        for holder, how in ((value, "a {kind} with rank={rank}"),
+                            (getattr(value, "sampler", None), "a loader whose sampler is a {kind} with rank={rank}")):
+            rank = getattr(holder, "rank", None) if hasattr(holder, "num_replicas") else None
+            if isinstance(rank, int) and not isinstance(rank, bool) and rank == self.rank:
+                return (self.own + " data shard ("
+                        + how.format(kind=type(holder).__name__, rank=rank) + "): make it again on the new rank")
+        return None
 
 
 def _holds_a_process_group(value) -> bool:
@@ -239,20 +297,20 @@ def export(names: list[str]) -> tuple[tuple[bytes, list] | None, dict[str, str]]
                 raise  # only together (cannot happen): say so rather than loop
 
 
-def adopt(parcel: tuple[bytes, list]) -> list[str]:
+def adopt(parcel: tuple[bytes, list]) -> tuple[list[str], dict[str, str]]:
     """In a new rank: the copied variables (export()'s parcel) into its namespace, functions
-    rebuilt on it."""
+    rebuilt on it. Returns (the names taken, name -> why not: a module this rank can't import)."""
     from ..messages import loads
 
     ns = sys.modules["__main__"].__dict__
     data, buffers = parcel
     values = loads(data, buffers=buffers)
-    taken = []
+    taken, failed = [], {}
     for name, value in values.items():
         try:
             ns[name] = value.rebuild(ns) if isinstance(value, (MainFunction, ModuleName)) else value
         except ImportError as exc:  # a module this rank's environment lacks: left out, and said
-            print(f"ddip: {name} (module {value.name}) was not copied: {exc}", file=sys.stderr)
+            failed[name] = f"module {value.name} could not be imported on the new rank ({exc})"
             continue
         taken.append(name)
-    return sorted(taken)
+    return sorted(taken), failed
