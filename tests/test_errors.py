@@ -34,9 +34,11 @@ def test_a_dead_rank_is_a_rank_dead_error_naming_the_rank_and_its_exit():
         assert err.ranks == [1] and err.rank == 1 and err.cause == "killed by SIGKILL"
         [f] = err.failures
         assert f.rank == 1 and f.died and f.exit_signal == signal.SIGKILL
-        assert str(err) == "rank 1 is dead (killed by SIGKILL); call restart() to start the group again"
-        assert err.describe(restart="run %makedip -r") == \
-            "rank 1 is dead (killed by SIGKILL); run %makedip -r to start the group again"
+        assert str(err) == ("rank 1 is dead (killed by SIGKILL); call heal() to replace it in its slot, keeping "
+                            "the other ranks' variables, or call restart() to start the group again")
+        assert err.describe(restart="run %makedip -r", heal="run %makedip --heal") == \
+            ("rank 1 is dead (killed by SIGKILL); run %makedip --heal to replace it in its slot, keeping the "
+             "other ranks' variables, or run %makedip -r to start the group again")
         # Only requests that need the dead rank are refused.
         assert [r.value for r in g.run("2", ranks=[0, 2])] == [2, 2]
         os.kill(g.pids[2], signal.SIGKILL)

@@ -255,7 +255,9 @@ class RankError(RuntimeError):
     def rank(self) -> int:
         return self.ranks[0]
 
-    def describe(self, restart: str = "call restart()") -> str:
+    def describe(self, restart: str = "call restart()", heal: str = "call heal()") -> str:
+        """The message; `restart` and `heal` word those ways out as the caller takes them (the magics:
+        run %makedip -r, run %makedip --heal); a subclass names heal where it applies."""
         return f"rank(s) {_ranks_text(self.ranks)}: {self.cause}; {restart} to start the group again"
 
 
@@ -267,12 +269,15 @@ class RankDeadError(RankError):
         self.failures = sorted(failures, key=lambda f: f.rank)
         super().__init__([f.rank for f in self.failures], self.failures[0].evalue)
 
-    def describe(self, restart: str = "call restart()") -> str:
+    def describe(self, restart: str = "call restart()", heal: str = "call heal()") -> str:
         if len(self.failures) == 1:
             what = f"rank {self.rank} is dead ({self.cause})"
         else:
             what = (f"ranks {_ranks_text(self.ranks)} are dead ("
                     + "; ".join(f"rank {f.rank}: {f.evalue}" for f in self.failures) + ")")
+        if any(f.kind is FailureKind.DIED for f in self.failures):  # a rank lost with its host can't be
+            return (f"{what}; {heal} to replace it in its slot, keeping the other ranks' variables, or "
+                    f"{restart} to start the group again")
         return f"{what}; {restart} to start the group again"
 
 
@@ -284,9 +289,10 @@ class RankBusyError(RankError):
         super().__init__(ranks, "still busy with an earlier request (one that was interrupted but did "
                                 "not stop, or an apply_async not yet collected)")
 
-    def describe(self, restart: str = "call restart()") -> str:
-        return (f"rank(s) {_ranks_text(self.ranks)} {self.cause}; wait, g.interrupt(), or g.restart() "
-                f"(%makedip -r)")
+    def describe(self, restart: str = "call restart()", heal: str = "call heal()") -> str:
+        return (f"rank(s) {_ranks_text(self.ranks)} {self.cause}; wait, interrupt it (g.interrupt()), "
+                f"{heal} if it waits in a broken collective (it frees it, keeping every rank's variables), "
+                f"or {restart} to start the group again")
 
 
 class RankUnresponsiveError(RankError):
@@ -302,7 +308,7 @@ class RankUnresponsiveError(RankError):
         super().__init__(self.seconds, f"no heartbeat for {longest:.1f} s ("
                                        + unresponsive_cause(sorted(set(self.hosts.values()))) + ")")
 
-    def describe(self, restart: str = "call restart()") -> str:
+    def describe(self, restart: str = "call restart()", heal: str = "call heal()") -> str:
         ranks = ", ".join(f"{r} (on {self.hosts[r]})" if r in self.hosts else str(r) for r in self.ranks)
         return (f"rank(s) {ranks} stopped answering: {self.cause}; wait for them to answer again, or "
                 f"{restart} to replace them")
@@ -326,7 +332,7 @@ class GroupClosedError(RuntimeError):
         self.restarted = restarted  # a Pending whose group was restarted or closed since
         super().__init__(self.describe())
 
-    def describe(self, restart: str = "call restart()") -> str:
+    def describe(self, restart: str = "call restart()", heal: str = "call heal()") -> str:
         if self.restarted:
             return ("the group was restarted or closed since this request was sent; its ranks are gone, "
                     "and so is the request")

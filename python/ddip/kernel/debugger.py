@@ -106,13 +106,21 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
 def root_cause_rank(error, nothing: str, give: str) -> int:
     """The rank to debug after `error` (a RemoteError, or None: nothing failed): its root cause,
     when that rank's code raised. LookupError otherwise, its message ending in how to `give` a
-    rank (debug(rank=1), %dipdebug -r 1); `nothing` says what has not failed."""
+    rank (`give` has "{rank}": debug(rank={rank}), %dipdebug -r {rank}), naming a rank whose code
+    did raise, if one did (never a dead one); `nothing` says what has not failed."""
     from ..errors import FailureKind
 
     if error is None:
-        raise LookupError(f"nothing to debug: {nothing}; give the rank: {give}")
+        raise LookupError(f"nothing to debug: {nothing}; give the rank: {give.format(rank='N')}")
     first = error.failures[0]
     if first.kind is not FailureKind.RAISED:
+        raised = [f for f in error.failures if f.kind is FailureKind.RAISED]
+        # ddip's own interrupt of the others (KeyboardInterrupt) last: their frames say least.
+        raised.sort(key=lambda f: f.ename == "KeyboardInterrupt")
+        why = "a dead rank has no frames left to debug (heal replaces it: %makedip --heal, g.heal())" \
+            if first.died else "there is no exception to debug in it"
+        then = (f"; rank {raised[0].rank}'s code raised ({raised[0].ename}): {give.format(rank=raised[0].rank)}"
+                if raised else "; no other rank's code raised in it")
         raise LookupError(f"the last failure's root cause, rank {first.rank}, {first.kind} ({first.evalue}): "
-                          f"there is no exception to debug in it; give a rank whose code raised: {give}")
+                          f"{why}{then}")
     return first.rank

@@ -492,7 +492,7 @@ class Group:
 
     def _root_cause_rank(self) -> int:
         return _debugger.root_cause_rank(self.last_error, "no run or apply of this group has failed since it "
-                                         "started", "debug(rank=1)")
+                                         "started", "debug(rank={rank})")
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ from ..messages import loads, loads_framed
 from .collectives import CollectivePicture
 from . import debugger as _debugger
 
+# What frees a rank that did not stop when interrupted, each way named.
+WAYS_ON = ("%makedip --heal (g.heal()) frees ranks stuck in a broken collective, keeping every rank's "
+           "variables; %makedip -r (g.restart()) ends what they run")
 # After Ctrl-C, a timeout or a failure interrupts the ranks, how long they get to report back.
 INTERRUPT_GRACE_S = 5.0
 # After one rank raised, how long the others get to finish before they are interrupted: in DDP
@@ -33,6 +36,8 @@ INTERRUPT_GRACE_S = 5.0
 FAILURE_GRACE_S = 3.0
 # A death is final: the others are interrupted at once and the death is reported within this.
 DEATH_REPORT_S = 0.8
+# How many of a dead rank's last stderr lines its failure shows (as the runtime keeps: RankOutput).
+STDERR_TAIL_LINES = 20
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
 SLICE_S = 0.05
 # Debuggers that hold ranks stopped outside a prompt (JupyterLab's: ddip.kernel.dap), each with
@@ -266,8 +271,7 @@ class _Waiting:
                 r.error = RankFailure(
                     rank=r.rank, kind=FailureKind.STILL_RUNNING, at=time.monotonic(),
                     evalue=f"did not stop within {grace:g} s of being interrupted (waiting in C code, or in "
-                           f"a collective for a failed rank?); it stays busy until it finishes: g.restart() "
-                           f"(%makedip -r) ends it",
+                           f"a collective for a failed rank?); it stays busy until it finishes: {WAYS_ON}",
                     traceback=(["where it was:"] + r.stacks.splitlines()) if r.stacks else [])
         req.pending.clear()
         return stuck
@@ -279,7 +283,7 @@ def _raise_if_interrupted(rt, req: Request, stuck: set, timeout):
     picture = req.collectives.describe() if req.collectives is not None and req.collectives.known else ""
     picture = "\n" + picture if picture else ""
     if req.why == "ctrl-c":
-        still = f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy" if stuck else ""
+        still = f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy ({WAYS_ON})" if stuck else ""
         err = KeyboardInterrupt(f"interrupted rank(s) {ranks_text(rt, req.slots)}{still}{picture}")
         err.collectives = req.collectives
         err.results = [req.results[s] for s in req.slots]  # stuck ranks' .stacks: where they were
@@ -288,7 +292,7 @@ def _raise_if_interrupted(rt, req: Request, stuck: set, timeout):
         err = TimeoutError(f"the request did not finish within {timeout:g} s, so rank(s) "
                            f"{ranks_text(rt, req.slots)} were interrupted"
                            + (f"; rank(s) {ranks_text(rt, stuck)} did not stop and are still busy "
-                              f"(their stacks are in .results[i].stacks){picture}" if stuck else
+                              f"(their stacks are in .results[i].stacks; {WAYS_ON}){picture}" if stuck else
                               f"; they stopped after {time.monotonic() - req.started:.1f} s"))
         err.collectives = req.collectives
         err.results = [req.results[s] for s in req.slots]
@@ -382,6 +386,8 @@ def _handle(req: Request, item, cb: Callbacks):
         _finish(req, slot, cb)
     elif tag == "died":
         r.error = item[2]
+        # The lines it wrote while running this request: what led to its death, not earlier cells'.
+        r.error.stderr_tail = "\n".join("".join(r._parts[1]).splitlines()[-STDERR_TAIL_LINES:])
         req.died_at = req.died_at or time.monotonic()
         _finish(req, slot, cb)
     elif tag == "unresponsive":
@@ -402,9 +408,31 @@ def _finish(req: Request, slot: int, cb: Callbacks):
     r.finished_at = time.monotonic()
     if r.error is not None:
         r.error.at = r.finished_at
+        _name_the_interrupt(req, r.error)
         if r.error.kind is FailureKind.RAISED and req.failed_at is None:
             req.failed_at = r.finished_at  # the others may be waiting for it in a collective
     _call(req, cb, "on_done", r)
+
+
+def _name_the_interrupt(req: Request, error: RankFailure):
+    """A KeyboardInterrupt that ddip's own interrupt raised in a rank (after a death, a failure or
+    the timeout) says so, naming the cause: nobody pressed stop."""
+    if req.why not in ("death", "failure", "timeout") or error.kind is not FailureKind.RAISED \
+            or error.ename != "KeyboardInterrupt" or error.at < req.interrupted_at:
+        return
+    why = "the request's timeout ran out"
+    if req.why != "timeout":
+        first = root_cause_first([x.error for x in req.results.values()
+                                  if x.error is not None and x.error is not error])
+        if not first:
+            return
+        f = first[0]
+        how = f"died ({f.evalue})" if f.died else (
+            "stopped answering heartbeats" if f.kind is FailureKind.UNRESPONSIVE else f"raised {f.ename}")
+        why = f"rank {f.rank} {how}" + (" while this rank still ran" if req.why == "failure" else "")
+    old, error.evalue = error.evalue, f"interrupted by ddip because {why} (nobody pressed stop)"
+    if error.traceback and old and old in error.traceback[-1]:  # IPython's last line: "ename: evalue"
+        error.traceback[-1] = error.traceback[-1].replace(old, error.evalue)
 
 
 def _fill(result: RankResult, reply: dict):

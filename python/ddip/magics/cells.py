@@ -15,7 +15,7 @@ from ..kernel.group import Group
 from . import render
 from .data import push
 from .flags import cell_flags, parse, positive_seconds, rank_list, unquote, usage_error, without_comment
-from .lifecycle import RESTART
+from .lifecycle import HEAL, RESTART
 from .session import Session
 
 _WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
@@ -132,7 +132,7 @@ class CellMagics(Magics):
         except (RankError, GroupClosedError) as exc:  # refused before it was sent: nothing ran
             # A dead rank is named as a rank that dies while running a cell is.
             ename = exc.failures[0].ename if isinstance(exc, RankDeadError) else type(exc).__name__
-            raise render.CellError.of(ename, exc.describe(restart=RESTART)) from None
+            raise render.CellError.of(ename, exc.describe(restart=RESTART, heal=HEAL)) from None
         except RuntimeError as exc:  # anything else from the runtime: its message, not our frames
             raise render.CellError.of(type(exc).__name__, str(exc)) from None
         self.session.last_results = results

@@ -15,7 +15,7 @@ from ..errors import GroupClosedError, RankError, RemoteError
 from ..kernel.debugger import root_cause_rank
 from . import render
 from .flags import parse, rank_list, usage_error
-from .lifecycle import RESTART
+from .lifecycle import HEAL, RESTART
 from .session import Session
 
 
@@ -65,7 +65,7 @@ class DebugMagics(Magics):
         if error is None or not s.auto_debug or not s.running:
             return
         try:
-            rank = root_cause_rank(error, "", "%dipdebug -r N")
+            rank = root_cause_rank(error, "", "%dipdebug -r {rank}")
         except LookupError as exc:
             print(f"ddip: %dippdb: {exc}", file=sys.stderr)
             return
@@ -77,7 +77,7 @@ class DebugMagics(Magics):
     def _root_cause_rank(self) -> int:
         try:
             return root_cause_rank(self.session.last_error, "no %%dip cell has failed on the ranks yet",
-                                   "%dipdebug -r 1")
+                                   "%dipdebug -r {rank}")
         except LookupError as exc:
             raise UsageError(f"%dipdebug: {exc}") from None
 
@@ -91,4 +91,4 @@ class DebugMagics(Magics):
         except KeyboardInterrupt as exc:
             raise render.CellError.of("KeyboardInterrupt", str(exc) or "interrupted") from None
         except (RankError, GroupClosedError) as exc:  # busy, dead or stopped: nothing ran
-            raise render.CellError.of(type(exc).__name__, exc.describe(restart=RESTART)) from None
+            raise render.CellError.of(type(exc).__name__, exc.describe(restart=RESTART, heal=HEAL)) from None

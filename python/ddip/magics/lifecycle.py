@@ -22,6 +22,7 @@ from .flags import hosts_flags, parse, positive_seconds, rank_list, size_flags, 
 from .session import Session
 
 RESTART = "run %makedip -r"  # the notebook's way to do what the API's errors call restart()
+HEAL = "run %makedip --heal"  # ... and heal()
 GROUP_PATH = "get_ipython().magics_manager.registry['DipMagics'].group"
 
 
