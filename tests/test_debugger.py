@@ -273,10 +273,13 @@ def test_the_stop_button_at_a_post_mortem_prompt_keeps_the_exception_to_debug_ag
 
 def test_a_breakpoint_that_cannot_prompt_is_skipped_with_a_note_and_pythonbreakpoint_0_is_kept(kernel):
     # In a thread of the rank's own: nobody waits for its prompt, so it says so and goes on.
-    cell = kernel.run("%%dip\nimport threading\nt = threading.Thread(target=breakpoint)\nt.start()\nt.join()\n"
-                      "print('joined')")
+    cell = kernel.run("%%dip\nimport threading\nt = threading.Thread(target=breakpoint, name='work')\nt.start()\n"
+                      "t.join()\nprint('joined')")
     assert cell.ok and "joined" in cell.stream(), cell.outputs
-    assert "breakpoint() on rank 0 was skipped" in cell.stream("stderr"), cell.outputs
+    # The true reason: the cell runs, but the breakpoint is in another thread (row 9 of issue 33).
+    assert ("breakpoint() on rank 0 was skipped: it is in thread 'work', and only the thread that runs "
+            "the cell") in cell.stream("stderr"), cell.outputs
+    assert "no request is running" not in cell.stream("stderr")
     cell = kernel.run("%%dip\nimport os\nos.environ['PYTHONBREAKPOINT'] = '0'\ntry:\n    breakpoint()\n"
                       "finally:\n    del os.environ['PYTHONBREAKPOINT']\nprint('not stopped')")
     assert cell.ok and "not stopped" in cell.stream() and not cell.stream("stderr"), cell.outputs

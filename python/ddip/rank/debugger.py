@@ -18,6 +18,7 @@ import io
 import os
 import pdb
 import sys
+import threading
 from typing import Callable
 
 from IPython.core.debugger import Pdb
@@ -126,9 +127,14 @@ def set_trace(*, header=None, frame=None):
     """pdb.set_trace() in a rank: stops in the caller's frame with a prompt in the notebook."""
     if _ask is None or not _can_ask():
         rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"ddip: breakpoint() on rank {rank} was skipped: no request is running "
-                         f"whose caller can answer its prompt (only code a cell, run or apply "
-                         f"runs can stop)\n")
+        thread = threading.current_thread()
+        if thread is not threading.main_thread():  # a request may well be running: say the true reason
+            why = (f"it is in thread {thread.name!r}, and only the thread that runs the cell (or run / "
+                   f"apply) can prompt: a prompt for another thread is not supported yet")
+        else:
+            why = ("no request is running whose caller can answer its prompt (only code a cell, run or "
+                   "apply runs can stop)")
+        sys.stderr.write(f"ddip: breakpoint() on rank {rank} was skipped: {why}\n")
         return
     debugger = RankPdb(PromptRelay(_ask))
     if header is not None:
