@@ -37,14 +37,14 @@ TEST(CommandLine, TakesFlagsThenTheCommandWithItsOwnFlags) {
   EXPECT_EQ(o.nproc, 3);
   EXPECT_EQ(o.command, (Args{"python", "train.py", "-n", "7", "--lr", "0.1"}));
   EXPECT_TRUE(o.gpus.empty());
-  EXPECT_EQ(o.tee, "all");
+  EXPECT_EQ(o.show, "all");
   EXPECT_EQ(o.timeout_s, 0);
 }
 
 TEST(CommandLine, DoubleDashEndsTheFlags) {
   auto o = parse({"run", "--nproc-per-node=2", "--tee", "0", "--", "-weird", "--", "x"});
   EXPECT_EQ(o.nproc, 2);
-  EXPECT_EQ(o.tee, "0");
+  EXPECT_EQ(o.show, "0");
   EXPECT_EQ(o.command, (Args{"-weird", "--", "x"}));
 }
 
@@ -123,8 +123,8 @@ TEST(CommandLine, UnknownFlagIsAnErrorNotTheCommand) {
 }
 
 TEST(CommandLine, TeeValues) {
-  EXPECT_EQ(parse({"run", "--tee", "none", "true"}).tee, "none");
-  EXPECT_EQ(parse({"run", "--tee", "0,2", "true"}).tee, "0,2");
+  EXPECT_EQ(parse({"run", "--tee", "none", "true"}).show, "none");
+  EXPECT_EQ(parse({"run", "--tee", "0,2", "true"}).show, "0,2");
   EXPECT_NE(error_of({"run", "--tee", "some", "true"}).find("'some' is not a rank"),
             std::string::npos);
   EXPECT_NE(error_of({"run", "--tee", "-1", "true"}), "");
@@ -141,15 +141,15 @@ TEST(CommandLine, HelpIsAskedFor) {
 }
 
 TEST(TeeRanks, AllNoneAndLists) {
-  EXPECT_EQ(tee_ranks("all", 3), (std::vector<bool>{true, true, true}));
-  EXPECT_EQ(tee_ranks("none", 2), (std::vector<bool>{false, false}));
-  EXPECT_EQ(tee_ranks("0", 3), (std::vector<bool>{true, false, false}));
-  EXPECT_EQ(tee_ranks("2, 0", 3), (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(shown_ranks("all", 3), (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(shown_ranks("none", 2), (std::vector<bool>{false, false}));
+  EXPECT_EQ(shown_ranks("0", 3), (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(shown_ranks("2, 0", 3), (std::vector<bool>{true, false, true}));
 }
 
 TEST(TeeRanks, RankOutsideTheWorldIsAnError) {
   try {
-    tee_ranks("2", 2);
+    shown_ranks("2", 2);
     FAIL() << "no error";
   } catch (const CLI::ValidationError& e) {
     EXPECT_NE(std::string(e.what()).find("there is no rank 2: ranks are 0-1"), std::string::npos);

@@ -71,7 +71,7 @@ CLI::Option* CommandLine::add_rank_options() {
                    "--hosts node1,node2 the GPUs every host uses")
       ->type_name("LIST")
       ->excludes(n);
-  run_->add_option("--tee", opts_.tee,
+  run_->add_option("--tee", opts_.show,
                    "Ranks whose output reaches the terminal: all (default), none, or a comma "
                    "list of ranks such as 0")
       ->check(
@@ -141,6 +141,12 @@ void CommandLine::add_host_options(CLI::Option* n) {
                    "ssh gives up on a silent host after about as long. Default 30")
       ->type_name("SECONDS")
       ->check(CLI::Range(1.0, 86400.0));
+  // Added for run_join.hpp (issue 32 item 2): one ddip run per node.
+  run_->add_option("--key-file", opts_.key_file,
+                   "With one ddip run per node (--nnodes): a file holding a key every node "
+                   "shares (else the DDIP_RUN_KEY variable); the nodes' links then authenticate "
+                   "with it, and a node without it can't join")
+      ->type_name("FILE");
   run_->add_option("--master-addr", opts_.master_addr,
                    "MASTER_ADDR for every rank (default: 127.0.0.1 on one host; with --hosts, "
                    "rank 0's host: its name, or this machine's address towards the first other "
@@ -325,7 +331,7 @@ void CommandLine::read_node() {
   opts_.node = node_;
 }
 
-std::vector<bool> tee_ranks(const std::string& tee, int world_size) {
+std::vector<bool> shown_ranks(const std::string& tee, int world_size) {
   std::vector<bool> shown(static_cast<size_t>(world_size), tee == "all");
   if (tee == "all" || tee == "none") return shown;
   for (const auto& item : split_list(tee)) {

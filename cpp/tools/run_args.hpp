@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "ddip/plan.hpp"
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,11 +32,56 @@ struct NodeOptions {
   std::string run_id;   // TORCHELASTIC_RUN_ID, the same on every host
 };
 
+// torchrun's -r/--redirects and -t/--tee (torch's Std): which of a rank's streams go to its log
+// files, for every local rank ("3") or per local rank ("0:1,1:2"). 0 none, 1 stdout, 2 stderr,
+// 3 both.
+struct StdStreams {
+  int all = 0;
+  std::map<int, int> by_local_rank;  // given per rank: ranks not named get 0
+  bool per_rank = false;
+  int of(int local_rank) const {
+    if (!per_rank) return all;
+    auto it = by_local_rank.find(local_rank);
+    return it == by_local_rank.end() ? 0 : it->second;
+  }
+};
+
 struct RunOptions {
-  int nproc = 1;
+  int nproc = 1;  // ranks on this node: -n/--nproc-per-node N|cpu|gpu|auto, resolved
   std::vector<std::string> gpus;  // --gpus entries as given; empty when the flag is absent
-  std::string tee = "all";
+  // --show: the (global) ranks whose output reaches the terminal: all, none or a list.
+  std::string show = "all";
+  // --local-ranks-filter (torchrun's): local ranks shown on the terminal; empty: every one.
+  std::vector<int> local_ranks_filter;
+  StdStreams redirects, tee;  // -r/--redirects, -t/--tee (torchrun's meaning)
+  // --log-dir: torchrun's layout, DIR/<run id>_<suffix>/attempt_<n>/<local rank>/
+  // {stdout,stderr}.log and error.json. Without -r/-t, every stream is kept (as -t 3).
   std::string log_dir;
+
+  // torchrun's launch (torch/distributed/run.py), each also read from its PET_* variable (the
+  // command line wins), parsed as torch does. nnodes_max == 1 is one node, whatever the
+  // rendezvous; more is a launch across nodes (one ddip run per node).
+  int nnodes_min = 1, nnodes_max = 1;
+  int node_rank = -1;  // -1: not given (torch's default is 0)
+  // After parse(): --standalone, or a static rendezvous on one node without --master-port or
+  // --rdzv-endpoint, is torch's "c10d at localhost:0" with a random run id: rdzv_id is then "".
+  std::string rdzv_backend = "static";
+  std::string rdzv_endpoint;  // as given ("" none); rdzv_host()/rdzv_port() read it
+  std::string rdzv_id = "none";  // "": a random id (UUID 4) picked at launch
+  std::map<std::string, std::string> rdzv_conf;
+  bool standalone = false;
+  int max_restarts = 0;
+  double monitor_interval_s = 0.1;  // accepted; ddip run's event loop needs no polling
+  std::string start_method = "spawn";  // accepted; ranks are always fresh processes (exec)
+  std::string role = "default";
+  std::string local_addr;
+  // Forwarded to the ranks (TORCHELASTIC_SIGNALS_TO_HANDLE); torch's default.
+  std::vector<std::string> signals_to_handle = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"};
+  bool master_port_given = false;  // --master-port / PET_MASTER_PORT (torch's default: 29500)
+  // How COMMAND's first word is run (torchrun's -m, --no-python, --run-path, and ddip's rule:
+  // see run.md); `command` below is already the argv every rank runs.
+  bool module = false, no_python = false, run_path = false;
+  bool local_rank_arg = false;  // --local-rank-arg: torch.distributed.launch's --local-rank=N
   double timeout_s = 0;  // 0: no timeout
   bool die_with_parent = false;
   bool check = false;  // --check: check the command line and plan the launch; start nothing
@@ -44,8 +90,11 @@ struct RunOptions {
   std::string launcher = "ssh";
   std::string remote_ddip;  // --ddip: the ddip program on the hosts; empty: this one's path
   std::string master_addr;  // empty: chosen (127.0.0.1, or the address rank 0's host has)
-  int master_port = 0;      // 0: chosen
+  int master_port = 0;      // 0: chosen (see master_port_given)
   double link_timeout_s = 30;  // --link-timeout: how long a host may be silent, with --hosts
+  // --key-file (added for run_join.hpp, issue 32 item 2): the shared key that authenticates the
+  // links of a job formed from one ddip run per node; "" reads DDIP_RUN_KEY instead.
+  std::string key_file;
   std::vector<std::string> ship;  // --ship: files sent to every other host with the launch
   // Someone can answer a rank's debugger prompt (ddip run's stdin is a terminal or a pipe; on
   // another host, --node-prompts): each rank's stdin is then a pipe of its own that gets the
@@ -103,8 +152,8 @@ class CommandLine {
   void read_node();   // --node: this host's place in a launch across hosts
 };
 
-// Which ranks reach the terminal: "all", "none", or a comma list of ranks ("0", "0,2").
+// Which ranks reach the terminal (--show): "all", "none", or a comma list of ranks ("0", "0,2").
 // Throws CLI::ValidationError naming the bad entry.
-std::vector<bool> tee_ranks(const std::string& tee, int world_size);
+std::vector<bool> shown_ranks(const std::string& show, int world_size);
 
 }  // namespace ddip::run

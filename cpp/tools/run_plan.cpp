@@ -78,7 +78,8 @@ void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machi
     p.spec.argv = opts.command;
     p.spec.env = rank_environment(base, launch, r);
     add_elastic_environment(p.spec.env, elastic.run_id,
-                            elastic.errors ? elastic.errors->path(p.first_rank) : std::string());
+                            elastic.errors ? elastic.errors->path(p.first_rank) : std::string(),
+                            elastic.restart_count, elastic.max_restarts);
     // breakpoint() prompts through ddip run (run_prompts.hpp); a user's own choice stays.
     if (!lookup(p.spec.env, "PYTHONBREAKPOINT"))
       p.spec.env.push_back(std::string("PYTHONBREAKPOINT=") + kBreakpointHook);
@@ -128,7 +129,7 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
       std::to_string(first_rank) + "," + std::to_string(at.world_size) + "," + std::to_string(i) +
           "," + std::to_string(at.nhosts),
       "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", at.master_addr,
-      "--master-port", std::to_string(at.master_port), "--tee", opts.tee};
+      "--master-port", std::to_string(at.master_port), "--tee", opts.show};
   if (!m.cwd.empty()) cmd.insert(cmd.end(), {"--node-cwd", m.cwd});
   if (shipping) cmd.insert(cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
   if (opts.prompts) cmd.push_back("--node-prompts");
@@ -221,7 +222,7 @@ std::vector<UnitPlan> plan_units(const RunOptions& opts, const Machine& m, const
     launch.cpu_ranks = no_visible_gpu(m);
   }
   const int world = opts.node ? opts.node->world_size : opts.world_size();
-  const std::vector<bool> shown = tee_ranks(opts.tee, world);
+  const std::vector<bool> shown = shown_ranks(opts.show, world);
   std::vector<UnitPlan> plans;
   if (!opts.hosts.empty()) {
     add_hosts(plans, opts, m, world, shown, elastic, shipped);
