@@ -194,6 +194,9 @@ def test_dip_cell_heals_and_makedip_heal(tmp_path):
         assert "ValueError: bad batch on rank 1 at step 4" in tracebacks
         cell = k.run("%%dip --see all\nddp = DDP(model)\ntrain(2)\nsteps, dist.get_world_size()")
         assert cell.ok, cell.outputs
+        # Rank 0's heal note, once (in the healed cell, or as the next one's background output).
+        noted = err + strip_ansi(cell.stream("stderr"))
+        assert noted.count("this rank's process groups were aborted") == 1, noted
         assert re.findall(r"Out\[(\d):\d+\]: \(6, 2\)", "\n".join(cell.plain)) == ["0", "1"], cell.plain
         cell = k.run("%makedip --heal")
         assert cell.ok and re.search(r"healed in \d+\.\d\d s: .* all 2 ranks", cell.stream()), cell.outputs

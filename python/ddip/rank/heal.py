@@ -59,12 +59,16 @@ def release() -> bool:
     return True
 
 
-def abort_here():
+def abort_here() -> bool:
     """In a rank stuck in a collective that will never complete: fails its pending operations
     (gloo: its connections are closed; NCCL: its communicators aborted), so that the main thread
-    returns with an error. The process groups are gone afterwards; rejoin() makes a new one."""
+    returns with an error. The process groups are gone afterwards; rejoin() makes a new one.
+    Returns whether there was a default group to abort."""
     if "torch.distributed" not in sys.modules:
-        return
+        return False
+    import torch.distributed as dist
+
+    had = dist.is_available() and dist.is_initialized()
     # A DDP model (or FSDP, or a subgroup) still holds the group: destroying or even aborting it
     # leaves gloo's connections open and the peers waiting. Closing them is what frees the peers.
     torchdist.shutdown_sockets()
@@ -74,6 +78,7 @@ def abort_here():
         _abort_process_group()
     except Exception:  # none left, or an older torch: the closed connections did it
         pass
+    return had
 
 
 def listen_for_abort():
@@ -89,9 +94,11 @@ def listen_for_abort():
             except OSError:
                 return
             try:
-                abort_here()
-                print("ddip: this rank's process groups were aborted to free it from a broken "
-                      "collective (heal)", file=sys.stderr, flush=True)
+                # faulthandler writes its dump in many pieces, so one signal can wake this loop
+                # more than once: only the wake-up that found a group to abort says so.
+                if abort_here():
+                    print("ddip: this rank's process groups were aborted to free it from a broken "
+                          "collective (heal)", file=sys.stderr, flush=True)
             except Exception as exc:  # never kill the rank from here
                 print(f"ddip: aborting this rank's process groups failed: {exc}", file=sys.stderr, flush=True)
 
