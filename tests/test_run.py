@@ -899,6 +899,10 @@ def test_diprun_failure_fails_the_cell(kernel):
     assert "ValueError: bad batch" in err
     assert "rank 1 failed first: exit code 1" in err
     assert cell.reply["ename"] == "DipRunError"
+    # The cell fails with the message alone: no traceback of the magic's own frames (issue 33 row 16).
+    [shown] = cell.of_type("error")
+    assert "magics/run.py" not in "".join(shown["traceback"]) and "ddip run exited with code 1" in \
+        shown["traceback"][-1], shown
 
 
 def test_diprun_bad_flags(kernel):

@@ -36,8 +36,9 @@ from . import render
 from .flags import parse, size_flags, unquote, usage_error
 
 
-class DipRunError(RuntimeError):
-    """`ddip run` exited with a non-zero code; its report (which rank failed, how) is above."""
+class DipRunError(render.CellError):
+    """`ddip run` exited with a non-zero code; its report (which rank failed, how) is above. A
+    CellError: the cell fails showing the message, not this magic's frames."""
 
 
 @magics_class
@@ -85,10 +86,14 @@ class DipRunMagics(Magics):
             code = _stream([binary(), "run", "--die-with-parent", "--prompt-records", *command])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        # The ranks' own report is above (ddip run names the rank that failed first, and how); the
+        # cell fails without a traceback of this magic's frames.
         if code == "interrupted":
-            raise KeyboardInterrupt
+            raise render.CellError.of("KeyboardInterrupt", "interrupted: ddip run forwarded the stop to every "
+                                                           "rank (their report is above)")
         if code != 0:
-            raise DipRunError(f"ddip run exited with code {code}") from None
+            raise DipRunError.of("DipRunError", f"ddip run exited with code {code} (its report, above, "
+                                                     f"names the rank that failed first and how)")
 
 
 def _check(fn, command: list[str]):
@@ -101,7 +106,7 @@ def _check(fn, command: list[str]):
         raise usage_error(fn, check.stderr.strip())
     if check.returncode != 0:  # it could not plan (no free port, say): as a failed run says it
         sys.stderr.write(check.stderr)
-        raise DipRunError(f"ddip run exited with code {check.returncode}")
+        raise DipRunError.of("DipRunError", f"ddip run exited with code {check.returncode}")
 
 
 def _rank_env() -> dict:
