@@ -268,3 +268,27 @@ def test_one_splitter_keeps_each_line_end_and_labels_every_rank_alike():
         sys.stdout = saved
     assert lines == "[rank 2] x\n[rank 2] y\n"
     assert blocks == "[rank 0]\na\n[rank 1]\nb\nc\n[rank 0]\nd\n"
+
+
+def test_the_notebooks_own_print_is_one_line_whatever_a_rank_writes_between_its_pieces(monkeypatch):
+    """ranch: print() writes each argument by itself; a child's line that arrives between two of
+    them goes below the notebook's line, which stays whole (issue 33 row 15)."""
+    import io
+    import sys
+
+    from ddip.labels import LabelledOutput
+
+    dest = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", dest)
+    out = LabelledOutput()
+
+    class ChildSpeaks:  # print() turns it into text between writing "rank " and the rest
+        def __str__(self):
+            out(1, "stdout", "rank 1 got 30.0\n")
+            return "0"
+
+    with out:
+        print("rank", ChildSpeaks(), "got", 30.0)
+        print("no end", end="")  # an unfinished last line is written when the launch ends
+    assert dest.getvalue().splitlines() == ["[rank 1] rank 1 got 30.0", "rank 0 got 30.0", "no end"], \
+        dest.getvalue()

@@ -161,15 +161,25 @@ class LabelledOutput:
                                                  "drawn": ""})
 
     class _Own:
-        """This process's own stream while a LabelledOutput is entered: its text goes through it."""
+        """This process's own stream while a LabelledOutput is entered: its text goes through it,
+        a line at a time. print() writes each argument and separator by itself, so a line passed
+        on piece by piece could be cut by a rank's line arriving between two pieces (and its
+        rest shown below it, unlabelled): an unfinished line is kept until its end ('\n', '\r'),
+        or until flush() (print(..., flush=True), or the end of the launch)."""
 
         def __init__(self, out: "LabelledOutput", name: str, stream):
             self._out, self._name, self._stream = out, name, stream
+            self._partial = ""
 
         def write(self, text):
             if not isinstance(text, str):
                 return self._stream.write(text)
-            self._out.write("own", "", self._name, text, self._stream)
+            with self._out._lock:
+                pending = self._partial + text
+                cut = max(pending.rfind("\n"), pending.rfind("\r")) + 1
+                self._partial = pending[cut:]
+                if cut:
+                    self._out.write("own", "", self._name, pending[:cut], self._stream)
             return len(text)
 
         def writelines(self, lines):
@@ -177,6 +187,10 @@ class LabelledOutput:
                 self.write(text)
 
         def flush(self):
+            with self._out._lock:
+                partial, self._partial = self._partial, ""
+                if partial:
+                    self._out.write("own", "", self._name, partial, self._stream)
             self._stream.flush()
 
         def __getattr__(self, name):
@@ -192,5 +206,6 @@ class LabelledOutput:
         for name, stream in self._replaced.items():
             current = getattr(sys, name)
             if isinstance(current, LabelledOutput._Own) and current._out is self:
+                current.flush()  # an unfinished last line of the notebook's own
                 setattr(sys, name, stream)  # unless the user's code replaced it meanwhile
         self._replaced = {}
