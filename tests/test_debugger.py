@@ -370,3 +370,19 @@ def test_a_kernel_that_dies_while_ranks_wait_at_prompts_takes_them_along(tmp_pat
         k.km.signal_kernel(signal.SIGKILL)  # no clean-up code of the kernel runs
         # The ranks, paused at their prompts, go with it (the runtime's kernel-death handling).
         assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
+
+
+def test_a_ranch_breakpoint_prompts_on_rank_0_the_notebook_too(kernel):
+    """The notebook plays rank 0: its breakpoint() prompts as the child's does, labelled, one
+    prompt at a time (issue 33 row 8); not the kernel's own hook, which is silent outside
+    JupyterLab's debugger."""
+    answers = {"[rank 0] ipdb> ": ["p x * 2", "c"], "[rank 1] ipdb> ": ["p x * 2", "c"]}
+    cell = kernel.run_answering("import ddip, os\ndef fn2():\n    x = int(os.environ['RANK']) * 7 + 1\n"
+                                "    breakpoint()\n    return x\nprint('ranch', ddip.ranch(2, fn2))",
+                                lambda prompt: answers[prompt].pop(0), timeout=90)
+    assert cell.ok, (kernel.prompts, cell.outputs)
+    assert sorted(kernel.prompts) == ["[rank 0] ipdb> "] * 2 + ["[rank 1] ipdb> "] * 2, kernel.prompts
+    # One rank's session at a time: its two prompts come one after the other.
+    assert kernel.prompts[0] == kernel.prompts[1] and kernel.prompts[2] == kernel.prompts[3], kernel.prompts
+    out = strip_ansi(cell.stream())
+    assert "\n2\n" in "\n" + out and "[rank 1] 16" in out and "ranch [1, 8]" in out, out

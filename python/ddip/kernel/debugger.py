@@ -13,11 +13,16 @@ sessions are not interleaved.
 from __future__ import annotations
 
 import collections
+import os
 import sys
+import threading
 
 from ..labels import LabelledOutput, rank_label
 
 PROMPT = "ddip_prompt"  # the key of a rank's prompt among its display messages
+# One prompt at a time in this process: ranch's children are asked from its collecting thread
+# while the notebook's own rank may be at its own pdb prompt in the main thread.
+PROMPT_LOCK = threading.RLock()
 
 
 def prompt_of(msg) -> dict | None:
@@ -90,7 +95,8 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
         rt.answer(slot, req, {"stop": True})
         return
     try:
-        line = input(f"{rank_label(rank)} {prompt.get('prompt') or '(Pdb) '}")
+        with PROMPT_LOCK:
+            line = input(f"{rank_label(rank)} {prompt.get('prompt') or '(Pdb) '}")
     except EOFError:
         # Ctrl-D in a terminal is pdb's own end of input; a script's stdin at its end (< /dev/null,
         # a pipe that ran out) is nobody to ask: the rank goes on, as below, not into BdbQuit.
@@ -124,3 +130,45 @@ def root_cause_rank(error, nothing: str, give: str) -> int:
         raise LookupError(f"the last failure's root cause, rank {first.rank}, {first.kind} ({first.evalue}): "
                           f"{why}{then}")
     return first.rank
+
+
+def _can_ask_here() -> str | None:
+    """Why this process can't ask a prompt with input(), or None when it can: a Jupyter kernel
+    whose client allows input, or a terminal."""
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+    except ImportError:
+        kernel = None
+    if kernel is not None:
+        return None if getattr(kernel, "_allow_stdin", True) else \
+            "this frontend can't take input (a Jupyter client needs allow_stdin)"
+    return None if _a_terminal() else "this process's stdin is at its end (not a terminal)"
+
+
+def notebook_breakpointhook(rank: int):
+    """breakpoint() in the notebook while it plays rank `rank` of a launch (ranch): IPython's pdb
+    on the caller's frame, its prompt labelled with the rank (`[rank 0] ipdb> `) and asked as the
+    children's are, one prompt at a time; where nobody can answer, a note and the code goes on."""
+    from IPython.core.debugger import Pdb
+
+    class NotebookRankPdb(Pdb):
+        def __init__(self):
+            super().__init__()
+            self.prompt = f"{rank_label(rank)} ipdb> "
+
+        def interaction(self, frame, traceback):
+            with PROMPT_LOCK:  # a child's prompt waits until this session leaves its prompt
+                super().interaction(frame, traceback)
+
+    def hook(*args, **kwargs):
+        if os.environ.get("PYTHONBREAKPOINT") == "0":
+            return
+        why = _can_ask_here()
+        if why is not None:
+            _cannot_ask(rank, why)
+            return
+        NotebookRankPdb().set_trace(sys._getframe().f_back)
+
+    return hook

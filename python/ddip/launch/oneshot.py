@@ -27,6 +27,7 @@ from typing import Callable
 from .. import gpus as _gpus
 from ..errors import FailureKind, RankFailure, RemoteError, root_cause_first
 from ..hosts import placement as _hosts
+from ..kernel import debugger as _debugger
 from ..kernel.displays import RankDisplays, notebook_env
 from ..kernel.group import Group, free_port
 from ..labels import LabelledOutput
@@ -638,11 +639,15 @@ class _CallerRank:
         formatted traceback). own_env: the rank's environment, made before the children started."""
         self.env.enter(own_env or self.env.for_rank(self.rank, free_port()))
         self.process.as_launched()
+        # breakpoint() in fn prompts as the children's do ("[rank 0] ipdb> "), not the kernel's
+        # own hook (debugpy's, which stops only under JupyterLab's debugger, silently).
+        hook, sys.breakpointhook = sys.breakpointhook, _debugger.notebook_breakpointhook(self.rank)
         try:
             # The notebook's own text goes through `out` too: its lines and its children's never mix.
             with out:
                 return self._run()
         finally:
+            sys.breakpointhook = hook
             self.left()
 
     def left(self):
