@@ -166,6 +166,24 @@ def test_breakpoint_on_both_ranks_prompts_each_in_turn_and_continues(kernel):
     assert "after the breakpoint 3" in out and "after the breakpoint 13" in out, out
 
 
+def test_prompts_come_in_the_order_the_ranks_stopped_not_by_rank(kernel, tmp_path):
+    """Rank 1 stops first (rank 0 reaches its breakpoint only once rank 1's prompt was shown): its
+    prompt comes first, as debugging.md says (issue 33 row 14)."""
+    shown = tmp_path / "rank 1 prompted"
+    code = (f"%%dip --see all\nimport os, time\nx = int(os.environ['RANK'])\nif x == 0:\n"
+            f"    while not os.path.exists({str(shown)!r}): time.sleep(0.01)\nbreakpoint()\nprint('went on', x)")
+    left = {0: ["c"], 1: ["p x", "c"]}
+
+    def answer(prompt):
+        rank = int(PROMPT.match(prompt).group(1))
+        shown.touch()
+        return left[rank].pop(0)
+
+    cell = kernel.run_answering(code, answer)
+    assert cell.ok, (kernel.prompts, cell.outputs)
+    assert kernel.prompts == ["[rank 1] ipdb> "] * 2 + ["[rank 0] ipdb> "], kernel.prompts
+
+
 def test_a_rank_at_a_prompt_past_the_heartbeat_timeout_and_the_timeout_goes_on(kernel):
     setup = kernel.run("import ddip, pdb\ng = ddip.Group(n=1, backend=None, heartbeat_timeout=1.0)\n"
                        "def f(v):\n    w = v + 1\n    pdb.set_trace()\n    return w * 2")
