@@ -395,6 +395,7 @@ def test_a_ranch_breakpoint_prompts_on_rank_0_the_notebook_too(kernel):
     prompt at a time (issue 33 row 8); not the kernel's own hook, which is silent outside
     JupyterLab's debugger."""
     answers = {"[rank 0] ipdb> ": ["p x * 2", "c"], "[rank 1] ipdb> ": ["p x * 2", "c"]}
+    # The child's prompt shows fn's lines as the notebook has them, not "<dynamic-code>" alone.
     cell = kernel.run_answering("import ddip, os\ndef fn2():\n    x = int(os.environ['RANK']) * 7 + 1\n"
                                 "    breakpoint()\n    return x\nprint('ranch', ddip.ranch(2, fn2))",
                                 lambda prompt: answers[prompt].pop(0), timeout=90)
@@ -404,3 +405,4 @@ def test_a_ranch_breakpoint_prompts_on_rank_0_the_notebook_too(kernel):
     assert kernel.prompts[0] == kernel.prompts[1] and kernel.prompts[2] == kernel.prompts[3], kernel.prompts
     out = strip_ansi(cell.stream())
     assert "\n2\n" in "\n" + out and "[rank 1] 16" in out and "ranch [1, 8]" in out, out
+    assert re.search(r"\[rank 1\] -+> 5 +return x", out) and "dynamic-code" not in out, out

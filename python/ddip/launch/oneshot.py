@@ -34,6 +34,7 @@ from ..labels import LabelledOutput
 from ..messages import dumps
 from ..rank import torchdist
 from . import interrupts as _interrupts
+from . import sources as _sources
 from .interrupts import SigintGuard, drop_handler_frame
 from .notebook_env import NotebookRankEnv
 from .notebook_rank import NotebookRank
@@ -413,7 +414,8 @@ class _Launch:
                 # Listening before the children are told to connect: a child refused by a port
                 # not listening yet sleeps 250-750 ms (torch's connect backoff) before it retries.
                 self.store = _open_store(spec.ctx, own_env)
-        pending = self.group.apply_async(_rank_main, spec.fn, spec.args, spec.kwargs, spec.ctx)
+        pending = self.group.apply_async(_rank_main, spec.fn, spec.args, spec.kwargs, spec.ctx,
+                                         _sources.take(spec.fn))
         pending.on_failure = False  # failure() below stops the right ranks at the right time
         return pending, own_env
 
@@ -724,9 +726,11 @@ def _call(fn, args, kwargs, ctx, on_error, on_entered=None):
         raise
 
 
-def _rank_main(fn, args, kwargs, ctx):
+def _rank_main(fn, args, kwargs, ctx, sources=None):
     """What a child rank runs: fn in ctx, telling the launch at once when ctx is entered and
-    when something raised (its reply, or its death, reaches the launch by itself)."""
+    when something raised (its reply, or its death, reaches the launch by itself). `sources`:
+    the notebook's lines of fn's code (sources.take), for its debugger and tracebacks."""
     from ddip.rank.worker import notify
 
+    _sources.give(fn, sources or {})
     return _call(fn, args, kwargs, ctx, lambda: notify("failed"), lambda: notify("entered"))
