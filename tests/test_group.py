@@ -189,7 +189,8 @@ def test_a_dying_rank_is_named_with_its_cause_and_restart_recovers():
         f = e.value.failures[0]
         assert (f.rank, f.died, f.exit_code, f.evalue) == (1, True, 3, "exit code 3")
         assert "about to go" in f.stderr_tail and "about to go" in str(e.value)
-        with pytest.raises(RuntimeError, match=r"rank 1 is dead \(exit code 3\); call restart\(\)"):
+        with pytest.raises(RuntimeError, match=r"rank 1 is dead \(exit code 3\); call heal\(\) to replace it "
+                                                 r".* or call restart\(\)"):
             g.run("1")
         assert g.status()[1]["state"] == "dead"
         g.restart()
