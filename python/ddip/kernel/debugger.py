@@ -117,7 +117,7 @@ def root_cause_rank(error, nothing: str, give: str) -> int:
     from ..errors import FailureKind
 
     if error is None:
-        raise LookupError(f"nothing to debug: {nothing}; give the rank: {give.format(rank='N')}")
+        raise LookupError(f"nothing to debug: {nothing}; give the rank: {give.format(rank=1)}")
     first = error.failures[0]
     if first.kind is not FailureKind.RAISED:
         raised = [f for f in error.failures if f.kind is FailureKind.RAISED]
