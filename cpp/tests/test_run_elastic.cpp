@@ -61,6 +61,14 @@ TEST(RunElastic, TheVariablesTorchrunsAgentSets) {
   EXPECT_EQ(as_map(none).count("TORCHELASTIC_ERROR_FILE"), 0u);
 }
 
+TEST(RunElastic, AnAttemptAfterRestartsSaysHowMany) {
+  std::vector<std::string> env;
+  add_elastic_environment(env, "abc", "", 2, 3);
+  auto m = as_map(env);
+  EXPECT_EQ(m["TORCHELASTIC_RESTART_COUNT"], "2");
+  EXPECT_EQ(m["TORCHELASTIC_MAX_RESTARTS"], "3");
+}
+
 TEST(RunElastic, ErrorFilesLiveInAPrivateDirectoryThatGoesWithThem) {
   std::string dir;
   {

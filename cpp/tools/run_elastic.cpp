@@ -60,10 +60,10 @@ std::string new_run_id() {
 }
 
 void add_elastic_environment(std::vector<std::string>& env, const std::string& run_id,
-                             const std::string& error_file) {
+                             const std::string& error_file, int restart_count, int max_restarts) {
   env.push_back("TORCHELASTIC_RUN_ID=" + run_id);
-  env.push_back("TORCHELASTIC_RESTART_COUNT=0");
-  env.push_back("TORCHELASTIC_MAX_RESTARTS=0");
+  env.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(restart_count));
+  env.push_back("TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts));
   env.push_back("TORCHELASTIC_USE_AGENT_STORE=False");
   env.push_back("TORCHELASTIC_SIGNALS_TO_HANDLE=" + std::string(kSignalsToHandle));
   if (!error_file.empty()) env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);

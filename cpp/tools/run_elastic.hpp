@@ -22,11 +22,12 @@ inline constexpr std::string_view kSignalsToHandle = "SIGTERM,SIGINT,SIGHUP";
 std::string new_run_id();
 
 // torchrun's TORCHELASTIC_* variables, added to a rank's environment (rank_environment's, which
-// holds none): the run id, restart count 0 and max restarts 0 (ddip run never restarts),
+// holds none): the run id, the attempt's restart count and --max-restarts,
 // TORCHELASTIC_USE_AGENT_STORE=False (no agent serves a TCPStore: rank 0 hosts it, as without
 // torchrun), the signals ddip run forwards, and the rank's error file when there is one.
 void add_elastic_environment(std::vector<std::string>& env, const std::string& run_id,
-                             const std::string& error_file);
+                             const std::string& error_file, int restart_count = 0,
+                             int max_restarts = 0);
 
 // One launch's error files on this host, one per rank, in a private directory (0700) made under
 // $TMPDIR (else /tmp) and removed with everything in it when this goes.

@@ -50,6 +50,9 @@ struct Elastic {
   const ErrorFiles* errors = nullptr;
   // ddip's startup hook for the ranks (run_collectives.hpp), beside the error files; "": none.
   std::string hook_dir;
+  // TORCHELASTIC_RESTART_COUNT: this attempt's (--max-restarts; the job's host counts them
+  // across nodes), and TORCHELASTIC_MAX_RESTARTS. --log-dir's attempt_<n> is the same n.
+  int restart_count = 0, max_restarts = 0;
 };
 
 // The launch's units, in rank order: one per rank started here, one per other host. `shipped`:
