@@ -403,6 +403,99 @@ def test_a_rank_that_dies_in_torchs_exit_is_named_so(launcher, tmp_path):
     assert "died in torch's exit" not in err
 
 
+# Aborts in Python's teardown, after the script and every atexit handler have run, as torch does
+# when one of gloo's threads drops its tensors once Python has begun to shut down (an object of
+# __main__ is finalized then). `how` ends the script first.
+TEARDOWN_ABORT = """
+import os, sys
+
+
+class AbortsInTeardown:
+    def __del__(self):
+        os.write(2, b"terminate called without an active exception\\n")
+        os.abort()
+
+
+keep = AbortsInTeardown()
+print("work done", flush=True)
+how = sys.argv[1] if os.environ["RANK"] == "1" else "end"
+if how == "exit":
+    sys.exit(3)
+if how == "raise":
+    raise ValueError("bad batch")
+if how == "raise-systemexit":
+    raise SystemExit(4)
+if how == "crash":
+    os.abort()  # before the script's end: a crash
+"""
+
+
+@pytest.mark.parametrize("how,code", [("end", 0), ("exit", 3), ("raise", 1)])
+def test_an_abort_in_pythons_teardown_ends_the_rank_as_its_script_ended(launcher, tmp_path, how, code):
+    path = script(tmp_path, TEARDOWN_ABORT)
+    plain = subprocess.run([PY, path, how], env=dict(os.environ, RANK="1"), capture_output=True)
+    assert plain.returncode == -signal.SIGABRT  # as under torchrun: the process aborts
+    got, out, err = run(launcher, ["run", "-n", "2", PY, path, how])
+    assert got == code, err
+    assert by_rank(out)[1] == ["work done"]  # rank 0 may be stopped before it prints
+    if code == 0:
+        assert "ddip run:" not in err, err
+    else:
+        assert f"ddip run: rank 1 failed first: exit code {code}" in err
+        assert "SIGABRT" not in err
+    if how == "raise":
+        assert "  | ValueError: bad batch" in err
+
+
+def test_an_abort_in_pythons_teardown_under_python_m_ends_the_rank_as_its_module_ended(launcher, tmp_path):
+    (tmp_path / "teardown_abort.py").write_text(TEARDOWN_ABORT)
+    env = {"PYTHONPATH": str(tmp_path)}
+    got, out, err = run(launcher, ["run", "-n", "2", PY, "-m", "teardown_abort", "end"], env=env)
+    assert got == 0, err
+    # With -m, even `raise SystemExit(n)` is seen (runpy runs the module).
+    got, out, err = run(launcher, ["run", "-n", "2", PY, "-m", "teardown_abort", "raise-systemexit"], env=env)
+    assert got == 4, err
+    got, out, err = run(launcher, ["run", "-n", "2", PY, "-m", "teardown_abort", "raise"], env=env)
+    assert got == 1, err
+    # runpy's frames, as without ddip: none of the hook's.
+    assert "  |   File \"<frozen runpy>\", line" in err and "run_hook" not in err
+
+
+@pytest.mark.parametrize("how", ["crash", "raise-systemexit", "hook-off"])
+def test_an_abort_is_still_a_failure_where_the_script_had_not_ended_or_its_status_is_unknown(launcher, tmp_path, how):
+    # A crash before the end; `raise SystemExit(n)` in a script run as a file, whose n Python
+    # keeps to itself; a rank without ddip's hook.
+    path = script(tmp_path, TEARDOWN_ABORT)
+    env = {"DDIP_RUN_HOOK": "0"} if how == "hook-off" else {}
+    got, out, err = run(launcher, ["run", "-n", "2", PY, path, "end" if how == "hook-off" else how], env=env)
+    assert got == 128 + signal.SIGABRT, err
+    # Without the hook both ranks abort, and either may be first.
+    assert re.search(rf"^ddip run: rank {'[01]' if how == 'hook-off' else '1'} failed first: killed by SIGABRT$",
+                     err, re.M), err
+
+
+def test_a_ddp_script_always_exits_0(launcher, tmp_path):
+    # A real gloo DDP model: its threads can outlive destroy_process_group() and abort the rank
+    # in Python's teardown, more often on a loaded machine; the script's status is what counts.
+    path = script(tmp_path, """
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    dist.destroy_process_group()
+    print("done")
+    """)
+    for _ in range(4):
+        got, out, err = run(launcher, ["run", "-n", "2", PY, path], timeout=120)
+        assert got == 0, err
+        assert by_rank(out) == {0: ["done"], 1: ["done"]}
+
+
 def test_rank_that_ignores_sigterm_is_killed_after_the_grace(launcher, tmp_path):
     path = script(tmp_path, PIDS_THEN.format(body="""
     if r == 0:

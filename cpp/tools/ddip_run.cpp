@@ -360,6 +360,9 @@ void Launcher::on_exit(size_t u) {
   auto st = sup_.poll(u);
   if (!st) return;
   UnitEnd& un = ends_[u];
+  // An abort in Python's teardown after the script ended ends the rank as its script did.
+  if (!un.host && st->signal == SIGABRT)
+    if (auto script = script_status(errors_.dir(), sup_.child(u).pid())) st = ExitStatus{*script};
   un.status = st;
   prompts_.ended(u);
   loop_.unwatch(sup_.child(u).pidfd());

@@ -93,6 +93,18 @@ void add_hook_environment(std::vector<std::string>& env, const std::string& hook
     env.push_back(off + "1");
 }
 
+std::optional<int> script_status(const std::string& dir, pid_t pid) {
+  const std::string path = dir + "/ended." + std::to_string(pid);
+  std::ifstream in(path);
+  int status = -1;
+  if (!(in >> status)) return std::nullopt;
+  in.close();
+  std::error_code ec;
+  std::filesystem::remove(path, ec);  // a later process with the same id must not find it
+  if (status < 0 || status > 255) return std::nullopt;
+  return status;
+}
+
 bool answers_sigurg(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
   std::string line;

@@ -44,6 +44,16 @@ void add_hook_environment(std::vector<std::string>& env, const std::string& hook
 // answers SIGURG. False for any other process, and for one that is gone.
 bool answers_sigurg(pid_t pid);
 
+// How a rank's Python script ended, when the process `pid` then died of SIGABRT: torch can abort
+// a rank in Python's teardown, after its script has ended ("terminate called without an active
+// exception": one of gloo's threads drops its tensors once Python has begun to shut down). The
+// hook's last atexit handler, which runs before that teardown, writes the status Python is about
+// to exit with into `dir` (the launch's private directory, where the hook's own directory is),
+// in a file named by the process id; this reads it and removes the file. nullopt when there is
+// none: the process died before its script ended (a crash is a crash), it is not a Python rank
+// with the hook, or the hook could not tell (`raise SystemExit(n)` itself, `python -c`).
+std::optional<int> script_status(const std::string& dir, pid_t pid);
+
 // One request for every rank's state: who was asked, their answers, until each rank asked has
 // answered or the deadline has passed; then the text to show.
 class RankStates {

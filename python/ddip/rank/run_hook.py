@@ -50,8 +50,131 @@ def start(hook_dir: str) -> None:
     finally:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, old | {_signal.SIGURG})
     os.register_at_fork(after_in_child=lambda: _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGURG}))
+    _watch_end(os.path.dirname(os.path.abspath(hook_dir)))
     if os.environ.get("PYTHONBREAKPOINT") == _BREAKPOINT_HOOK:
         sys.meta_path.insert(0, _PatchPdb())
+
+
+# How the rank's script ended, for ddip run (cpp/tools/run_collectives.hpp, script_status): torch
+# can abort a process in Python's teardown after its script has ended (one of gloo's threads drops
+# tensors once Python has begun to shut down, and the C++ runtime aborts: "terminate called
+# without an active exception"). The last atexit handler, which runs once the script and every
+# other handler are done and before that teardown, writes the status Python is about to exit with
+# into the launch's private directory, in a file named by this process's id; ddip run reads it
+# only when the rank dies of SIGABRT. Python itself still exits as it always does (open files are
+# flushed, objects finalized): nothing is skipped, only the abort's status is read as the script's.
+_end_dir = None
+_main_thread = None
+_mode = None  # "file" (python script.py) or "module" (python -m): where Python says how it ended
+_exit_code = None  # the code of the last sys.exit(), exit() or quit() in the main thread
+_module_end = None  # with -m: how runpy's _run_module_as_main ended (None: KeyboardInterrupt)
+
+
+def _watch_end(end_dir: str) -> None:
+    import atexit
+
+    global _end_dir, _main_thread, _mode
+    _end_dir, _main_thread = end_dir, _thread.get_ident()
+    _mode = {"-c": None, "-m": "module", "": None}.get(sys.argv[0] if sys.argv else "", "file")
+    if _mode is None:
+        return  # python -c, or a prompt: nothing says how it ended
+    # Registered before the script runs, so it runs after every handler the script registers.
+    atexit.register(_write_end)
+    os.register_at_fork(after_in_child=_forget_end)
+    sys.exit = _exiting(sys.exit)
+    import builtins
+
+    for name in ("exit", "quit"):  # site's Quitter objects, which raise SystemExit themselves
+        if hasattr(builtins, name):
+            setattr(builtins, name, _exiting(getattr(builtins, name)))
+    if _mode == "module":
+        import runpy
+
+        runpy._run_module_as_main = _run_module(runpy._run_module_as_main)
+
+
+def _forget_end() -> None:
+    """A child forked without exec is not the rank: its end says nothing of the script's."""
+    global _end_dir
+    _end_dir = None
+
+
+def _code(code) -> int:
+    """The exit status Python makes of SystemExit(code)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1
+
+
+def _exiting(exit):
+    def exiting(*args, **kwargs):
+        global _exit_code
+        if _thread.get_ident() == _main_thread:
+            _exit_code = _code(args[0] if args else kwargs.get("status", kwargs.get("code")))
+        return exit(*args, **kwargs)
+
+    exiting.__wrapped__ = exit
+    exiting.__name__ = exiting.__qualname__ = getattr(exit, "__name__", "exit")
+    exiting.__doc__ = getattr(exit, "__doc__", None)
+    return exiting
+
+
+def _run_module(run):
+    def _run_module_as_main(*args, **kwargs):
+        global _module_end
+        try:
+            result = run(*args, **kwargs)
+        except SystemExit as exc:
+            _module_end = _code(exc.code)
+            exc.__traceback__ = exc.__traceback__.tb_next  # the report shows runpy's frames only
+            raise
+        except KeyboardInterrupt as exc:  # Python ends by SIGINT: nothing to say
+            exc.__traceback__ = exc.__traceback__.tb_next
+            raise
+        except BaseException as exc:
+            _module_end = 1
+            exc.__traceback__ = exc.__traceback__.tb_next
+            raise
+        _module_end = 0
+        return result
+
+    return _run_module_as_main
+
+
+def _script_status():
+    """The status Python exits with, where the rank can know it; None where it can't."""
+    if _mode == "module":
+        return _module_end
+    main = sys.modules.get("__main__")
+    if main is None:
+        return None
+    # Python deletes __main__.__file__ once the file has run to its end or to an exception it
+    # reported (setting sys.last_type); a SystemExit leaves it, as Python exits from inside.
+    if "__file__" not in vars(main):
+        last = getattr(sys, "last_type", None)
+        if last is None:
+            return 0
+        return None if issubclass(last, KeyboardInterrupt) else 1
+    # A SystemExit: its code when sys.exit(), exit() or quit() raised it; `raise SystemExit(n)`
+    # itself can't be seen.
+    return _exit_code
+
+
+def _write_end() -> None:
+    status = _script_status() if _end_dir else None
+    if status is None:
+        return
+    try:
+        path = os.path.join(_end_dir, f"ended.{os.getpid()}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, str(status).encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # ddip run then reads an abort as what it is
 
 
 def _leave_pythonpath(hook_dir: str) -> None:
