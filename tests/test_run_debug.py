@@ -245,7 +245,7 @@ def test_diprun_stop_button_at_a_prompt_ends_the_cell(kernel, tmp_path):
         return None  # left unanswered: the stop button instead
 
     cell = kernel.run_answering(diprun_cell(tmp_path), interrupt)
-    assert cell.reply["status"] == "error", cell.reply
+    assert cell.reply["status"] == "error" and cell.reply["ename"] == "KeyboardInterrupt", cell.reply
     assert "interrupted at the debugger's prompt" in ANSI.sub("", cell.stream("stderr"))
     # The cell shows a KeyboardInterrupt that says what happened, without the magic's frames, as a
     # %%dip cell does (issue 33 row 16).

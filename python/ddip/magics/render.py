@@ -4,6 +4,7 @@ shows its own, heal notes, the %dipstatus table and %dipstack's stacks, and %%di
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 import sys
@@ -33,12 +34,18 @@ class CellError(Exception):
 
     @classmethod
     def of(cls, ename: str, text: str, *more_lines) -> "CellError":
-        """One error shown as `ename` in red, then `text` and any further lines."""
-        return cls(text, [(ename, text, [header(ename), text, *more_lines])])
+        """One error shown as `ename` in red, then `text` and any further lines. Its class is
+        named `ename` too, so the kernel's execute reply names what the cell shows."""
+        return _named(cls, ename)(text, [(ename, text, [header(ename), text, *more_lines])])
 
     def show(self, shell):
         for ename, evalue, stb in self.entries:
             shell._showtraceback(type(ename, (Exception,), {}), evalue, stb)
+
+
+@functools.lru_cache(maxsize=None)
+def _named(cls: type, ename: str) -> type:
+    return cls if cls.__name__ == ename else type(ename, (cls,), {"__module__": cls.__module__})
 
 
 def show_cell_errors(shell):
