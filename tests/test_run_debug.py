@@ -246,7 +246,10 @@ def test_diprun_stop_button_at_a_prompt_ends_the_cell(kernel, tmp_path):
 
     cell = kernel.run_answering(diprun_cell(tmp_path), interrupt)
     assert cell.reply["status"] == "error" and cell.reply["ename"] == "KeyboardInterrupt", cell.reply
-    assert "interrupted at the debugger's prompt" in ANSI.sub("", cell.stream("stderr"))
+    err = ANSI.sub("", cell.stream("stderr"))
+    assert "interrupted at the debugger's prompt" in err
+    # The rank's traceback starts at the user's line and shows none of pdb's and ddip's frames under it.
+    assert "cell.py\", line" in err and not re.search(r"bdb\.py|pdb\.py|ddip/rank", err), err
     # The cell shows a KeyboardInterrupt that says what happened, without the magic's frames, as a
     # %%dip cell does (issue 33 row 16).
     [shown] = cell.of_type("error")

@@ -84,14 +84,49 @@ class _RunPdb(RankPdb):
     def interaction(self, frame, traceback):
         try:
             super().interaction(frame, traceback)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                exc.ddip_at_prompt = True  # _without_debugger_frames shows it from the user's line
             self._leaving.leave()
             raise
+
+
+def _debugger_files() -> set[str]:
+    import bdb
+    import pdb
+
+    from IPython.core import debugger as ipython_debugger
+
+    from . import debugger
+
+    return {os.path.abspath(m.__file__) for m in (bdb, pdb, ipython_debugger, debugger, sys.modules[__name__])}
+
+
+def _without_debugger_frames(previous):
+    """sys.excepthook: the stop button at a prompt ends the script with KeyboardInterrupt raised in
+    the debugger; its traceback shows the user's frames, not the five of pdb's and ddip's under
+    them (ddip run repeats the last lines of a rank's stderr in its report)."""
+    import traceback
+
+    def hook(etype, value, tb):
+        if not getattr(value, "ddip_at_prompt", False):
+            return previous(etype, value, tb)
+        shown = traceback.TracebackException(etype, value, tb)
+        files = _debugger_files()
+        shown.stack = traceback.StackSummary.from_list(
+            [f for f in shown.stack if os.path.abspath(f.filename) not in files])
+        sys.stderr.write("".join(shown.format()))
+        sys.stderr.flush()
+
+    return hook
 
 
 def set_trace(*, header=None, frame=None):
     """breakpoint() / PYTHONBREAKPOINT's hook: stops in the caller's frame (or `frame`: pdb.set_trace
     made this by ddip.rank.run_hook passes its caller's) with a prompt that ddip run shows."""
+    if not getattr(sys.excepthook, "ddip_run_debug", False):
+        sys.excepthook = _without_debugger_frames(sys.excepthook)
+        sys.excepthook.ddip_run_debug = True
     debugger = _RunPdb(PromptRelay(_ask))
     if header is not None:
         debugger.message(header)
