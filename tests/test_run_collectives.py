@@ -42,6 +42,8 @@ SKIPS = """
         print("rank 1 skips it", flush=True)
         time.sleep(600)  # rank 1 is here
 """
+# The same, where the all_reduce rank 1 skips is the group's first collective.
+FIRST = SKIPS.replace("    dist.all_reduce(t)\n    if rank", "    if rank")
 # Issued, and so in rank 0's flight recorder, before rank 0 says so: a Ctrl-C that follows the
 # line finds it there.
 ASYNC = dict(issue="work = dist.all_reduce(t, async_op=True)", wait="work.wait()")
@@ -73,18 +75,22 @@ def terminal():
         child.close(force=True)
 
 
-def check_picture(text: str, missing: int = 1, waiting: int = 0) -> None:
-    """The picture names `missing` as not having entered the all_reduce `waiting` waits in, and
-    each rank's stack follows it: the waiting one in the all_reduce, the missing one at the line
-    of the script where it is."""
+def check_picture(text: str, missing: int = 1, waiting: int = 0, first: bool = False) -> None:
+    """The picture names `missing` as not having entered the all_reduce `waiting` waits in (the
+    group's first collective, or its second), and where it is instead; each rank's stack follows
+    it: the waiting one in the all_reduce, the missing one at the line of the script where it is."""
     assert "ddip run: collectives (torch's flight recorder):\n" in text, text
+    line = 15 if first else 16  # rank.py's `time.sleep(600)  # rank 1 is here`
+    at = f"at rank.py:{line}, in time.sleep"
+    before = "it has run no collective in this group" if first else r"its last collective was all_reduce #(\d+)"
     m = re.search(rf"=> rank {missing} has not entered all_reduce #(\d+) \(float32\[4\]\), which "
-                  rf"rank {waiting} has waited in for [0-9.]+ s; its last collective was all_reduce #(\d+)\n", text)
+                  rf"rank {waiting} has waited in for [0-9.]+ s; {before}; it is {at}\n", text)
     assert m, text
     n = int(m.group(1))
-    assert int(m.group(2)) == n - 1
+    assert n == 1 if first else int(m.group(2)) == n - 1
     assert re.search(rf"  rank {waiting}: waiting [0-9.]+ s in all_reduce #{n} \(float32\[4\]\)", text), text
-    assert f"  rank {missing}: in no collective; last completed: all_reduce #{n - 1}\n" in text, text
+    done = "" if first else f"; last completed: all_reduce #{n - 1}"
+    assert f"  rank {missing}: in no collective{done}; {at}\n" in text, text
     stacks = text[m.end():]
     mine = re.search(rf"\[rank {missing}\]\n(.*?)(?=\n\[rank |\nddip run: |\Z)", stacks, re.S)
     theirs = re.search(rf"\[rank {waiting}\]\n(.*?)(?=\n\[rank |\nddip run: |\Z)", stacks, re.S)
@@ -95,12 +101,12 @@ def check_picture(text: str, missing: int = 1, waiting: int = 0) -> None:
 
 
 def test_timeout_prints_who_never_joined_the_all_reduce_then_each_ranks_stack(launcher, tmp_path):
-    # The issue's case: a plain all_reduce that rank 1 skips (10 s: two ranks import torch on two
-    # busy cores before they get there).
-    p = launcher(["run", "-n", "2", "--timeout", "10", PY, script(tmp_path, SKIPS.format(**PLAIN))])
+    # The issue's case: a plain all_reduce that rank 1 skips, the group's first (10 s: two ranks
+    # import torch on two busy cores before they get there).
+    p = launcher(["run", "-n", "2", "--timeout", "10", PY, script(tmp_path, FIRST.format(**PLAIN))])
     out, err = p.communicate(timeout=120)
     assert p.returncode == 124, err
-    check_picture(err)
+    check_picture(err, first=True)
     assert err.index("collectives (torch's flight recorder)") < err.index("timed out after 10 s"), err
     # Then exactly as before: the ranks stopped, the report.
     assert "  rank 1: killed by SIGTERM (stopped by ddip run)\n" in err
@@ -118,9 +124,9 @@ def _interrupted(t) -> str:
 
 
 def test_ctrl_c_prints_the_same_and_the_job_stops(terminal, tmp_path):
-    t = terminal(["run", "-n", "2", PY, script(tmp_path, SKIPS.format(**ASYNC))])
+    t = terminal(["run", "-n", "2", PY, script(tmp_path, FIRST.format(**ASYNC))])
     text = _interrupted(t)
-    check_picture(text)
+    check_picture(text, first=True)
     assert "forwarded SIGINT" in text, text  # then as before: the interrupt reaches the ranks
     t.close()
     assert t.exitstatus == 128 + 2, text

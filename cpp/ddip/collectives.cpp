@@ -17,6 +17,7 @@ using nlohmann::json;
 // One collective as a rank's snapshot lists it (python/ddip/rank/collectives.py's _entry()).
 struct Entry {
   std::int64_t seq = 0;
+  std::int64_t gen = 0;  // the recorder's process-group id: one per group made, a rebuild's anew
   bool p2p = false;
   std::string pg;
   std::string op;
@@ -26,12 +27,33 @@ struct Entry {
   std::int64_t created_ns = 0;
 };
 
+// A live process group as the rank sees it: its ranks, and how many collectives it has issued
+// (unknown for a backend that does not count them).
+struct GroupInfo {
+  std::vector<int> ranks;
+  std::optional<std::int64_t> issued;
+};
+
+// Where a rank's main thread is in the user's code (a cell, a script), as the rank read it.
+struct Where {
+  std::string file;
+  std::int64_t line = 0;
+  std::string function;
+  std::string call;  // the callee of the call it is in there, as written ("time.sleep"), or ""
+};
+
 struct Snapshot {
   std::optional<std::string> off;  // why this rank has no collectives to show
+  // A rank that is in no collective of any group: "left" (torch.distributed was shut down
+  // there) or "uninitialized".
+  std::optional<std::string> outside;
+  std::vector<std::string> last_words;  // a dead rank's last lines of stderr
+  std::optional<std::int64_t> since_ns;  // a dead rank: when the request it died in started
+  std::optional<Where> at;              // where it is in the user's code, if in it
   std::int64_t now_ns = 0;
   int world = 0;  // torch.distributed's world size, where the rank said
-  std::map<std::string, std::vector<int>> groups;  // process group -> its ranks
-  std::vector<Entry> entries;                      // oldest first
+  std::map<std::string, GroupInfo> groups;  // the rank's live process groups
+  std::vector<Entry> entries;               // the live groups' own, oldest first
 };
 
 // A field's value, or `fallback` where it is missing or null; a value of another type throws
@@ -42,25 +64,61 @@ T field(const json& j, const char* key, T fallback) {
   return it == j.end() || it->is_null() ? fallback : it->get<T>();
 }
 
-// Process group -> its ranks; a group whose ranks are not a list of numbers is left out (its
-// members are then the ranks that ran its collectives).
-std::map<std::string, std::vector<int>> parse_groups(const json& j) {
-  std::map<std::string, std::vector<int>> groups;
+bool rank_list(const json& ranks) {
+  return ranks.is_array() && std::all_of(ranks.begin(), ranks.end(), [](const json& r) {
+           return r.is_number_integer();
+         });
+}
+
+// Process group -> its ranks and issued count, from {"name": {"ranks": [...], "issued": N}} (or
+// {"name": [ranks]}); a group whose ranks are not a list of numbers is left out (its members are
+// then the ranks that ran its collectives).
+std::map<std::string, GroupInfo> parse_groups(const json& j) {
+  std::map<std::string, GroupInfo> groups;
   auto it = j.find("groups");
   if (it == j.end() || !it->is_object()) return groups;
-  for (const auto& [name, ranks] : it->items()) {
-    if (!ranks.is_array()) continue;
-    if (!std::all_of(ranks.begin(), ranks.end(),
-                     [](const json& r) { return r.is_number_integer(); }))
-      continue;
-    groups[name] = ranks.get<std::vector<int>>();
+  for (const auto& [name, g] : it->items()) {
+    GroupInfo info;
+    const json& ranks = g.is_object() ? g.value("ranks", json::array()) : g;
+    if (!rank_list(ranks)) continue;
+    info.ranks = ranks.get<std::vector<int>>();
+    if (g.is_object() && g.contains("issued") && g["issued"].is_number_integer())
+      info.issued = g["issued"].get<std::int64_t>();
+    groups[name] = std::move(info);
   }
   return groups;
+}
+
+// Only the records of the rank's live groups, each of its current generation. The recorder
+// outlives a group: one destroyed and made again under the same name (a heal, a framework's own
+// set-up) numbers from #1 again under a new id, and its older records are history, not a
+// collective in flight. A live group's newest id is its current one, unless it has issued
+// fewer collectives than those records number (none yet: every record is an older group's).
+// A group the rank no longer has (destroyed) is history too; a snapshot that lists no groups
+// keeps each group's newest generation.
+void keep_current(Snapshot& s) {
+  std::map<std::string, std::int64_t> newest;
+  for (const Entry& e : s.entries)
+    newest[e.pg] = std::max(newest.count(e.pg) ? newest[e.pg] : e.gen, e.gen);
+  std::map<std::string, bool> history;  // group -> its newest generation is history too
+  for (const auto& [pg, gen] : newest) {
+    auto g = s.groups.find(pg);
+    if (g == s.groups.end()) {
+      history[pg] = !s.groups.empty();
+      continue;
+    }
+    std::int64_t highest = 0;
+    for (const Entry& e : s.entries)
+      if (e.pg == pg && e.gen == gen && !e.p2p) highest = std::max(highest, e.seq);
+    history[pg] = g->second.issued && highest > *g->second.issued;
+  }
+  std::erase_if(s.entries, [&](const Entry& e) { return history[e.pg] || e.gen != newest[e.pg]; });
 }
 
 Entry parse_entry(const json& j) {
   Entry e;
   e.seq = field<std::int64_t>(j, "seq", 0);
+  e.gen = field<std::int64_t>(j, "gen", 0);
   e.p2p = field<bool>(j, "p2p", false);
   e.pg = field<std::string>(j, "pg", "");
   e.op = field<std::string>(j, "op", "?");
@@ -69,6 +127,17 @@ Entry parse_entry(const json& j) {
   e.done = field<bool>(j, "done", false);
   e.created_ns = field<std::int64_t>(j, "created_ns", 0);
   return e;
+}
+
+std::optional<Where> parse_where(const json& j) {
+  auto it = j.find("where");
+  if (it == j.end() || !it->is_object()) return std::nullopt;
+  Where w;
+  w.file = field<std::string>(*it, "file", "");
+  w.line = field<std::int64_t>(*it, "line", 0);
+  w.function = field<std::string>(*it, "function", "");
+  w.call = field<std::string>(*it, "call", "");
+  return w;
 }
 
 // A rank's snapshot, or one that is "off" saying why it could not be read.
@@ -80,6 +149,14 @@ Snapshot parse_snapshot(const std::string& text) {
       throw std::runtime_error("it is " + std::string(j.type_name()) + ", not an object");
     if (j.contains("off")) {
       s.off = j["off"].is_string() ? j["off"].get<std::string>() : j["off"].dump();
+      s.last_words = field<std::vector<std::string>>(j, "last_words", {});
+      if (j.contains("since_ns") && j["since_ns"].is_number_integer())
+        s.since_ns = j["since_ns"].get<std::int64_t>();
+      return s;
+    }
+    s.at = parse_where(j);
+    if (j.contains("outside")) {
+      s.outside = field<std::string>(j, "outside", "uninitialized");
       return s;
     }
     s.now_ns = field<std::int64_t>(j, "now_ns", 0);
@@ -87,6 +164,7 @@ Snapshot parse_snapshot(const std::string& text) {
     s.groups = parse_groups(j);
     for (const json& e : field<json>(j, "entries", json::array()))
       s.entries.push_back(parse_entry(e));
+    keep_current(s);
   } catch (const std::exception& e) {
     s = Snapshot{};
     s.off = std::string("its snapshot could not be read: ") + e.what();
@@ -144,6 +222,23 @@ std::string seconds(double s) {
   return buf;
 }
 
+// "at cell line 7, in time.sleep", "in step() at train.py:42": a line of a cell, or of a file
+// by its name, in a function unless at a cell's (or script's) top level, and the call there.
+std::string place(const Where& w) {
+  std::string line;
+  if (w.file.starts_with("<ipython-input-")) {
+    line = "cell line " + std::to_string(w.line);
+  } else {
+    auto slash = w.file.rfind('/');
+    line = (slash == std::string::npos ? w.file : w.file.substr(slash + 1)) + ":" +
+           std::to_string(w.line);
+  }
+  std::string text = w.function.empty() || w.function == "<module>"
+                         ? "at " + line
+                         : "in " + w.function + "() at " + line;
+  return w.call.empty() ? text : text + ", in " + w.call;
+}
+
 std::string ranks_text(const std::vector<int>& ranks) {
   if (ranks.size() == 1) return "rank " + std::to_string(ranks[0]);
   std::string out = "ranks ";
@@ -193,36 +288,52 @@ class GroupReading {
     return nullptr;
   }
 
+  // Whether the rank says it is in the group: the group's ranks list it, or (without a list) it
+  // ran the group's collectives. Before its first collective a rank has no record of the group,
+  // and its list is what makes it a member.
   bool in_group(int rank, const Snapshot& s) const {
     auto it = s.groups.find(pg_);
-    if (it != s.groups.end() && !it->second.empty())
-      return std::find(it->second.begin(), it->second.end(), rank) != it->second.end();
+    if (it != s.groups.end() && !it->second.ranks.empty())
+      return std::find(it->second.ranks.begin(), it->second.ranks.end(), rank) !=
+             it->second.ranks.end();
     return std::any_of(s.entries.begin(), s.entries.end(),
                        [&](const Entry& e) { return e.pg == pg_; });
   }
 
+  // The group's members: the ranks in it by their own word, and the ranks they list as the
+  // group's that are outside torch.distributed (left it, or never in it): those are in no
+  // collective, so surely not in the one the others wait in.
   void find_members() {
     for (const auto& [rank, s] : snapshots_)
-      if (!s.off && in_group(rank, s)) members_.push_back(rank);
+      if (!s.off && !s.outside && in_group(rank, s)) members_.push_back(rank);
+    expected_ = expected();
+    for (const auto& [rank, s] : snapshots_)
+      if (s.outside && expected_.count(rank)) members_.push_back(rank);
+    std::sort(members_.begin(), members_.end());
   }
 
-  // The group's ranks that gave no collectives (dead, not asked, no answer): the members know
-  // who belongs to the group (its ranks, or the world for the default group).
-  std::vector<int> find_unheard() const {
-    std::set<int> expected;
+  // Who belongs to the group by its members' word: its ranks, or the world for the default group.
+  std::set<int> expected() const {
+    std::set<int> out;
     for (int r : members_) {
       const Snapshot& s = snapshots_.at(r);
       auto it = s.groups.find(pg_);
-      if (it != s.groups.end() && !it->second.empty())
-        expected.insert(it->second.begin(), it->second.end());
+      if (it != s.groups.end() && !it->second.ranks.empty())
+        out.insert(it->second.ranks.begin(), it->second.ranks.end());
       else if (is_default_group(pg_))
-        for (int w = 0; w < s.world; ++w) expected.insert(w);
+        for (int w = 0; w < s.world; ++w) out.insert(w);
     }
+    return out;
+  }
+
+  // The group's ranks that gave no collectives (dead, not asked, no answer).
+  std::vector<int> find_unheard() const {
     std::vector<int> unheard;
-    for (int r : expected)
+    for (int r : expected_)
       if (std::find(members_.begin(), members_.end(), r) == members_.end()) unheard.push_back(r);
     return unheard;
   }
+
 
   std::string why_unheard(int rank) const {
     auto it = snapshots_.find(rank);
@@ -270,8 +381,11 @@ class GroupReading {
     std::vector<std::pair<std::string, std::vector<int>>> by_last;
     for (int r : absent_) {
       auto mine = entries(r);
-      std::string last =
-          mine.empty() ? "" : mine.back()->op + " #" + std::to_string(mine.back()->seq);
+      const auto& outside = snapshots_.at(r).outside;
+      std::string last = outside ? "\n" + *outside
+                         : mine.empty()
+                             ? ""
+                             : mine.back()->op + " #" + std::to_string(mine.back()->seq);
       auto it =
           std::find_if(by_last.begin(), by_last.end(), [&](auto& p) { return p.first == last; });
       if (it == by_last.end()) it = by_last.insert(by_last.end(), {last, {}});
@@ -286,9 +400,18 @@ class GroupReading {
                        call(*ref_) + where(pg_) + ", which " + ranks_text(waiters_) +
                        (waiters_.size() == 1 ? " has" : " have") + " waited in for " +
                        seconds(longest_) + " s";
-    if (!last.empty())
-      return text + "; " + (one ? "its" : "their") + " last collective was " + last;
-    return text + "; " + (one ? "it has" : "they have") + " run no collective in this group";
+    if (last == "\nleft")
+      text += std::string("; ") + (one ? "it has" : "they have") +
+              " left torch.distributed (destroy_process_group)";
+    else if (last.starts_with("\n"))
+      text += std::string("; torch.distributed is not initialized ") + (one ? "in it" : "in them");
+    else if (!last.empty())
+      text += std::string("; ") + (one ? "its" : "their") + " last collective was " + last;
+    else
+      text += std::string("; ") + (one ? "it has" : "they have") +
+              " run no collective in this group";
+    const auto& at = snapshots_.at(ranks[0]).at;
+    return one && at ? text + "; it is " + place(*at) : text;
   }
 
   void name_the_differing() {
@@ -327,6 +450,7 @@ class GroupReading {
   const std::map<int, Snapshot>& snapshots_;
   std::string pg_;
   std::vector<int> members_, waiters_, absent_, differ_;
+  std::set<int> expected_;
   const Entry* ref_ = nullptr;
   std::int64_t k_ = 0;
   double longest_ = 0;
@@ -337,6 +461,12 @@ std::string rank_line(
     const std::map<int, std::pair<std::string, std::pair<Entry, double>>>& waits) {
   std::string text = "rank " + std::to_string(rank) + ": ";
   if (s.off) return text + *s.off;
+  std::string at = s.at ? "; " + place(*s.at) : "";
+  if (s.outside)
+    return text +
+           (*s.outside == "left" ? "has left torch.distributed (destroy_process_group)"
+                                 : "torch.distributed is not initialized") +
+           at;
   auto w = waits.find(rank);
   if (w == waits.end()) {
     text += "in no collective";
@@ -348,7 +478,45 @@ std::string rank_line(
   for (const Entry& e : s.entries)
     if (e.done && !e.p2p) done = &e;
   if (done) text += "; last completed: " + done->op + " #" + std::to_string(done->seq);
+  if (w == waits.end()) text += at;  // not where the others wait: where it is instead
   return text;
+}
+
+// The last lines a dead rank wrote, as one: what killed it says why (gloo's EnforceNotMet names
+// the sizes that did not match).
+std::string last_words(const std::vector<std::string>& lines) {
+  std::vector<std::string> kept;
+  for (auto it = lines.rbegin(); it != lines.rend() && kept.size() < 2; ++it) {
+    std::string line = *it;
+    line.erase(0, line.find_first_not_of(" \t"));
+    line.erase(line.find_last_not_of(" \t\r\n") + 1);
+    if (!line.empty()) kept.insert(kept.begin(), line);
+  }
+  std::string out;
+  for (const std::string& line : kept) out += (out.empty() ? "" : " ") + line;
+  return out;
+}
+
+// A rank that died, read from the survivors' records and its own last words: where each
+// survivor was (its newest collective; one issued since the request it died in began, where the
+// kernel says when that was), then what the dead rank said. A rank-dependent shape or dtype ends
+// so under gloo: the rank that receives more than it expects aborts. "" when no survivor was in
+// a collective then.
+std::string dead_line(int rank, const Snapshot& dead, const std::map<int, Snapshot>& snapshots) {
+  std::string where_they_were;
+  for (const auto& [r, s] : snapshots) {
+    const Entry* newest = nullptr;
+    for (const Entry& e : s.entries)
+      if (!e.p2p && (!newest || e.created_ns >= newest->created_ns)) newest = &e;
+    if (newest && (!dead.since_ns || newest->created_ns >= *dead.since_ns))
+      where_they_were += "; rank " + std::to_string(r) + "'s last collective: " + call(*newest) +
+                         where(newest->pg);
+  }
+  if (where_they_were.empty()) return "";
+  std::string why = *dead.off;
+  if (why.starts_with("dead: ")) why.erase(0, 6);
+  return "rank " + std::to_string(rank) + " died (" + why + ")" + where_they_were + "; rank " +
+         std::to_string(rank) + "'s last words: " + last_words(dead.last_words);
 }
 
 }  // namespace
@@ -372,6 +540,10 @@ CollectivePicture::CollectivePicture(const std::map<int, std::string>& texts) {
     mismatched_.insert(g.mismatched.begin(), g.mismatched.end());
     findings_.insert(findings_.end(), g.findings.begin(), g.findings.end());
   }
+  for (const auto& [rank, s] : snapshots)
+    if (s.off && !s.last_words.empty())
+      if (std::string line = dead_line(rank, s, snapshots); !line.empty())
+        findings_.push_back(line);
   for (const auto& [r, w] : waits) {
     waiting_in_[r] = call(w.second.first) + where(w.first);
     waited_s_[r] = w.second.second;

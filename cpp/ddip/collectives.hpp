@@ -15,9 +15,13 @@ namespace ddip {
 class CollectivePicture {
  public:
   // rank -> that rank's snapshot, the JSON text of python/ddip/rank/collectives.py's snapshot():
-  // {"off": why} or {"rank","world","now_ns","groups","entries":[{seq,p2p,pg,op,sizes,dtypes,done,
-  // created_ns}]}. A text that does not parse counts as that rank's "off" (with the parser's
-  // reason).
+  // {"rank","world","now_ns","groups":{name:{"ranks","issued"}},"entries":[{seq,gen,p2p,pg,op,
+  // sizes,dtypes,done,created_ns}]}; {"outside": "left" | "uninitialized"} from a rank in no
+  // group, which is missing from any collective of a group whose other ranks list it; or
+  // {"off": why, "last_words": [a dead rank's last lines of stderr]} where nothing can be read.
+  // Only the records of each live group's current generation count: those of a group destroyed
+  // or made anew under the same name (a heal) are history. A text that does not parse counts as
+  // that rank's "off" (with the parser's reason).
   explicit CollectivePicture(const std::map<int, std::string>& snapshots);
 
   // Whether any rank had collectives to show.
@@ -27,7 +31,8 @@ class CollectivePicture {
   std::string describe() const;
   // One line per rank, in rank order: where it is among its collectives, or why it has none.
   std::vector<std::string> rank_lines() const { return rank_lines_; }
-  // Who has not entered the collective the others wait in, who disagrees about it.
+  // Who has not entered the collective the others wait in, who disagrees about it; a dead rank
+  // with its last words, after the survivors' last collective.
   const std::vector<std::string>& findings() const { return findings_; }
 
   // What the kernel's heal reads: ranks missing from the collective others wait in, ranks waiting

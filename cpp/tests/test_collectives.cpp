@@ -26,9 +26,11 @@ struct E {
   long long created_ns = 0;
   std::string pg = "0";
   bool p2p = false;
+  long long gen = 0;
 
   std::string json() const {
-    return R"({"seq": )" + std::to_string(seq) + R"(, "p2p": )" + (p2p ? "true" : "false") +
+    return R"({"seq": )" + std::to_string(seq) + R"(, "gen": )" + std::to_string(gen) +
+           R"(, "p2p": )" + (p2p ? "true" : "false") +
            R"(, "pg": ")" + pg + R"(", "op": ")" + op + R"(", "sizes": )" + sizes +
            R"(, "dtypes": )" + dtypes + R"(, "done": )" + (done ? "true" : "false") +
            R"(, "created_ns": )" + std::to_string(created_ns) + "}";
@@ -248,8 +250,8 @@ TEST(CollectivePicture, AnUnreadableSnapshotIsThatRanksOffWithTheParsersReason) 
 }
 
 TEST(CollectivePicture, AGroupRebuiltByAHealNumbersFromOneAgain) {
-  // The rank side (rank/collectives.py's _current) sends only the current generation of a group:
-  // after a heal, #1 again, done on both. Nothing is pending and nobody is named.
+  // After a heal, #1 again, done on both: the current generation of the group (the older one's
+  // records are left out: RecordsFromBeforeARebuildAreHistory). Nothing is pending.
   CollectivePicture p({{0, snapshot(0, {E{1}})}, {1, snapshot(1, {E{1}})}});
   EXPECT_EQ(p.findings(), Lines());
   EXPECT_EQ(p.waiting(), Ranks());
@@ -272,4 +274,139 @@ TEST(CollectivePicture, AClockBehindTheEntryCountsNoWait) {
       {{0, snapshot(0, {pending(1, 20 * kSecond)}, 12 * kSecond)}, {1, snapshot(1, {})}});
   EXPECT_EQ(p.waited_s().at(0), 0.0);
   EXPECT_EQ(p.rank_lines()[0], "rank 0: waiting 0.0 s in all_reduce #1 (float32[1024])");
+}
+
+namespace {
+
+// The groups a rank has now, as snapshot() lists them: the default group "0" of ranks 0 and 1,
+// which has issued `issued` collectives.
+std::string world_group(int issued) {
+  return R"({"0": {"ranks": [0, 1], "issued": )" + std::to_string(issued) + "}}";
+}
+
+E of_generation(E e, long long gen) {
+  e.gen = gen;
+  return e;
+}
+
+}  // namespace
+
+TEST(CollectivePicture, TheGroupsFirstCollectiveNamesTheRankWithNoRecordYet) {
+  // Rank 1 has run no collective at all: its group list still makes it a member, missing from #1.
+  CollectivePicture p(
+      {{0, snapshot(0, {pending(1, 3 * kSecond)}, 12 * kSecond, world_group(1))},
+       {1, snapshot(1, {}, 12 * kSecond, world_group(0))}});
+  EXPECT_EQ(p.missing(), Ranks({1}));
+  EXPECT_EQ(p.waiting(), Ranks({0}));
+  EXPECT_EQ(p.rank_lines(), Lines({"rank 0: waiting 9.0 s in all_reduce #1 (float32[1024])",
+                                   "rank 1: in no collective"}));
+  EXPECT_EQ(p.findings(), Lines({"rank 1 has not entered all_reduce #1 (float32[1024]), which rank "
+                                 "0 has waited in for 9.0 s; it has run no collective in this "
+                                 "group"}));
+}
+
+TEST(CollectivePicture, RecordsFromBeforeARebuildAreHistory) {
+  // Each heal made the default group anew (recorder ids 0, 1, 2); rank 1 has run nothing in the
+  // current one, so its records of #1 are an older group's, not a disagreement about #1.
+  E old_small = of_generation(E{1}, 0);
+  old_small.sizes = "[[4]]";
+  for (int heals = 1; heals <= 3; ++heals) {
+    std::vector<E> mine = {old_small}, theirs = {old_small};
+    for (int g = 1; g < heals; ++g) {
+      mine.push_back(of_generation(E{1}, g));
+      theirs.push_back(of_generation(E{1}, g));
+    }
+    mine.push_back(of_generation(pending(1, 2 * kSecond), heals));
+    CollectivePicture p({{0, snapshot(0, mine, 12 * kSecond, world_group(1))},
+                         {1, snapshot(1, theirs, 12 * kSecond, world_group(0))}});
+    EXPECT_EQ(p.mismatched(), Ranks()) << heals;
+    EXPECT_EQ(p.findings(),
+              Lines({"rank 1 has not entered all_reduce #1 (float32[1024]), which rank 0 has "
+                     "waited in for 10.0 s; it has run no collective in this group"}))
+        << heals;
+    EXPECT_EQ(p.rank_lines()[1], "rank 1: in no collective") << heals;
+  }
+  // A group the rank no longer has (destroyed) is history too, and so is a generation whose
+  // numbers run past what the live group has issued.
+  E sub = pending(1);
+  sub.pg = "5";
+  CollectivePicture gone({{0, snapshot(0, {sub, E{1}}, 12 * kSecond, world_group(1))}});
+  EXPECT_EQ(gone.waiting(), Ranks());
+  EXPECT_EQ(gone.rank_lines(), Lines({"rank 0: in no collective; last completed: all_reduce #1"}));
+  CollectivePicture ahead({{0, snapshot(0, {E{1}, pending(2)}, 12 * kSecond, world_group(0))}});
+  EXPECT_FALSE(ahead.known());
+}
+
+TEST(CollectivePicture, ARankThatLeftTorchDistributedIsMissingFromTheCollective) {
+  CollectivePicture p(
+      {{0, snapshot(0, {E{1}, pending(2, 7 * kSecond)}, 12 * kSecond, world_group(2))},
+       {1, R"({"outside": "left"})"}});
+  EXPECT_EQ(p.missing(), Ranks({1}));
+  EXPECT_EQ(p.rank_lines()[1], "rank 1: has left torch.distributed (destroy_process_group)");
+  EXPECT_EQ(p.findings(), Lines({"rank 1 has not entered all_reduce #2 (float32[1024]), which rank "
+                                 "0 has waited in for 5.0 s; it has left torch.distributed "
+                                 "(destroy_process_group)"}));
+  // A rank outside the group's ranks is not named.
+  CollectivePicture other({{0, snapshot(0, {pending(1)}, 12 * kSecond, world_group(1))},
+                           {2, R"({"outside": "uninitialized"})"}});
+  EXPECT_EQ(other.missing(), Ranks());
+  EXPECT_EQ(other.rank_lines()[1], "rank 2: torch.distributed is not initialized");
+}
+
+TEST(CollectivePicture, ADeadRanksLastWordsFollowTheSurvivorsRecord) {
+  // gloo aborts the rank that receives more than it expects (a rank-dependent shape): the
+  // survivor's record says what it gave, the dead rank's stderr what gloo found.
+  CollectivePicture p(
+      {{0, snapshot(0, {E{1, "all_reduce", "[[1024]]", R"(["Float"])", true, kSecond}},
+                    12 * kSecond, world_group(1))},
+       {1, R"({"off": "dead: killed by SIGABRT", "last_words": ["earlier output", )"
+           R"("terminate called after throwing an instance of 'gloo::EnforceNotMet'", )"
+           R"("  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. )"
+           R"(1024 vs 512.", ""]})"}});
+  EXPECT_EQ(p.findings(),
+            Lines({"rank 1 died (killed by SIGABRT); rank 0's last collective: all_reduce #1 "
+                   "(float32[1024]); rank 1's last words: terminate called after throwing an "
+                   "instance of 'gloo::EnforceNotMet' what():  [enforce fail at pair.cc:456] "
+                   "op.preamble.length <= op.nbytes. 1024 vs 512."}));
+  // Not when the survivor's last collective came before the request the rank died in.
+  CollectivePicture earlier(
+      {{0, snapshot(0, {E{1, "all_reduce", "[[1024]]", R"(["Float"])", true, kSecond}},
+                    12 * kSecond, world_group(1))},
+       {1, R"({"off": "dead: exit code 3", "since_ns": 5000000000, "last_words": ["bye"]})"}});
+  EXPECT_EQ(earlier.findings(), Lines());
+  // Where the survivor still waits for it, the dead rank's words follow the waiting line.
+  CollectivePicture waiting(
+      {{0, snapshot(0, {pending(1, 12 * kSecond)}, 12 * kSecond, world_group(1))},
+       {1, R"({"off": "dead: exit code 3", "last_words": ["bye"]})"}});
+  EXPECT_EQ(waiting.findings(),
+            Lines({"rank 0 has waited 0.0 s in all_reduce #1 (float32[1024]); the group's other "
+                   "rank could not say where it is: rank 1 (dead: exit code 3)",
+                   "rank 1 died (exit code 3); rank 0's last collective: all_reduce #1 "
+                   "(float32[1024]); rank 1's last words: bye"}));
+}
+
+TEST(CollectivePicture, ARankNotWhereTheOthersWaitIsLocated) {
+  std::string asleep = snapshot(1, {E{1}}, 12 * kSecond, world_group(1));
+  asleep.insert(asleep.size() - 1,
+                R"(, "where": {"file": "<ipython-input-3-ab12>", "line": 7, "function": )"
+                R"("<module>", "call": "time.sleep"})");
+  std::string waiting = snapshot(0, {E{1}, pending(2, 10 * kSecond)}, 12 * kSecond, world_group(2));
+  waiting.insert(waiting.size() - 1,
+                 R"(, "where": {"file": "<ipython-input-3-ab12>", "line": 3, "function": )"
+                 R"("<module>", "call": "dist.all_reduce"})");
+  CollectivePicture p({{0, waiting}, {1, asleep}});
+  EXPECT_EQ(p.rank_lines(),
+            Lines({"rank 0: waiting 2.0 s in all_reduce #2 (float32[1024]); last completed: "
+                   "all_reduce #1",
+                   "rank 1: in no collective; last completed: all_reduce #1; at cell line 7, in "
+                   "time.sleep"}));
+  EXPECT_EQ(p.findings(), Lines({"rank 1 has not entered all_reduce #2 (float32[1024]), which rank "
+                                 "0 has waited in for 2.0 s; its last collective was all_reduce "
+                                 "#1; it is at cell line 7, in time.sleep"}));
+  // In a script: its file's name and line, and the function where no call is known.
+  std::string script = snapshot(1, {E{1}}, 12 * kSecond, world_group(1));
+  script.insert(script.size() - 1,
+                R"(, "where": {"file": "/home/u/train.py", "line": 42, "function": "step"})");
+  EXPECT_EQ(CollectivePicture({{1, script}}).rank_lines()[0],
+            "rank 1: in no collective; last completed: all_reduce #1; in step() at train.py:42");
 }

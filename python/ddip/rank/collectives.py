@@ -7,9 +7,11 @@ set by the launch plan); torch keeps it, this only reads it."""
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import struct
 import sys
+import sysconfig
 import threading
 import time
 
@@ -18,17 +20,26 @@ KEEP_DONE = 3
 
 
 def snapshot() -> dict:
-    """This rank's collectives: {"rank", "now_ns", "groups": {name: ranks}, "entries": [...]},
-    or {"off": why} where there is nothing to read. Never imports torch itself."""
+    """This rank's collectives: {"rank", "world", "now_ns", "groups": {name: {"ranks", "issued"}},
+    "entries": [...]}, where "issued" is how many collectives the live group has issued, so the
+    runtime's picture tells its records from those of an earlier group of the same name (a heal, a
+    framework's own set-up); or {"outside": "left" | "uninitialized"} from a rank that is in no
+    collective of any group; or {"off": why} where there is nothing to read. Never imports torch
+    itself."""
+    at = where()  # first: the main thread goes on while the recorder is read
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return {"off": "torch.distributed is not initialized"}
+    if dist is None or not dist.is_available():
+        return {"outside": "uninitialized", "where": at}
     from torch._C._distributed_c10d import _dump_fr_trace_json
 
     raw = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
-    entries = _current([_entry(e) for e in raw.get("entries") or []])
+    entries = [_entry(e) for e in raw.get("entries") or []]
+    if not dist.is_initialized():
+        # The recorder outlives the groups: records there mean this rank had a group and left it.
+        return {"outside": "left" if entries else "uninitialized", "where": at}
     if not entries and os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")) == "0":
         return {"off": "torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0)"}
+    groups = _live_groups(dist)  # after the dump: a collective issued in between reads as issued
     kept, done_seen = [], {}
     for e in reversed(entries):  # newest first: the last completed ones of each group
         if e["done"]:
@@ -36,34 +47,73 @@ def snapshot() -> dict:
             if done_seen[e["pg"]] > KEEP_DONE:
                 continue
         kept.append(e)
-    groups = {}
-    for name, cfg in (raw.get("pg_config") or {}).items():
-        try:
-            groups[cfg.get("name", name)] = json.loads(cfg.get("ranks", "[]"))
-        except (ValueError, AttributeError):
-            pass
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "now_ns": time.time_ns(),
-            "groups": groups, "entries": kept[::-1]}
+            "groups": groups, "entries": kept[::-1], "where": at}
 
 
-def _current(entries: list[dict]) -> list[dict]:
-    """Only the current process groups' entries. The recorder outlives a group: one destroyed and
-    made again under the same name (a heal, a framework's own setup) numbers from 1 again, and its
-    older entries are another group's."""
-    last_seq: dict[tuple, int] = {}
-    start: dict[str, int] = {}  # group -> index of its current generation's first entry
-    for i, e in enumerate(entries):
-        key = (e["pg"], e["p2p"])
-        if key in last_seq and e["seq"] <= last_seq[key]:
-            start[e["pg"]] = i
-        last_seq[key] = e["seq"]
-    return [e for i, e in enumerate(entries) if i >= start.get(e["pg"], 0)]
+# Where code that is not the user's lives: ddip, IPython, the standard library, installed packages.
+_NOT_USERS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}
+                   | {os.path.realpath(p) + os.sep for p in (sysconfig.get_paths().get(k) for k in
+                                                             ("stdlib", "platstdlib", "purelib", "platlib")) if p})
+
+
+def where() -> dict | None:
+    """Where the main thread is in the user's code: the innermost frame that is the user's (a
+    cell, a script), its line, and the call it is in there ("time.sleep"), read from the source
+    the call's instruction spans. None when no user frame is on the stack (the rank is idle)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    try:
+        while frame is not None and not _users(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:
+            return None
+        return {"file": frame.f_code.co_filename, "line": frame.f_lineno,
+                "function": frame.f_code.co_name, "call": _call_at(frame)}
+    finally:
+        del frame
+
+
+def _users(filename: str) -> bool:
+    if filename.startswith("<"):
+        return filename.startswith("<ipython-input-")  # a cell; <string>, <frozen ...> are not
+    return not os.path.realpath(filename).startswith(_NOT_USERS)
+
+
+def _call_at(frame) -> str | None:
+    """The callee of the call the frame is in, as written: its instruction's span in the source,
+    up to the first "(" (CPython 3.11+; None before, or where the source is not at hand)."""
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is None or frame.f_lasti < 0:
+        return None
+    try:
+        line, end_line, col, end_col = list(positions())[frame.f_lasti // 2]
+    except (IndexError, ValueError):
+        return None
+    if line is None or line != end_line or col is None or end_col is None:
+        return None
+    text = linecache.getline(frame.f_code.co_filename, line, frame.f_globals)[col:end_col]
+    callee = text.split("(", 1)[0].strip()
+    return callee if "(" in text and callee.replace(".", "").replace("_", "").isalnum() else None
+
+
+def _live_groups(dist) -> dict:
+    """The process groups this rank is in now: name -> {"ranks": their global ranks, "issued": how
+    many collectives it has issued (None where its backend does not count them)}."""
+    world = dist.distributed_c10d._world
+    groups = {}
+    for pg, name in list(world.pg_names.items()):
+        try:
+            issued = pg._get_sequence_number_for_group()
+        except Exception:  # a backend without sequence numbers
+            issued = None
+        groups[str(name)] = {"ranks": sorted(world.pg_group_ranks.get(pg, {})), "issued": issued}
+    return groups
 
 
 def _entry(e: dict) -> dict:
     pg = e.get("process_group") or ["", ""]
     return {"seq": e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id"),
-            "p2p": bool(e.get("is_p2p")), "pg": pg[1] if len(pg) > 1 else str(pg[0]),
+            "p2p": bool(e.get("is_p2p")), "pg": str(pg[0]), "gen": e.get("pg_id") or 0,
             "op": str(e.get("profiling_name", "?")).split(":")[-1],
             "sizes": e.get("input_sizes") or [], "dtypes": e.get("input_dtypes") or [],
             # gloo retires an entry when its work completes; NCCL also says "completed"

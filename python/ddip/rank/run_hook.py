@@ -213,7 +213,7 @@ def _state(main_thread: int) -> str:
         # imports threading (collectives.py does) must not be imported first on this thread, or
         # threading takes it for the main thread and the rank's exit waits for it for ever.
         if "torch.distributed" not in sys.modules or "threading" not in sys.modules:
-            snapshot = {"off": "torch.distributed is not initialized"}
+            snapshot = {"outside": "uninitialized"}
         else:
             snapshot = _collectives().snapshot()
     except Exception as exc:  # a torch without the recorder's reader, say: ddip run is told
