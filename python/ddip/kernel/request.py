@@ -23,6 +23,7 @@ from typing import Callable
 from ..errors import (FailureKind, GroupClosedError, HealReport, RankFailure, RemoteError, root_cause_first,
                       unresponsive_cause)
 from ..messages import loads, loads_framed
+from .. import _core
 from .collectives import CollectivePicture
 from . import debugger as _debugger
 
@@ -40,6 +41,9 @@ DEATH_REPORT_S = 0.8
 STDERR_TAIL_LINES = 20
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
 SLICE_S = 0.05
+# How long the collective picture taken as ranks are interrupted (or one died) waits for their
+# answers: each rank's runtime thread answers at once unless C code holds the GIL.
+LOOK_S = 0.5
 # Debuggers that hold ranks stopped outside a prompt (JupyterLab's: ddip.kernel.dap), each with
 # paused_s(): the seconds ranks spent stopped there, which are the user's and which a request's
 # timeout does not count; and let_go(ranks), told before those ranks are interrupted.
@@ -107,7 +111,10 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
     (TimeoutError) and leave the request running. on_failure: interrupt the other ranks when one
     fails (False: the caller handles failures itself, as ranch does)."""
     waiting = _Waiting(group, req, cb, timeout if interrupt else None, stop_waiting_at, on_failure)
-    waiting.until_done()
+    try:
+        waiting.until_done()
+    finally:
+        waiting.forget_look()
     stuck = waiting.settle_stuck()
     for r in req.results.values():
         r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
@@ -129,10 +136,15 @@ class _Waiting:
         self.stop_waiting_at = stop_waiting_at
         self.on_failure = on_failure
         self.next_look = 0.0  # when to read the ranks' collectives again, after a rank raised
+        self.look = None  # (seq, slots) of the collectives asked and not all answered yet
         self.paused_from = _paused_s()
 
     def interrupt_pending(self, reason):
         req = self.req
+        if reason != "failure" and req.collectives is None:
+            # before the interrupt: where a rank that is not waiting is; for a death, what the
+            # survivors were in and what the dead rank said, where that is something to say
+            self.take_picture(only_findings=reason == "death")
         req.why, req.interrupted_at = reason, time.monotonic()
         for debugger in DEBUGGERS:
             debugger.let_go([self.rt.rank_ids[s] for s in req.pending])
@@ -198,6 +210,7 @@ class _Waiting:
         req, healer = self.req, self.healer
         wake = now + 0.25
         if req.died_at is not None and self.on_failure:
+            self.forget_look()
             self.interrupt_pending("death")  # final: the others can't finish without it
             return None
         if req.failed_at is not None and self.on_failure:
@@ -206,12 +219,16 @@ class _Waiting:
                     self.interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
                     return None
                 wake = min(wake, req.heal.started + healer.RELEASE_S)
-            elif now >= req.failed_at + FAILURE_GRACE_S or self._survivors_wait_for_the_failed(now):
+            elif self._survivors_wait_for_the_failed(now) or now >= req.failed_at + FAILURE_GRACE_S:
+                self.forget_look()
+                if req.collectives is None:
+                    self.take_picture(only_findings=True)  # what the heal is about, said with it
                 if not healer.begin(req):
                     self.interrupt_pending("failure")
                 return None
             else:
-                wake = min(wake, req.failed_at + FAILURE_GRACE_S, self.next_look)
+                wake = min(wake, req.failed_at + FAILURE_GRACE_S,
+                           now + SLICE_S if self.look is not None else self.next_look)
         if self.deadline is not None:
             deadline = self.deadline + _paused_s() - self.paused_from
             if now >= deadline:
@@ -220,22 +237,52 @@ class _Waiting:
             wake = min(wake, deadline)
         return wake
 
+    def take_picture(self, only_findings: bool = False):
+        """req.collectives: which collective each rank is in, and where a rank that is in none
+        is, read now (answers that take longer than LOOK_S are named as missing); only_findings:
+        only a picture that finds something. A second Ctrl-C meanwhile goes without it."""
+        rt, req = self.rt, self.req
+        if rt.coord is None:
+            return
+        try:
+            answers = rt.collectives(list(range(len(rt.rank_ids))), LOOK_S, SLICE_S,
+                                     time.time_ns() - int((time.monotonic() - req.started) * 1e9))
+        except KeyboardInterrupt:
+            return
+        picture = CollectivePicture({rt.rank_ids[s]: a for s, a in answers.items()})
+        if picture.findings or not only_findings:
+            req.collectives = picture
+
     def _survivors_wait_for_the_failed(self, now) -> bool:
         """Whether the ranks still running wait in a collective that a rank which raised never
-        entered (torch's flight recorder says so): heal now, not after FAILURE_GRACE_S."""
+        entered (torch's flight recorder says so): heal now, not after FAILURE_GRACE_S. Each
+        look waits for every rank's answer, however slowly it comes, while the wait goes on."""
         req, rt = self.req, self.rt
-        if now < self.next_look or rt.coord is None or not self.healer.healable():
+        if rt.coord is None or not self.healer.healable():
             return False
+        if self.look is None:
+            if now < self.next_look:
+                return False
+            self.look = rt.ask_start(_core.COLLECTIVES_REQUEST, list(range(len(rt.rank_ids))))
+        seq, live = self.look
+        if not rt.answered(seq, live):
+            return False
+        self.look = None
         self.next_look = now + 0.25
         failed = {rt.rank_ids[s] for s in req.slots if s not in req.pending
                   and req.results[s].error is not None and not req.results[s].error.died}
-        answers = rt.collectives(list(range(len(rt.rank_ids))), 0.5, SLICE_S)
+        answers = rt.collectives_of(list(range(len(rt.rank_ids))), rt.ask_end(seq), "did not answer")
         picture = CollectivePicture({rt.rank_ids[s]: a for s, a in answers.items()})
         running = {rt.rank_ids[s] for s in req.pending}
         if running and running <= set(picture.waiting) and failed & set(picture.missing):
             req.collectives = picture
             return True
         return False
+
+    def forget_look(self):
+        if self.look is not None:
+            self.rt.ask_end(self.look[0])
+            self.look = None
 
     def _stop_waiting(self, now, wake) -> float:
         """stop_waiting_at: past it, TimeoutError with the request left running."""
@@ -258,7 +305,7 @@ class _Waiting:
         if not stuck:
             return stuck
         stacks = rt.stacks(sorted(stuck), 2.0, SLICE_S) if rt.coord is not None else {}
-        if rt.coord is not None:  # which collective each rank is in: what keeps the stuck ones
+        if rt.coord is not None and req.collectives is None:  # what keeps the stuck ones
             answers = rt.collectives(list(range(len(rt.rank_ids))), 2.0, SLICE_S)
             req.collectives = CollectivePicture({rt.rank_ids[s]: a for s, a in answers.items()})
         grace = DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S

@@ -27,6 +27,8 @@ from .request import Request, close_fds
 # mailbox gets from them, by tag: ("output", slot, stream, data), ("done", slot, data, fds),
 # ("display" | "message", slot, data), ("truncated", slot); see request.py for the others.
 _REPLY_KINDS = frozenset(("done", "display", "message", "truncated"))
+# A dead rank's last lines of stderr that its collectives answer carries (CollectivePicture).
+LAST_WORDS = 4
 # How long an idle rank's output is kept for the next cell (per rank); older output is dropped.
 BACKGROUND_KEEP_BYTES = 64 * 1024
 
@@ -322,23 +324,29 @@ class Runtime:
             if s in self.exits:
                 out[s] = f"(rank {self.rank_ids[s]} is dead: {self.exits[s].evalue})"
             elif s in got:
-                out[s] = without_own_threads(got[s].decode(errors="replace"))
+                out[s] = with_own_frames_folded(without_own_threads(got[s].decode(errors="replace")))
             else:
                 out[s] = f"(rank {self.rank_ids[s]} did not answer within {timeout:g} s)"
         return out
 
-    def collectives(self, slots, timeout, slice_s: float) -> dict[int, dict | bytes]:
+    def collectives(self, slots, timeout, slice_s: float, since_ns: int | None = None) -> dict[int, dict | bytes]:
         """Each live slot's collectives as its flight recorder has them: rank/collectives.py's
         snapshot, its JSON as it came (the runtime's CollectivePicture reads it), or {"off": why}:
-        dead, not answering, no flight recorder there."""
-        got = self.ask(_core.COLLECTIVES_REQUEST, slots, timeout, slice_s)
+        dead, not answering, no flight recorder there. since_ns: the wall-clock start of the
+        request a rank died in (its death is read against the collectives issued since)."""
+        return self.collectives_of(slots, self.ask(_core.COLLECTIVES_REQUEST, slots, timeout, slice_s),
+                                   f"did not answer within {timeout:g} s", since_ns)
+
+    def collectives_of(self, slots, got: dict, silent: str, since_ns: int | None = None) -> dict[int, dict | bytes]:
+        """collectives()' answers from what `got` holds; `silent` says why a live slot has none."""
         out = {}
         for s in slots:
             if s in self.exits:
-                out[s] = {"off": f"dead: {self.exits[s].evalue}"}
+                # its last words say what killed it (gloo aborts a rank given the wrong size)
+                out[s] = {"off": f"dead: {self.exits[s].evalue}", "since_ns": since_ns,
+                          "last_words": self.exits[s].stderr_tail.splitlines()[-LAST_WORDS:]}
             elif s not in got:
-                out[s] = {"off": f"did not answer within {timeout:g} s (the runtime's Python thread "
-                                 f"is held: code that keeps the GIL in C)"}
+                out[s] = {"off": f"{silent} (the runtime's Python thread is held: code that keeps the GIL in C)"}
             else:
                 out[s] = got[s] or {"off": "not a rank with torch.distributed"}
         return out
@@ -346,29 +354,40 @@ class Runtime:
     def ask(self, request_kind: int, slots, timeout, slice_s: float) -> dict[int, bytes]:
         """Sends `request_kind` to each live slot and waits up to `timeout` for their answers,
         which their runtime thread gives even while their code runs; slot -> answer."""
+        seq, live = self.ask_start(request_kind, slots)
+        try:
+            deadline = time.monotonic() + timeout
+            while not self.answered(seq, live):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.pump(min(left, slice_s))
+        finally:
+            got = self.ask_end(seq)
+        return got
+
+    def ask_start(self, request_kind: int, slots) -> tuple[int, list[int]]:
+        """ask() without the wait: (its sequence number, the live slots asked). Whoever pumps
+        files the answers as they come; answered() says when all are in, ask_end() takes them."""
         with self.mu:
             self.seq += 1
             seq = self.seq
             self.answers[seq] = {}
             coord = self.coord
         live = [s for s in slots if s not in self.exits]
-        try:
-            if live and coord is not None:
-                coord.send(live, request_kind, seq, b"")
-            deadline = time.monotonic() + timeout
-            while True:
-                with self.mu:
-                    got = self.answers.get(seq, {})
-                    if all(s in got for s in live) or self.coord is None:
-                        break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.pump(min(left, slice_s))
-        finally:
-            with self.mu:
-                got = self.answers.pop(seq, {})
-        return got
+        if live and coord is not None:
+            coord.send(live, request_kind, seq, b"")
+        return seq, live
+
+    def answered(self, seq: int, live) -> bool:
+        """Whether every slot of `live` answered ask `seq` (or died meanwhile, or the group closed)."""
+        with self.mu:
+            got = self.answers.get(seq, {})
+            return self.coord is None or all(s in got or s in self.exits for s in live)
+
+    def ask_end(self, seq: int) -> dict[int, bytes]:
+        with self.mu:
+            return self.answers.pop(seq, {})
 
     def detach(self):
         """Marks every rank closed and tells the requests still running; returns the
@@ -408,3 +427,33 @@ def without_own_threads(dump: str) -> str:
     if hidden:
         text = text.rstrip("\n") + f"\n({hidden} of ddip's own threads not shown)\n"
     return text
+
+
+_IPYTHON = os.sep + "IPython" + os.sep
+
+
+def _runner_frame(line: str) -> bool:
+    """A stack line of what runs the user's code, not of the code itself: ddip's worker and rank
+    template (and the `<string>` that starts them), IPython's run_cell."""
+    line = line.strip()
+    if not line.startswith('File "') or line.count('"') < 2:
+        return False
+    path = line.split('"')[1]
+    return path.startswith(_PACKAGE) or _IPYTHON in path or path == "<string>"
+
+
+def with_own_frames_folded(dump: str) -> str:
+    """A stack dump whose runs of frames of ddip and IPython (the worker loop, run_cell: a dozen
+    lines under every cell) are one line each, so the user's own frames stand out."""
+    out, run = [], 0
+    for line in dump.split("\n"):
+        if _runner_frame(line):
+            run += 1
+            continue
+        if run:
+            out.append(f"  ({run} frames of ddip and IPython)")
+            run = 0
+        out.append(line)
+    if run:
+        out.append(f"  ({run} frames of ddip and IPython)")
+    return "\n".join(out)

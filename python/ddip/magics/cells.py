@@ -119,9 +119,10 @@ class CellMagics(Magics):
             # Group.run has already interrupted every rank and waited for them; no need for a
             # traceback of our own frames. (Raised again as a CellError so the cell counts as failed.)
             # A Ctrl-C that lands while we write output escapes Group.run before it interrupts
-            # the ranks; make sure none is left running the cell.
+            # the ranks (its own KeyboardInterrupt carries the results): make sure none is left
+            # running the cell. Ranks Group.run already gave its grace to are not waited for twice.
             busy = [r["rank"] for r in group.status() if r["state"] == "busy"]
-            if busy:
+            if busy and getattr(exc, "results", None) is None:
                 group.interrupt(busy)
                 _until_stopped(group, busy)
             raise render.CellError.of("KeyboardInterrupt", str(exc) or "interrupted",
