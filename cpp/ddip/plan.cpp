@@ -520,7 +520,7 @@ std::vector<std::string> rank_environment(const std::vector<std::string>& base,
       {"GROUP_WORLD_SIZE", std::to_string(launch.group_world_size)},
       {"ROLE_RANK", r},
       {"ROLE_WORLD_SIZE", world},
-      {"ROLE_NAME", "default"},
+      {"ROLE_NAME", launch.role},
       {"MASTER_ADDR", launch.master_addr},
       {"MASTER_PORT", std::to_string(launch.master_port)},
   };

@@ -136,6 +136,7 @@ struct LaunchEnv {
   // CPU rank as a world of its own.
   bool cpu_ranks = false;
   int cores = 0;  // this host's CPUs for the thread rule; 0: leave OMP_NUM_THREADS to the host
+  std::string role = "default";  // ROLE_NAME (torchrun's --role)
   int local_size() const { return local_world_size ? local_world_size : world_size; }
 };
 

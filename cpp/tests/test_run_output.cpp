@@ -63,22 +63,33 @@ TEST(RunOutput, RanksHostsTeeAndLogs) {
   std::vector<std::pair<size_t, std::string>> records;
   LabelledStreams streams(loop, terminal, "ddip run",
                       {[&](size_t u, std::string_view line) { records.emplace_back(u, line); }, nullptr});
-  size_t r0 = streams.add_rank(0, true), r1 = streams.add_rank(1, false), h = streams.add_host();
-  auto dir = std::filesystem::temp_directory_path() / ("ddip-test-run-output-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  streams.open_logs(dir.string());
-  FakeProcess p0, p1, ph;
+  // Rank 1 is not shown (--show), rank 2's stdout goes to its log only (-r 0:0,1:0,2:1 -t 0:3,1:3).
+  auto logs = std::filesystem::temp_directory_path() / ("ddip-test-run-output-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(logs);
+  const std::string job = make_job_log_dir(logs.string(), "myjob");
+  // torchrun's layout: <dir>/<run id>_<8 random characters>/attempt_<n>/<local rank>/.
+  ASSERT_EQ(job.rfind((logs / "myjob_").string(), 0), 0u) << job;
+  EXPECT_EQ(job.size(), (logs / "myjob_").string().size() + 8);
+  EXPECT_NE(make_job_log_dir(logs.string(), "myjob"), job);
+  const auto dir = std::filesystem::path(job) / "attempt_2";
+  auto at = [&](int r) { return (dir / std::to_string(r)).string(); };
+  size_t r0 = streams.add_rank(0, true, {3, 3, at(0)}), r1 = streams.add_rank(1, false, {3, 3, at(1)}),
+         r2 = streams.add_rank(2, true, {2, 1, at(2)}), h = streams.add_host();
+  streams.open_logs();
+  FakeProcess p0, p1, p2, ph;
   streams.attach(r0, std::move(p0.out.read), std::move(p0.err.read));
   streams.attach(r1, std::move(p1.out.read), std::move(p1.err.read));
+  streams.attach(r2, std::move(p2.out.read), std::move(p2.err.read));
   streams.attach(h, std::move(ph.out.read), std::move(ph.err.read));
 
   ddip::test::write_fd(p0.out.write.get(), "hello\npart");
   ddip::test::write_fd(p0.err.write.get(), "oops 1\noops 2\n");
-  ddip::test::write_fd(p1.out.write.get(), "hidden by --tee\n");
+  ddip::test::write_fd(p1.out.write.get(), "hidden by --show\n");
+  ddip::test::write_fd(p2.out.write.get(), "redirected\n");
   ddip::test::write_fd(ph.out.write.get(), "[4] from node2\n");
   std::string record = ddip::run::protocol::encode(ddip::run::protocol::Report{ddip::run::protocol::NodeDone{{{4, "exit code 0"}}}});
   ddip::test::write_fd(ph.err.write.get(), "ssh: warning\n[4] its stderr\r" + record + "[4] after\n");
-  for (auto* p : {&p0, &p1, &ph}) {
+  for (auto* p : {&p0, &p1, &p2, &ph}) {
     p->out.write.reset();
     p->err.write.reset();
   }
@@ -100,12 +111,14 @@ TEST(RunOutput, RanksHostsTeeAndLogs) {
   EXPECT_EQ(streams.launcher_tail(h), (std::vector<std::string>{"ssh: warning"}));
   streams.note(h, "host node2 sent a malformed record");
   EXPECT_EQ(streams.launcher_tail(h).back(), "host node2 sent a malformed record");
-  // Logs hold what each rank wrote, unlabelled, --tee or not; a host keeps its own.
-  EXPECT_EQ(file_text(dir / "rank0.stdout"), "hello\npart");
-  EXPECT_EQ(file_text(dir / "rank0.stderr"), "oops 1\noops 2\n");
-  EXPECT_EQ(file_text(dir / "rank1.stdout"), "hidden by --tee\n");
-  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 4);
-  std::filesystem::remove_all(dir);
+  // Logs hold what each rank wrote, unlabelled, shown or not; a host keeps its own.
+  EXPECT_EQ(file_text(dir / "0" / "stdout.log"), "hello\npart");
+  EXPECT_EQ(file_text(dir / "0" / "stderr.log"), "oops 1\noops 2\n");
+  EXPECT_EQ(file_text(dir / "1" / "stdout.log"), "hidden by --show\n");
+  EXPECT_EQ(file_text(dir / "2" / "stdout.log"), "redirected\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "2" / "stderr.log"));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), {}), 3);
+  std::filesystem::remove_all(logs);
 }
 
 TEST(RunOutput, ATerminalThatGoesAwayIsSaidOnceAndWrittenNoMore) {

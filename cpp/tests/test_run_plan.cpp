@@ -76,10 +76,10 @@ TEST(RunPlan, RanksHereGetTorchrunsEnvironmentOnTopOfThisOne) {
   }
 }
 
-TEST(RunPlan, EachRankGetsItsErrorFileAndTeeChoosesWhoIsShown) {
+TEST(RunPlan, EachRankGetsItsErrorFileAndShowChoosesWhoIsShown) {
   ErrorFiles errors;
   Elastic elastic{"run-2", &errors, ""};
-  auto units = plan_units(parse({"run", "-n", "3", "--tee", "1", "--master-addr", "10.1.1.1",
+  auto units = plan_units(parse({"run", "-n", "3", "--show", "1", "--master-addr", "10.1.1.1",
                                  "--master-port", "1234", "true"}),
                           machine(), elastic, "");
   ASSERT_EQ(units.size(), 3u);
@@ -172,8 +172,61 @@ TEST(RunPlan, AnotherHostGetsItsLauncherRunningDdipRunThereWithItsPlace) {
   EXPECT_EQ(after(node, "--env"), (Args{"A=1"}));
   EXPECT_EQ(after(node, "-n"), (Args{"2"}));
   EXPECT_EQ(after(node, "--log-dir"), (Args{"/work/logs"}));
+  EXPECT_EQ(after(node, "--show"), (Args{"all"}));
+  EXPECT_EQ(after(node, "--tee"), (Args{"0"}));
+  EXPECT_EQ(after(node, "--redirects"), (Args{"0"}));
+  EXPECT_EQ(after(node, "--role"), (Args{"default"}));
   Args tail(node.end() - 3, node.end());
   EXPECT_EQ(tail, (Args{"--", "python", "t.py"}));
+}
+
+// torchrun's options on one node (issue 32): the plan is where they take effect.
+TEST(RunPlan, TorchrunsRedirectsTeeAndLocalRanksFilter) {
+  Elastic elastic{"job", nullptr, "", 1, 3};
+  auto o = parse({"run", "-n", "3", "-r", "0:1,2:3", "-t", "0:2", "--local-ranks-filter", "0,2",
+                  "true"});
+  o.log_job_dir = "/logs/job_abcdefgh";
+  auto units = plan_units(o, machine(), elastic, "");
+  ASSERT_EQ(units.size(), 3u);
+  // Redirected streams reach the files only, teed ones both; rank 1 is filtered out.
+  EXPECT_EQ((std::vector<bool>{units[0].shown, units[1].shown, units[2].shown}),
+            (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(units[0].streams.to_file, 3);
+  EXPECT_EQ(units[0].streams.to_console, 2);
+  EXPECT_EQ(units[1].streams.to_file, 0);
+  EXPECT_EQ(units[1].streams.to_console, 3);
+  EXPECT_EQ(units[2].streams.to_file, 3);
+  EXPECT_EQ(units[2].streams.to_console, 0);
+  // The attempt's directory, torchrun's layout.
+  EXPECT_EQ(units[2].streams.dir, "/logs/job_abcdefgh/attempt_1/2");
+  // --log-dir alone keeps every stream (-t 3); nothing asked, no directory.
+  o = parse({"run", "-n", "2", "--log-dir", "L", "true"});
+  o.log_job_dir = "L/x";
+  units = plan_units(o, machine(), elastic, "");
+  EXPECT_EQ(units[1].streams.to_file, 3);
+  EXPECT_EQ(units[1].streams.to_console, 3);
+  units = plan_units(parse({"run", "-n", "2", "true"}), machine(), elastic, "");
+  EXPECT_EQ(units[1].streams.to_file, 0);
+  EXPECT_EQ(units[1].streams.dir, "");
+}
+
+TEST(RunPlan, RoleAndTorchDistributedLaunchsLocalRankArgument) {
+  auto units = plan_units(parse({"run", "-n", "2", "--role", "trainer", "--local-rank-arg",
+                                 "--no-python", "true", "x"}),
+                          machine(), Elastic{"j", nullptr, ""}, "");
+  EXPECT_EQ(var(units[1], "ROLE_NAME"), "trainer");
+  EXPECT_EQ(units[0].spec.argv, (Args{"true", "--local-rank=0", "x"}));
+  EXPECT_EQ(units[1].spec.argv, (Args{"true", "--local-rank=1", "x"}));
+}
+
+TEST(RunPlan, AnotherHostGetsTheCommandAsGivenToRunWithItsOwnPython) {
+  auto units = plan_units(parse({"run", "--hosts", "node1:1", "-m", "pkg.train", "--",
+                                 "--depth=24"}),
+                          machine(), Elastic{"j", nullptr, ""}, "");
+  // ssh: one shell command line.
+  const std::string& line = units[0].spec.argv.back();
+  EXPECT_NE(line.find(" --module -- pkg.train --depth=24"), std::string::npos) << line;
+  EXPECT_EQ(line.find("python"), std::string::npos) << line;
 }
 
 TEST(RunPlan, HostsWithGpusPassTheirListAndRank0ElsewhereDrawsARemotePort) {

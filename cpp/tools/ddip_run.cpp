@@ -163,7 +163,7 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
     if (p.host)
       streams_.add_host();
     else
-      streams_.add_rank(p.first_rank, p.shown);
+      streams_.add_rank(p.first_rank, p.shown, p.streams);
   }
   // --timeout stands still while a prompt waits for its line.
   prompts_.on_asking([this](bool asking) { policy_.paused(asking, Clock::now()); });
@@ -485,7 +485,7 @@ int Launcher::run() {
     prompts_.open(Fd(check(::fcntl(0, F_DUPFD_CLOEXEC, 3), "fcntl", "keeping stdin for prompts")));
   Fd null(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));
   check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
-  if (!opts_.log_dir.empty()) streams_.open_logs(opts_.log_dir);
+  streams_.open_logs();
   start_units();
   if (!no_channel.empty()) policy_.link_lost(no_channel, Clock::now());
 
@@ -606,8 +606,18 @@ int main(int argc, char** argv) {
   ShippedFiles shipped;
   if (opts.node && opts.node->files > 0 && !receive_shipped(opts, shipped, prog)) return 1;
   std::optional<ErrorFiles> errors;
-  Elastic elastic{opts.node ? opts.node->run_id : new_run_id(), nullptr, ""};
+  // torchrun's TORCHELASTIC_RUN_ID: --rdzv-id, or a random one (parse() left it "").
+  Elastic elastic{opts.node           ? opts.node->run_id
+                  : opts.rdzv_id.empty() ? new_run_id()
+                                         : opts.rdzv_id,
+                  nullptr, ""};
   if (!opts.check && !make_error_files(errors, elastic, prog)) return 1;
+  try {
+    if (!opts.check) opts.log_job_dir = make_log_job_dir(opts, elastic.run_id, prog);
+  } catch (const std::exception& e) {
+    std::cerr << prog << ": " << e.what() << "\n";
+    return 1;
+  }
   if (errors) add_startup_hook(elastic, *errors, prog);
   std::string shipping;
   if (!opts.node && !opts.ship.empty()) {

@@ -57,6 +57,9 @@ struct RunOptions {
   // --log-dir: torchrun's layout, DIR/<run id>_<suffix>/attempt_<n>/<local rank>/
   // {stdout,stderr}.log and error.json. Without -r/-t, every stream is kept (as -t 3).
   std::string log_dir;
+  // Not an option: made at launch (run_plan's make_log_job_dir), --log-dir's DIR/<run id>_<random>
+  // or torchrun's temporary one; "": no log files.
+  std::string log_job_dir;
 
   // torchrun's launch (torch/distributed/run.py), each also read from its PET_* variable (the
   // command line wins), parsed as torch does. nnodes_max == 1 is one node, whatever the
@@ -81,7 +84,12 @@ struct RunOptions {
   // How COMMAND's first word is run (torchrun's -m, --no-python, --run-path, and ddip's rule:
   // see run.md); `command` below is already the argv every rank runs.
   bool module = false, no_python = false, run_path = false;
-  bool local_rank_arg = false;  // --local-rank-arg: torch.distributed.launch's --local-rank=N
+  // COMMAND as given (torchrun's "--" taken out), before the interpreter: what another host's
+  // ddip run is given, to run with its own interpreter.
+  std::vector<std::string> given_command;
+  // --local-rank-arg (torch.distributed.launch without --use-env): each rank's argv gets
+  // "--local-rank=<local rank>" inserted at this index of `command`; -1: not.
+  int local_rank_arg_at = -1;
   double timeout_s = 0;  // 0: no timeout
   bool die_with_parent = false;
   bool check = false;  // --check: check the command line and plan the launch; start nothing
@@ -116,6 +124,19 @@ struct RunOptions {
   }
 };
 
+// torch's parse_rendezvous_endpoint: HOST[:PORT] or [IPv6][:PORT]; "" is localhost. Throws
+// std::invalid_argument naming what is wrong.
+struct Endpoint {
+  std::string host;
+  int port = 0;
+};
+Endpoint parse_endpoint(const std::string& endpoint, int default_port = 29400);
+
+// The interpreter torchrun's "python" is here (run.md): $PYTHON_EXEC (as torch reads it), else
+// `fallback` (python -m ddip's own sys.executable), else the python3 (or python) beside this
+// ddip program, in the environment it is installed in, else python3 on PATH.
+std::string python_interpreter(const std::string& fallback = "");
+
 // The `ddip` program's command line: `ddip run`.
 class CommandLine {
  public:
@@ -132,24 +153,63 @@ class CommandLine {
   int exit(const CLI::Error& e);
 
  private:
+  // One option as the command line (or its PET_* variable) gave it: its value, where it came
+  // (a position on the command line; 0 for PET_*, so those problems are named first), as spelled.
+  struct Given {
+    std::string value;
+    size_t pos = 0;
+    std::string spelled;
+  };
+  // A problem with the command line, where it was: every one is named, in order.
+  struct Problem {
+    size_t pos;
+    std::string text;
+  };
+  // Declares an option: `names` as CLI11 takes them (every spelling), `pet` its PET_* variable
+  // ("" none), `flag` when it takes no value. For --help, and what scan() looks names up in.
+  CLI::Option* option(const std::string& names, const std::string& help, const std::string& pet,
+                      bool flag = false);
+  void add_rank_options();
+  void add_output_options();
+  void add_torchrun_options();
+  void add_host_options();
+  void add_program_options();
+
+  // parse()'s steps, in order. scan(): args after "run" split into options and COMMAND.
+  void scan(const std::vector<std::string>& args);
+  void read_pet();     // PET_* for what the command line did not give
+  void read_ranks();   // -n/--nproc-per-node, --gpus
+  void read_output();  // --show, --local-ranks-filter, -r, -t, --log-dir, --timeout
+  void read_torchrun();  // nnodes, node rank, rendezvous, restarts, signals, master
+  void read_command();   // -m, --no-python, --run-path, the interpreter, --check's lookups
+  void read_env();       // --env: NAME alone takes its value here
+  void read_hosts();     // --hosts, --gpus across hosts, and --launcher for each other host
+  void read_node();      // --node: this host's place in a launch across hosts
+  void not_yet();        // what ddip run does not do yet, named
+
+  const Given* given(const std::string& name) const;  // by its first long name
+  bool has(const std::string& name) const { return given(name) != nullptr; }
+  bool flag(const std::string& name) const;  // a flag given (PET_*: a non-zero number)
+  void problem(const std::string& name, const std::string& text);  // about option `name`
+  void problem_at(size_t pos, std::string text) { problems_.push_back({pos, std::move(text)}); }
+
   CLI::App app_;
   CLI::App* run_ = nullptr;
   RunOptions opts_;
-  std::string gpus_, hosts_, node_spec_;
-  std::vector<std::string> env_;
+  std::map<std::string, std::string> help_values_;  // what CLI11 binds the options to (unused)
+  std::map<std::string, bool> help_flags_;
+  std::map<std::string, std::string> pet_;  // option (first long name) -> its PET_* variable
+  std::map<std::string, std::string> key_of_;  // every spelling ("-n", "--nproc_per_node") -> key
+  std::map<std::string, bool> is_flag_;        // key -> takes no value
+  std::map<std::string, Given> given_;      // option -> the value that counts (the last)
+  std::map<std::string, std::vector<Given>> repeated_;  // --env, --ship: every one
+  std::vector<std::string> command_;  // COMMAND as given
+  bool dashdash_ = false;             // "--" ended the options (torchrun drops one "--")
+  size_t command_pos_ = 0;
+  std::vector<Problem> problems_;
+  bool check_ = false;
+  std::vector<std::string> command_doc_;  // COMMAND is declared for --help only
   NodeOptions node_;
-  std::vector<std::string> command_doc_;  // COMMAND is declared for --help only; see parse()
-  // The flags, by what they are about: the ranks (returns -n, which --hosts excludes), the hosts,
-  // and ddip run itself (with the hidden ones one ddip run gives another, and COMMAND).
-  CLI::Option* add_rank_options();
-  void add_host_options(CLI::Option* n);
-  void add_program_options();
-  // parse()'s steps. `args` without COMMAND, in CLI11's order; COMMAND into `command`.
-  std::vector<std::string> split_command(const std::vector<std::string>& args,
-                                         std::vector<std::string>& command) const;
-  void read_env();    // --env: NAME alone takes its value here
-  void read_hosts();  // --hosts, --gpus across hosts, and --launcher for each other host
-  void read_node();   // --node: this host's place in a launch across hosts
 };
 
 // Which ranks reach the terminal (--show): "all", "none", or a comma list of ranks ("0", "0,2").

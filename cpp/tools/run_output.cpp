@@ -2,12 +2,15 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <random>
 #include <system_error>
 
 #include "run_protocol.hpp"
@@ -93,10 +96,33 @@ bool Terminal::put(int stream, std::string_view text) {
   return ok_[stream];
 }
 
-size_t LabelledStreams::add_rank(int rank, bool shown) {
+std::string make_job_log_dir(const std::string& log_dir, const std::string& run_id) {
+  std::error_code ec;
+  std::filesystem::create_directories(log_dir, ec);
+  if (ec) throw std::system_error(ec, "creating --log-dir " + log_dir);
+  // torch's tempfile.mkdtemp(prefix=run_id + "_"): eight of these characters.
+  static constexpr char kChars[] = "abcdefghijklmnopqrstuvwxyz0123456789_";
+  std::random_device random;
+  for (int tries = 0;; ++tries) {
+    std::string dir = log_dir + "/" + run_id + "_";
+    for (int i = 0; i < 8; ++i) dir += kChars[random() % (sizeof kChars - 1)];
+    if (::mkdir(dir.c_str(), 0700) == 0) return dir;
+    if (errno != EEXIST || tries > 100) check(-1, "mkdir", "creating " + dir);
+  }
+}
+
+std::string make_temporary_log_dir() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/torchelastic_XXXXXX";
+  check(::mkdtemp(dir.data()) ? 0 : -1, "mkdtemp", "creating " + dir);
+  return dir;
+}
+
+size_t LabelledStreams::add_rank(int rank, bool shown, RankStreams streams) {
   Unit& un = units_.emplace_back();
   un.first_rank = rank;
   un.shown = shown;
+  un.streams = streams;
   // append(): GCC 12's -Wrestrict misfires on "[" + std::to_string(rank) at -O3.
   un.tag.append("[").append(std::to_string(rank)).append("] ");
   return units_.size() - 1;
@@ -108,15 +134,16 @@ size_t LabelledStreams::add_host() {
   return units_.size() - 1;
 }
 
-void LabelledStreams::open_logs(const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw std::system_error(ec, "creating --log-dir " + dir);
+void LabelledStreams::open_logs() {
   for (auto& un : units_) {
-    if (un.host) continue;  // a host's ddip run keeps its ranks' logs there
+    if (un.host || un.streams.dir.empty()) continue;  // a host's ddip run keeps its ranks' logs
+    const std::string& dir = un.streams.dir;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw std::system_error(ec, "creating " + dir);
     for (int s : {1, 2}) {
-      std::string path = dir + "/rank" + std::to_string(un.first_rank) +
-                         (s == 1 ? ".stdout" : ".stderr");
+      if (!(un.streams.to_file & s)) continue;
+      std::string path = dir + (s == 1 ? "/stdout.log" : "/stderr.log");
       un.log[s] = Fd(check(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
                            "open", "creating " + path));
     }
@@ -239,8 +266,8 @@ void LabelledStreams::emit(size_t u, RankOutput::Stream s, std::string_view text
   Unit& un = units_[u];
   if (text.empty() || !terminal_.ok(s)) return;
   std::string labelled;
-  if (!un.host) {  // a host's lines are labelled and filtered by --tee there already
-    if (!un.shown) return;
+  if (!un.host) {  // a host's lines are labelled and filtered there already
+    if (!un.shown || !(un.streams.to_console & s)) return;
     labelled = label(text, un.tag, un.after_cr[s]);
     text = labelled;
   }

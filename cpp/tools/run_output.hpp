@@ -58,6 +58,23 @@ class Terminal {
   bool ok_[3] = {true, true, true};
 };
 
+// Where a rank's two streams go besides being read: torchrun's -r/--redirects and -t/--tee, as
+// the launch plan decides them (run_plan.cpp). Bit 1 is stdout, bit 2 stderr, as torch's Std.
+struct RankStreams {
+  int to_console = 3;  // shown on the terminal (when the rank is shown at all)
+  int to_file = 0;     // kept in its log files, stdout.log and stderr.log in `dir`
+  // Its directory in torchrun's layout, <job>/attempt_<n>/<local rank> (made by open_logs even
+  // when it keeps no file, as torchrun's); "": none.
+  std::string dir;
+};
+
+// --log-dir's directory for one launch, torchrun's: DIR/<run id>_<8 random characters>, made
+// (DIR too) once, whatever the attempt. Throws std::system_error.
+std::string make_job_log_dir(const std::string& log_dir, const std::string& run_id);
+// torchrun's without --log-dir when -r or -t asks for files: a new $TMPDIR/torchelastic_XXXXXX,
+// kept after the launch.
+std::string make_temporary_log_dir();
+
 // Every supervised process's output, one unit each: a rank, or another host's launcher.
 class LabelledStreams {
  public:
@@ -74,10 +91,11 @@ class LabelledStreams {
 
   // A unit for a rank (`shown`: it reaches the terminal, --tee) or a host's launcher; returns
   // its index, the same as the Supervisor's.
-  size_t add_rank(int rank, bool shown);
+  size_t add_rank(int rank, bool shown, RankStreams streams = {});
   size_t add_host();
-  // One file per rank and stream in `dir` (created): rankN.stdout, rankN.stderr. Throws.
-  void open_logs(const std::string& dir);
+  // Every rank's log directory (its RankStreams), with stdout.log and stderr.log for the streams
+  // it keeps. Throws.
+  void open_logs();
   // Takes unit `u`'s pipes and reads them as they fill.
   void attach(size_t u, Fd out, Fd err);
   // Reads what unit `u` (exited) left in its pipes.
@@ -102,6 +120,7 @@ class LabelledStreams {
     bool host = false;
     int first_rank = 0;
     bool shown = true;
+    RankStreams streams;
     std::string tag;
     RankOutput output;
     Fd pipe[3];  // [1] stdout, [2] stderr

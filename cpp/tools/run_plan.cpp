@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iostream>
 #include <optional>
 #include <sstream>
 #include <system_error>
@@ -17,6 +18,15 @@ namespace {
 std::string join(const std::vector<std::string>& v) {
   std::string out;
   for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
+  return out;
+}
+
+// -r/-t as torchrun's command line writes them ("3", "0:1,1:2").
+std::string streams_text(const StdStreams& s) {
+  if (!s.per_rank) return std::to_string(s.all);
+  std::string out;
+  for (auto [rank, streams] : s.by_local_rank)
+    out += (out.empty() ? "" : ",") + std::to_string(rank) + ":" + std::to_string(streams);
   return out;
 }
 
@@ -67,6 +77,30 @@ std::vector<std::string> base_environment(const std::vector<std::string>& here,
   return base;
 }
 
+// Whether -r or -t keep any stream in a file.
+bool keeps_files(const RunOptions& opts) {
+  for (const StdStreams* s : {&opts.redirects, &opts.tee}) {
+    if (s->all) return true;
+    for (auto [rank, streams] : s->by_local_rank)
+      if (streams) return true;
+  }
+  return false;
+}
+
+// torchrun's -r/-t for one local rank: redirected streams go to its files only, teed ones to both;
+// --log-dir without either keeps both (ddip run's, as -t 3). Its directory is the attempt's.
+RankStreams rank_streams(const RunOptions& opts, int local_rank, int attempt) {
+  RankStreams s;
+  const int redirect = opts.redirects.of(local_rank), tee = opts.tee.of(local_rank);
+  s.to_file = redirect | tee;
+  if (!keeps_files(opts) && !opts.log_dir.empty()) s.to_file = 3;
+  s.to_console = 3 & ~(redirect & ~tee);
+  if (!opts.log_job_dir.empty())
+    s.dir = opts.log_job_dir + "/attempt_" + std::to_string(attempt) + "/" +
+            std::to_string(local_rank);
+  return s;
+}
+
 // The ranks this machine starts itself, `launch.local_size()` of them.
 void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machine& m,
                const LaunchEnv& launch, const std::vector<bool>& shown, const Elastic& elastic) {
@@ -74,8 +108,16 @@ void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machi
   for (int r = 0; r < launch.local_size(); ++r) {
     UnitPlan p;
     p.first_rank = launch.rank_offset + r;
-    p.shown = shown[static_cast<size_t>(p.first_rank)];
+    // --show names ranks of the launch; torchrun's --local-ranks-filter, this node's.
+    const auto& only = opts.local_ranks_filter;
+    p.shown = shown[static_cast<size_t>(p.first_rank)] &&
+              (only.empty() || std::find(only.begin(), only.end(), r) != only.end());
+    p.streams = rank_streams(opts, r, elastic.restart_count);
     p.spec.argv = opts.command;
+    // torch.distributed.launch without --use-env: the script reads its local rank from argv.
+    if (opts.local_rank_arg_at >= 0)
+      p.spec.argv.insert(p.spec.argv.begin() + opts.local_rank_arg_at,
+                         "--local-rank=" + std::to_string(r));
     p.spec.env = rank_environment(base, launch, r);
     add_elastic_environment(p.spec.env, elastic.run_id,
                             elastic.errors ? elastic.errors->path(p.first_rank) : std::string(),
@@ -129,7 +171,13 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
       std::to_string(first_rank) + "," + std::to_string(at.world_size) + "," + std::to_string(i) +
           "," + std::to_string(at.nhosts),
       "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", at.master_addr,
-      "--master-port", std::to_string(at.master_port), "--tee", opts.show};
+      "--master-port", std::to_string(at.master_port), "--show", opts.show, "--role", opts.role,
+      "--tee", streams_text(opts.tee), "--redirects", streams_text(opts.redirects)};
+  if (!opts.local_ranks_filter.empty()) {
+    std::string f;
+    for (int r : opts.local_ranks_filter) f += (f.empty() ? "" : ",") + std::to_string(r);
+    cmd.insert(cmd.end(), {"--local-ranks-filter", f});
+  }
   if (!m.cwd.empty()) cmd.insert(cmd.end(), {"--node-cwd", m.cwd});
   if (shipping) cmd.insert(cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
   if (opts.prompts) cmd.push_back("--node-prompts");
@@ -145,8 +193,13 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
   if (!opts.log_dir.empty())
     cmd.insert(cmd.end(),
                {"--log-dir", (std::filesystem::path(m.cwd) / opts.log_dir).string()});
+  // The command as given: that host's ddip run finds its own Python for a script.
+  if (opts.module) cmd.push_back("--module");
+  if (opts.no_python) cmd.push_back("--no-python");
+  if (opts.run_path) cmd.push_back("--run-path");
+  if (opts.local_rank_arg_at >= 0) cmd.push_back("--local-rank-arg");
   cmd.push_back("--");
-  cmd.insert(cmd.end(), opts.command.begin(), opts.command.end());
+  cmd.insert(cmd.end(), opts.given_command.begin(), opts.given_command.end());
   return cmd;
 }
 
@@ -210,6 +263,15 @@ Machine this_machine() {
   return m;
 }
 
+std::string make_log_job_dir(const RunOptions& opts, const std::string& run_id,
+                             const std::string& prog) {
+  if (!opts.log_dir.empty()) return make_job_log_dir(opts.log_dir, run_id);
+  if (!keeps_files(opts)) return "";
+  std::string dir = make_temporary_log_dir();
+  std::cerr << prog << ": log files in " << dir << " (-r/-t without --log-dir)\n";
+  return make_job_log_dir(dir, run_id);
+}
+
 std::vector<UnitPlan> plan_units(const RunOptions& opts, const Machine& m, const Elastic& elastic,
                                  const std::string& shipped) {
   LaunchEnv launch;
@@ -237,6 +299,7 @@ std::vector<UnitPlan> plan_units(const RunOptions& opts, const Machine& m, const
   }
   launch.master_addr = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
   launch.master_port = opts.master_port ? opts.master_port : m.master_port(true, "127.0.0.1");
+  launch.role = opts.role;
   add_ranks(plans, opts, m, launch, shown, elastic);
   return plans;
 }

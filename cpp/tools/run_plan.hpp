@@ -11,6 +11,7 @@
 #include "ddip/supervisor.hpp"
 #include "run_args.hpp"
 #include "run_elastic.hpp"
+#include "run_output.hpp"
 
 namespace ddip::run {
 
@@ -23,7 +24,8 @@ struct UnitPlan {
   bool host = false;
   std::string name;  // host units: the host
   int first_rank = 0, nranks = 1;
-  bool shown = true;  // rank units: reaches the terminal (--tee)
+  bool shown = true;  // rank units: reaches the terminal (--show, --local-ranks-filter)
+  RankStreams streams;  // rank units: -r/-t, and its log directory
   SpawnSpec spec;
   std::string ship;  // host units: the shipped files, sent on its channel first
 };
@@ -54,6 +56,12 @@ struct Elastic {
   // across nodes), and TORCHELASTIC_MAX_RESTARTS. --log-dir's attempt_<n> is the same n.
   int restart_count = 0, max_restarts = 0;
 };
+
+// --log-dir's directory for this launch (run_output's make_job_log_dir), or torchrun's temporary
+// one when -r/-t keep files without --log-dir (said on stderr as `prog`'s); "" when no rank keeps
+// logs. Throws std::system_error.
+std::string make_log_job_dir(const RunOptions& opts, const std::string& run_id,
+                             const std::string& prog);
 
 // The launch's units, in rank order: one per rank started here, one per other host. `shipped`:
 // the files sent to each other host first (run_ship.hpp's payload), "" for none. Throws
