@@ -119,6 +119,24 @@ def test_a_slow_rank_is_waited_for_and_the_heal_decides_from_the_picture(g):
     assert e.value.heal is not None and e.value.heal.ok and e.value.heal.released == [0]
 
 
+def test_a_rank_that_answers_slowly_is_waited_for(g):
+    # A thread of rank 0 holds the GIL in C code (a regular expression that backtracks for about
+    # a second at a time), so its answers come late: the heal's look waits for them instead of
+    # reading rank 0 as silent, and decides from them.
+    g.run("import re, threading\nhogging = True\ndef hog():\n    while hogging:\n"
+          "        re.match(r'(a+)+$', 'a' * 23 + 'b')\n", ranks=[0])
+    g.run("threading.Thread(target=hog, daemon=True).start()", ranks=[0])
+    try:
+        with pytest.raises(ddip.RemoteError) as e:
+            g.run("if dist.get_rank() == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(t)")
+    finally:
+        g.run("hogging = False", ranks=[0])
+    picture = e.value.collectives
+    assert picture is not None and set(picture.missing) == {1} and set(picture.waiting) == {0}, picture
+    assert "did not answer" not in picture.describe()
+    assert e.value.heal is not None and e.value.heal.ok
+
+
 def test_a_rank_dependent_shape_aborts_a_rank_under_gloo_and_the_picture_says_why(g):
     # gloo does not wait for ever here: the rank that receives more than it expects aborts
     # (EnforceNotMet). The survivor's record says what it gave; the dead rank's last words, what

@@ -179,9 +179,11 @@ def failures(doc: str, cells: list[Snippet]) -> list[str]:
         if s.raises:
             if not failed or s.raises not in _error(s):
                 problems.append(f"{where}: should fail with {s.raises}, but {_error(s) if failed else 'ran'}")
+                continue
         elif failed:
             problems.append(f"{where}: {_error(s)}\n    in: {s.code.splitlines()[0] if s.code else ''}")
-        elif s.expect is not None and not _shows(s.expect, text):
+            continue
+        if s.expect is not None and not _shows(s.expect, text):  # a failure's message too (raises= expect)
             problems.append(f"{where}: the output the document shows is not what the cell printed\n"
                             f"--- shown:\n{s.expect}\n--- printed:\n{text}")
     return problems

@@ -98,8 +98,10 @@ std::map<std::string, GroupInfo> parse_groups(const json& j) {
 // keeps each group's newest generation.
 void keep_current(Snapshot& s) {
   std::map<std::string, std::int64_t> newest;
-  for (const Entry& e : s.entries)
-    newest[e.pg] = std::max(newest.count(e.pg) ? newest[e.pg] : e.gen, e.gen);
+  for (const Entry& e : s.entries) {
+    auto it = newest.try_emplace(e.pg, e.gen).first;
+    it->second = std::max(it->second, e.gen);
+  }
   std::map<std::string, bool> history;  // group -> its newest generation is history too
   for (const auto& [pg, gen] : newest) {
     auto g = s.groups.find(pg);
