@@ -211,6 +211,7 @@ Stragglers::Stragglers(const std::map<int, std::string>& snapshots, int last) : 
     }
   taking_part_ = static_cast<int>(taking_part.size());
   span_s_ = static_cast<double>(complete.back().last_ns - start_ns_) / 1e9;
+  std::map<int, std::int64_t> waited_until;  // rank -> the end of its waits counted so far
   for (const Complete& c : complete) {
     WaitedCollective w;
     w.pg = c.key->first;
@@ -221,8 +222,14 @@ Stragglers::Stragglers(const std::map<int, std::string>& snapshots, int last) : 
       std::int64_t t = c.entries->entered_ns.at(rank);
       if (w.last < 0 || t > c.entries->entered_ns.at(w.last)) w.last = rank;
     }
-    for (int rank : members[w.pg])
-      w.wait_s += static_cast<double>(c.last_ns - c.entries->entered_ns.at(rank)) / 1e9;
+    // A rank waits in one collective at a time: where its collectives overlap (asynchronous
+    // ones, DDP's buckets), a stretch of its time counts once, for the collective whose last
+    // rank came first. Synchronous collectives never overlap, and count in full.
+    for (int rank : members[w.pg]) {
+      std::int64_t from = std::max(c.entries->entered_ns.at(rank), waited_until[rank]);
+      if (c.last_ns > from) w.wait_s += static_cast<double>(c.last_ns - from) / 1e9;
+      waited_until[rank] = std::max(waited_until[rank], c.last_ns);
+    }
     held_s_[w.last] += w.wait_s;
     last_in_[w.last] += 1;
     timeline_.push_back(std::move(w));
@@ -238,7 +245,8 @@ Stragglers::Stragglers(const std::map<int, std::string>& snapshots, int last) : 
   double runner_up = 0;
   for (int rank : ranks_)
     if (rank != top) runner_up = std::max(runner_up, held_s_[rank]);
-  if (held_s_[top] > 0 && share_[top] >= kMinShare && held_s_[top] >= kLead * runner_up)
+  if (window() >= kMinWindow && held_s_[top] > 0 && share_[top] >= kMinShare &&
+      held_s_[top] >= kLead * runner_up)
     straggler_ = top;
 }
 
@@ -263,6 +271,10 @@ std::string Stragglers::headline() const {
   int top = ranks_.front();
   for (int rank : ranks_)
     if (held_s_.at(rank) > held_s_.at(top)) top = rank;
+  if (window() < kMinWindow)
+    return "no straggler named: it takes " + collectives(kMinWindow) +
+           " to tell one, and the window holds " + collectives(window()) + " (the most: rank " +
+           std::to_string(top) + ", " + percent(share_.at(top)) + " of the others' time)";
   return "no straggler in " + recent + ": no rank held the others up for " + percent(kMinShare) +
          " of their time and twice as long as any other (the most: rank " + std::to_string(top) +
          ", " + percent(share_.at(top)) + ")";

@@ -24,9 +24,11 @@ struct WaitedCollective {
   std::string pg;  // its process group's name ("0" is the default group)
   std::int64_t seq = 0;
   std::string op;
-  double at_s = 0;    // when its last rank entered it, in seconds from the window's start
-  int last = -1;      // the rank that entered it last
-  double wait_s = 0;  // how long the other members waited there for `last`, summed over them
+  double at_s = 0;  // when its last rank entered it, in seconds from the window's start
+  int last = -1;    // the rank that entered it last
+  // How long the other members waited there for `last`, summed over them (a stretch of a rank's
+  // time that an earlier collective of the window counted already, counts once).
+  double wait_s = 0;
 };
 
 class Stragglers {
@@ -38,6 +40,9 @@ class Stragglers {
   // ... and for at least this many times as long as any other rank: where several ranks take
   // turns being last (a load spread over them), none of them is the straggler.
   static constexpr double kLead = 2.0;
+  // ... over at least this many collectives: a straggler holds the others up again and again;
+  // in fewer, one slow start (a rank's imports before the first collective) would be named.
+  static constexpr int kMinWindow = 3;
 
   // rank -> that rank's snapshot as JSON text (CollectivePicture's input); `last`: how many of
   // the most recent collectives to look at (>= 1, else std::invalid_argument). A collective
@@ -60,7 +65,7 @@ class Stragglers {
   const std::map<int, double>& share() const { return share_; }
   // rank -> in how many of the window's collectives it entered last.
   const std::map<int, int>& last_in() const { return last_in_; }
-  // The rank that holds the others up (kMinShare, kLead), if one does.
+  // The rank that holds the others up (kMinShare, kLead, kMinWindow), if one does.
   std::optional<int> straggler() const { return straggler_; }
   const std::vector<WaitedCollective>& timeline() const { return timeline_; }
   // rank -> why its records could not be read (dead, no answer, no torch.distributed there).

@@ -16,6 +16,7 @@ void init_remote(nb::module_& m);
 void init_plan(nb::module_& m);
 void init_keeper(nb::module_& m);
 void init_collectives(nb::module_& m);
+void init_stragglers(nb::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "ddip's C++ runtime: process supervision, framed messaging, output capture";
@@ -51,4 +52,5 @@ NB_MODULE(_core, m) {
   init_remote(m);
   init_plan(m);
   init_collectives(m);
+  init_stragglers(m);
 }

@@ -48,14 +48,18 @@ def _text(snapshot: dict | str | bytes) -> str:
 
 
 class Stacks(dict):
-    """Group.stacks(): rank -> that rank's Python stack (all threads), and `collectives`, the
-    CollectivePicture of every rank asked at the same time; str() is the picture, then the stacks."""
+    """Group.stacks(): rank -> that rank's Python stack (all threads), `collectives`, the
+    CollectivePicture of every rank asked at the same time, and `stragglers` (kernel/stragglers.py)
+    from the same answers; str() is the straggler's headline where one rank holds the others up,
+    the picture, then the stacks."""
 
-    def __init__(self, stacks: dict[int, str], collectives: CollectivePicture):
+    def __init__(self, stacks: dict[int, str], collectives: CollectivePicture, stragglers=None):
         super().__init__(stacks)
         self.collectives = collectives
+        self.stragglers = stragglers
 
     def __str__(self) -> str:
-        parts = [self.collectives.describe()] if self.collectives.known else []
+        parts = [self.stragglers.headline] if getattr(self.stragglers, "straggler", None) is not None else []
+        parts += [self.collectives.describe()] if self.collectives.known else []
         parts += [f"[rank {r}]\n{text.rstrip()}" for r, text in self.items()]
         return "\n".join(parts)

@@ -32,6 +32,7 @@ from ..messages import picklable
 from . import debugger as _debugger
 from . import heal as _heal
 from .collectives import CollectivePicture, Stacks
+from .stragglers import LAST as _LAST, Stragglers, checked_last as _checked_last
 from . import template as _template
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
                       raise_failures)
@@ -435,23 +436,38 @@ class Group:
         """Every selected rank's Python stack (all threads), without stopping it: answered by
         the rank's runtime thread, so a rank busy in Python or stuck in C code answers too. A
         dict rank -> stack, whose `collectives` says which collective each rank of the group is
-        in (collectives()); str() shows both, the collectives first."""
+        in (collectives()) and `stragglers` who the others waited for (stragglers()); str() shows
+        them, the straggler first where one rank holds the others up, then the stacks."""
         _positive_timeout(timeout)
         rt = self._check_open()
         slots = self._slots(ranks)
-        picture = self.collectives(timeout=timeout)
+        snapshots = self._snapshots(rt, timeout)
         texts = rt.stacks(slots, timeout, _SLICE_S)
-        return Stacks({self.rank_ids[s]: text for s, text in texts.items()}, picture)
+        return Stacks({self.rank_ids[s]: text for s, text in texts.items()}, CollectivePicture(snapshots),
+                      Stragglers.of(snapshots))
 
     def collectives(self, timeout: float = 3.0) -> CollectivePicture:
         """Which collective each rank is in, by torch's flight recorder in every rank (on in
         every rank ddip starts): per rank the last completed and the pending collective, and
         `findings`: who has not entered the collective the others wait in, who disagrees."""
         _positive_timeout(timeout)
-        rt = self._check_open()
+        return CollectivePicture(self._snapshots(self._check_open(), timeout))
+
+    def stragglers(self, last: int = _LAST, timeout: float = 3.0) -> Stragglers:
+        """Who the others waited for in the last `last` collectives: per collective, the rank
+        that entered it last made every other member wait from its own entry on (the entry times
+        of torch's flight recorder in every rank). `.held_s`: rank -> how long the others waited
+        for it; `.share`: that as a share of their time; `.straggler`: the rank that holds them up,
+        or None; str() says so; `.plot()` draws the wait over time (matplotlib)."""
+        last = _checked_last(last)
+        _positive_timeout(timeout)
+        return Stragglers.of(self._snapshots(self._check_open(), timeout), last)
+
+    def _snapshots(self, rt: Runtime, timeout: float) -> dict:
+        """rank -> its flight recorder's snapshot (or why there is none), every rank asked at once."""
         slots = list(range(len(self.rank_ids)))
         answers = rt.collectives(slots, timeout, _SLICE_S)
-        return CollectivePicture({self.rank_ids[s]: a for s, a in answers.items()})
+        return {self.rank_ids[s]: a for s, a in answers.items()}
 
     def heal(self, copy_from: int | None = None, names: Sequence[str] | None = None) -> HealReport:
         """Rebuilds torch.distributed's default group on every rank, with the same ranks and world

@@ -372,7 +372,8 @@ class DipMagics(Magics):
     @line_magic
     def dipstack(self, line=""):
         """Print which collective each rank is in (torch's flight recorder: who has not joined the
-        one the others wait in), then every selected rank's Python stack, without stopping it."""
+        one the others wait in), then every selected rank's Python stack, without stopping it. It
+        leads with the straggler where one rank holds the others up (g.stragglers())."""
         fn = self.dipstack
         args = parse(fn, line)
         group = self.session.running_group()

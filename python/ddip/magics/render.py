@@ -190,7 +190,11 @@ def status_table(rows, gpus: bool):
 
 
 def print_stacks(stacks: dict):
-    """%dipstack: which collective each rank is in (when torch.distributed runs), then the stacks."""
+    """%dipstack: the straggler, where one rank holds the others up; which collective each rank is
+    in (when torch.distributed runs); then the stacks."""
+    stragglers = getattr(stacks, "stragglers", None)
+    if stragglers is not None and stragglers.straggler is not None:
+        print(stragglers.headline)
     picture = getattr(stacks, "collectives", None)
     if picture is not None and picture.known:
         print(picture.describe())

@@ -19,13 +19,14 @@ import time
 KEEP_DONE = 3
 
 
-def snapshot() -> dict:
+def snapshot(entered: bool = False) -> dict:
     """This rank's collectives: {"rank", "world", "now_ns", "groups": {name: {"ranks", "issued"}},
     "entries": [...]}, where "issued" is how many collectives the live group has issued, so the
     runtime's picture tells its records from those of an earlier group of the same name (a heal, a
     framework's own set-up); or {"outside": "left" | "uninitialized"} from a rank that is in no
-    collective of any group; or {"off": why} where there is nothing to read. Never imports torch
-    itself."""
+    collective of any group; or {"off": why} where there is nothing to read. With `entered` (the
+    kernel's answers, not ddip run's records on stderr), "entered" too: when this rank entered
+    each collective the recorder holds. Never imports torch itself."""
     at = where()  # first: the main thread goes on while the recorder is read
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available():
@@ -48,7 +49,8 @@ def snapshot() -> dict:
                 continue
         kept.append(e)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "now_ns": time.time_ns(),
-            "groups": groups, "entries": kept[::-1], "where": at}
+            "groups": groups, "entries": kept[::-1], "where": at,
+            **({"entered": _entered(entries)} if entered else {})}
 
 
 # Where code that is not the user's lives: ddip, IPython, the standard library, installed packages.
@@ -121,6 +123,16 @@ def _entry(e: dict) -> dict:
             "created_ns": e.get("time_created_ns") or 0}
 
 
+def _entered(entries: list[dict]) -> list[list]:
+    """When this rank entered each collective the recorder holds (its last TORCH_FR_BUFFER_SIZE,
+    256 by default, where `entries` keeps a few), for the runtime's Stragglers
+    (cpp/ddip/stragglers.hpp): [pg, gen, seq, op, created_ns], a list each to keep the answer
+    small. The recorder's time_created_ns is when the rank's code called the collective: the one
+    time gloo records. Point-to-point operations are left out: only two ranks wait in them."""
+    return [[e["pg"], e["gen"], e["seq"], e["op"], e["created_ns"]]
+            for e in entries if not e["p2p"] and e["created_ns"]]
+
+
 def serve(endpoint, reply_kind: int) -> None:
     """Answers the kernel's collectives requests from now on, on a daemon thread."""
     read_fd, write_fd = os.pipe()
@@ -141,7 +153,7 @@ def _answer(endpoint, read_fd: int, reply_kind: int) -> None:
             return
         (seq,) = struct.unpack("<Q", data)
         try:
-            answer = snapshot()
+            answer = snapshot(entered=True)
         except Exception as exc:  # a torch without the recorder's reader, say: the kernel is told
             answer = {"off": f"the flight recorder could not be read: {type(exc).__name__}: {exc}"}
         try:
