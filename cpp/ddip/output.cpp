@@ -18,6 +18,25 @@ size_t incomplete_utf8_tail(std::string_view s) {
 
 }  // namespace detail
 
+std::string rank_ranges(std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(ranks[i]);
+    if (j >= i + 2) {
+      out.append("-").append(std::to_string(ranks[j]));
+    } else if (j == i + 1) {
+      out.append(",").append(std::to_string(ranks[j]));
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
 std::string LineAssembler::feed(std::string_view data) {
   if (!data.empty()) kept_ = false;
   size_t cut = data.find_last_of("\r\n");

@@ -44,6 +44,11 @@ class LineAssembler {
   bool kept_ = false;  // pending_ is what the previous flush kept back
 };
 
+// Ranks named as a reader takes them in at 128 ranks: sorted, each run of three or more as a
+// range, "0-126" or "0,2,4-7" (a pair stays "0,1": shorter than no range at all). The one
+// spelling of a rank set, for the notebook (bound as _core.rank_ranges) and `ddip run` alike.
+std::string rank_ranges(std::vector<int> ranks);
+
 // Written by a worker to its stdout just before it sends a display frame: it marks where in the
 // text that rich output belongs, since the frame and the pipe travel separately.
 inline constexpr std::string_view kDisplayMarker = "\x1b_ddip-display\x1b\\";

@@ -141,3 +141,15 @@ TEST(RankOutput, AStderrLineEndedByCrLfKeepsItsText) {
   o.feed(RankOutput::kStderr, "Traceback\r\nValueError: bad\r\n");
   EXPECT_EQ(o.stderr_tail(), "Traceback\nValueError: bad");
 }
+
+TEST(RankRanges, RunsOfThreeOrMoreBecomeRanges) {
+  std::vector<int> all(127);
+  for (int r = 0; r < 127; ++r) all[static_cast<size_t>(r)] = r;
+  EXPECT_EQ(rank_ranges(all), "0-126");
+  EXPECT_EQ(rank_ranges({7, 0, 2, 4, 5, 6}), "0,2,4-7");
+  EXPECT_EQ(rank_ranges({3}), "3");
+  EXPECT_EQ(rank_ranges({1, 0}), "0,1");
+  EXPECT_EQ(rank_ranges({0, 1, 3, 4, 5, 9, 10}), "0,1,3-5,9,10");
+  EXPECT_EQ(rank_ranges({2, 2, 3}), "2,3");  // a rank named twice is one rank
+  EXPECT_EQ(rank_ranges({}), "");
+}

@@ -1,5 +1,7 @@
 // The ddip._core extension: one init_<module> per runtime module, called in order.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdio>
 #include <system_error>
@@ -45,6 +47,8 @@ NB_MODULE(_core, m) {
   // that output is in the pipe before "done" says the request's output is complete.
   m.def("flush_stdio", [] { std::fflush(nullptr); }, "fflush(NULL): flushes every C stdio stream.");
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
+  m.def("rank_ranges", &ddip::rank_ranges, nb::arg("ranks"),
+        "Ranks as one reads them at scale: sorted, runs of three or more as ranges (\"0,2,4-7\").");
   init_rank_template(m);
   init_keeper(m);
   init_coordinator(m);
