@@ -208,7 +208,7 @@ def test_a_rank_at_a_prompt_past_the_heartbeat_timeout_and_the_timeout_goes_on(k
 
 
 def test_without_stdin_a_breakpoint_says_so_and_the_rank_continues(kernel):
-    msg_id = kernel.kc.execute("%%dip --see all\nx = 2\nbreakpoint()\nprint('went on', x)",
+    msg_id = kernel.kc.execute("%%dip --see all --raw\nx = 2\nbreakpoint()\nprint('went on', x)",  # each rank's line
                                allow_stdin=False, stop_on_error=False)
     outputs = []
     deadline = time.monotonic() + 60

@@ -178,7 +178,7 @@ def test_one_rule_puts_the_root_cause_first_whatever_the_order_failures_arrive_i
     assert [f.kind for f in ordered] == ["died", "raised", "raised", "raised", "raised", "stopped",
                                          "still running", "closed"]
     err = ddip.RemoteError(ordered)
-    assert err.headline == ("code failed on ranks 0, 1, 2, 3, 4, 5, 6, 7; root cause on rank 0: "
+    assert err.headline == ("code failed on ranks 0-7; root cause on rank 0: "
                             "RankDied: killed by SIGKILL")
     with pytest.raises(ValueError):
         F(0, kind="exploded")  # a kind outside the model is refused, not carried as a string

@@ -323,7 +323,7 @@ def test_ctrl_c_in_the_notebook_stops_the_children(monkeypatch):
     before = children_of(os.getpid())
     try:
         with pytest.raises(KeyboardInterrupt):
-            ddip.ranch(3, sleep_in_children, "x")
+            ddip.ranch(3, sleep_in_children, "x", collapse=False)  # each child's line, as the tee waits for it
     finally:
         t.join()
     assert children_of(os.getpid()) <= before
@@ -356,7 +356,7 @@ def test_ctrl_c_while_the_notebook_runs_fn_shows_only_the_users_interrupt(monkey
     before = children_of(os.getpid())
     try:
         with pytest.raises(KeyboardInterrupt) as ei:
-            ddip.ranch(3, sleep_everywhere)
+            ddip.ranch(3, sleep_everywhere, collapse=False)  # each child's line, as the tee waits for it
     finally:
         t.join()
     assert children_of(os.getpid()) <= before
@@ -403,7 +403,7 @@ def test_ctrl_c_in_the_notebook_interrupts_children_that_never_entered_fn(monkey
     monkeypatch.setattr(sys, "stdout", tee)
     before = children_of(os.getpid())
     with pytest.raises(KeyboardInterrupt):
-        ddip.ranch(3, ctrl_c_before_the_children_enter, ctx=ChildrenWaitForTheNotebook())
+        ddip.ranch(3, ctrl_c_before_the_children_enter, ctx=ChildrenWaitForTheNotebook(), collapse=False)
     assert "[rank 1] child interrupted\n" in tee.text and "[rank 2] child interrupted\n" in tee.text
     assert children_of(os.getpid()) <= before
 

@@ -470,7 +470,7 @@ def test_identical_tracebacks_are_merged_with_their_ranks(k):
     assert not cell.ok and cell.reply["evalue"]
     [err] = cell.of_type("error")
     text = strip_ansi("\n".join(err["traceback"]))
-    assert "ranks 0, 1, 2 (the same traceback on each)" in text
+    assert "ranks 0-2 (the same traceback on each)" in text
     assert "ValueError" in text and "boom" in text and "raise ValueError" in text
     assert err["ename"] == "ValueError"
     # Nothing about the magic's own frames in the notebook.
@@ -487,6 +487,32 @@ def test_different_tracebacks_are_shown_per_rank(k):
         assert f"[rank {e['evalue'][-2]}]" in e["traceback"][0]
     assert cell.plain and cell.plain[0].endswith(": 0")  # rank 0 succeeded: its Out is shown
     assert k.run("%%dip\n'still usable'").ok
+
+
+REPEATS = ("import os\nr = int(os.environ['RANK'])\nprint('loss 0.31')\nprint('odd one out' if r == 5 else 'same')\n"
+           "raise KeyError('seven') if r == 7 else ValueError('boom')")
+
+
+def test_repeats_from_8_ranks_collapse_with_the_ranks_named_and_raw_shows_them_all(kernel):
+    assert kernel.run("%makedip -r -n 8 --backend none").ok
+    # Every round waits for all 8 ranks' line (not the 0.2 s window): what collapses is then fixed
+    # whatever the machine's load.
+    assert kernel.run("import ddip.repeats; _window, ddip.repeats.REPEAT_WINDOW_S = ddip.repeats.REPEAT_WINDOW_S, 600").ok
+    try:
+        cell = kernel.run("%%dip --see all\n" + REPEATS)
+        assert cell.stream() == "[ranks 0-7]\nloss 0.31\n[ranks 0-4,6,7]\nsame\n[rank 5]\nodd one out\n"
+        errors = {e["ename"]: strip_ansi("\n".join(e["traceback"])) for e in cell.of_type("error")}
+        assert set(errors) == {"ValueError", "KeyError"}
+        assert "[ranks 0-6 (the same traceback on each)]" in errors["ValueError"] and "boom" in errors["ValueError"]
+        assert errors["KeyError"].startswith("[rank 7]")
+        raw = kernel.run("%%dip --see all --raw\n" + REPEATS)
+        text = raw.stream()
+        assert "[ranks" not in text and text.count("loss 0.31") == 8 and text.count("same\n") == 7
+        assert all(f"[rank {r}]" in text for r in range(8))
+        assert len(raw.of_type("error")) == 8
+    finally:
+        kernel.run("ddip.repeats.REPEAT_WINDOW_S = _window")
+        kernel.run(GROUP.replace("%makedip", "%makedip -r"))
 
 
 def test_interrupt_stops_every_rank_and_the_group_stays_usable(k):
@@ -712,7 +738,7 @@ def test_a_stopped_rank_is_reported_by_its_error_type_until_it_answers(k):
     deadline = time.monotonic() + 30
     while "unresponsive" in k.run("%dipstatus").plain[0]:
         assert time.monotonic() < deadline, "rank 1 never answered again"
-    assert k.run("%%dip --see all\nprint('ran')").stream().splitlines().count("ran") == 3
+    assert k.run("%%dip --see all --raw\nprint('ran')").stream().splitlines().count("ran") == 3  # each rank's
     assert k.run(take + "g.heartbeat_timeout = 10.0\n%makedip -r").ok
 
 

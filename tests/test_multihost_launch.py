@@ -174,7 +174,8 @@ def test_ranch_ctrl_c_in_the_notebook_stops_the_children_on_every_host(hosts, mo
     t.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            ddip.ranch(3, sleep_in_children, hosts=f"localhost:1,{a}:1,{b}:1", launcher=hosts.launcher)
+            ddip.ranch(3, sleep_in_children, hosts=f"localhost:1,{a}:1,{b}:1", launcher=hosts.launcher,
+                       collapse=False)  # each child's line, as the tee waits for it
     finally:
         t.join()
     assert tee.seen.is_set()

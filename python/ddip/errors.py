@@ -6,6 +6,8 @@ import enum
 import re
 from dataclasses import dataclass, field
 
+from .labels import ranks_named
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -188,7 +190,9 @@ class HealError(RuntimeError):
 
 class RemoteError(Exception):
     """One or more ranks failed. `failures` lists them, root cause (earliest) first. `heal` is
-    the HealReport when the failure broke a collective and ddip healed the group (or tried)."""
+    the HealReport when the failure broke a collective and ddip healed the group (or tried).
+    Its text shows identical tracebacks once, with the ranks that raised them ("ranks 0-126:
+    ValueError ..." beside "rank 127: KeyError ..."); describe(collapse=False) shows each rank's."""
 
     def __init__(self, failures: list[RankFailure], results=None, what: str = "code",
                  heal: HealReport | None = None, collectives=None):
@@ -197,20 +201,26 @@ class RemoteError(Exception):
         self.heal = heal
         # Where ranks did not stop: which collective each rank was in (a CollectivePicture)
         self.collectives = collectives
-        ranks = ", ".join(str(r) for r in sorted(f.rank for f in self.failures))
+        self.what = what
         first = self.failures[0]
-        lines = [f"{what} failed on rank{'s' if len(self.failures) > 1 else ''} {ranks}; "
-                 f"root cause on rank {first.rank}: {first.ename}: {first.evalue}"]
-        if collectives is not None and collectives.known:
-            lines += ["", collectives.describe()]
-        for f, same in merge_failures(self.failures):
-            who = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+        # which ranks failed and the root cause, on one line
+        self.headline = (f"{what} failed on {ranks_named(f.rank for f in self.failures)}; "
+                         f"root cause on rank {first.rank}: {first.ename}: {first.evalue}")
+        super().__init__(self.describe())
+
+    def describe(self, collapse: bool = True) -> str:
+        """The headline, then each failure's traceback; collapse=False: one per rank, root cause
+        first, where the default shows identical ones once."""
+        lines = [self.headline]
+        if self.collectives is not None and self.collectives.known:
+            lines += ["", self.collectives.describe()]
+        groups = merge_failures(self.failures) if collapse else [(f, [f.rank]) for f in self.failures]
+        for f, same in groups:
             lines.append("")
-            lines.append(f"--- {who}: " + f.describe().split(": ", 1)[1].rstrip("\n"))
-        if heal is not None:
-            lines += ["", heal.describe()]
-        self.headline = lines[0]  # which ranks failed and the root cause, on one line
-        super().__init__("\n".join(lines))
+            lines.append(f"--- {ranks_named(same)}: " + f.describe().split(": ", 1)[1].rstrip("\n"))
+        if self.heal is not None:
+            lines += ["", self.heal.describe()]
+        return "\n".join(lines)
 
     @property
     def ranks(self) -> list[int]:

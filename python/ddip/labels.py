@@ -10,13 +10,22 @@ import sys
 import threading
 from typing import Callable, Iterator
 
+from . import _core
+
 _PIECE = re.compile(r"([^\r\n]*)(\r\n|\r|\n|\Z)")
 
 
 def rank_label(rank) -> str:
-    """How a rank is named in the notebook, everywhere: "[rank 3]". `ddip run`, a terminal tool,
-    writes torchrun's shorter "[3] " instead."""
-    return f"[rank {rank}]"
+    """How a rank is named in the notebook, everywhere: "[rank 3]"; several ranks (a tuple: a line
+    they all wrote, ddip.repeats) as "[ranks 0-126]". `ddip run`, a terminal tool, writes
+    torchrun's shorter "[3] " instead."""
+    return f"[{ranks_named(rank if isinstance(rank, tuple) else (rank,))}]"
+
+
+def ranks_named(ranks) -> str:
+    """"rank 3", or "ranks 0-126" / "ranks 0,2,4-7" (the runtime's one spelling of a rank set)."""
+    ranks = sorted(set(ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_core.rank_ranges(ranks)}"
 
 
 def pieces(text: str) -> Iterator[tuple[str, str]]:

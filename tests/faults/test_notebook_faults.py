@@ -27,7 +27,7 @@ def _errors(cell) -> str:
 
 def test_threads_default_to_cores_per_rank_and_show_in_info(kernel):
     assert kernel.run("%makedip -n 2 --backend none").ok
-    cell = kernel.run("%%dip --see all\nimport os; print(os.environ['OMP_NUM_THREADS'])")
+    cell = kernel.run("%%dip --see all --raw\nimport os; print(os.environ['OMP_NUM_THREADS'])")  # each rank's line
     expect = str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert [l for l in cell.stream().splitlines() if not l.startswith("[rank")] == [expect, expect]
     info = kernel.run("%makedip -i").stream()
@@ -147,7 +147,8 @@ def test_three_hundred_cells_keep_the_kernel_flat(kernel):
     def cycle(i):
         assert kernel.run(f"x = {i}\n%dipush x").ok
         cell = kernel.run(f"%%dip --see all\nprint('cell', x)\ny = x * 2\ny")
-        assert cell.ok and cell.stream().count(f"cell {i}") == 2
+        shown = cell.stream()  # the ranks' line once, or each rank's when they came far apart (ddip.repeats)
+        assert cell.ok and (f"[ranks 0,1]\ncell {i}\n" in shown or shown.count(f"cell {i}") == 2), shown
         assert kernel.run("%dipull -r 1 y").ok
 
     for i in range(30):
@@ -178,12 +179,12 @@ def test_killing_the_kernel_leaves_no_rank_and_no_rank_child(tmp_path):
 def test_cold_flag_bypasses_the_rank_template(kernel):
     cell = kernel.run("%makedip -n 2 --backend none --cold -v")
     assert cell.ok and "rank template: not used (--cold); ranks start cold" in cell.stream()
-    out = kernel.run("%%dip --see all\nimport ddip.template; print('forked', ddip.template.forked)").stream()
+    out = kernel.run("%%dip --see all --raw\nimport ddip.template; print('forked', ddip.template.forked)").stream()
     assert out.count("forked False") == 2
     kernel.run("%makedip -k")
     cell = kernel.run("%makedip -n 2 --backend none -v")
     assert cell.ok and "rank template:" in cell.stream()
-    out = kernel.run("%%dip --see all\nimport ddip.template; print('forked', ddip.template.forked)").stream()
+    out = kernel.run("%%dip --see all --raw\nimport ddip.template; print('forked', ddip.template.forked)").stream()
     assert out.count("forked True") == 2
     assert "--cold" in kernel.run("%makedip -r --cold -i").stream()
     kernel.run("%makedip -k")

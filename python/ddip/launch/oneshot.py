@@ -32,6 +32,7 @@ from ..kernel.displays import RankDisplays, notebook_env
 from ..kernel.group import Group, free_port
 from ..labels import LabelledOutput
 from ..messages import dumps
+from ..repeats import Repeats
 from ..rank import torchdist
 from . import interrupts as _interrupts
 from . import sources as _sources
@@ -63,7 +64,7 @@ _OUR_FILES = frozenset({__file__, _interrupts.__file__})
 def ranch(nprocs: int | None, fn: Callable, *args, caller_rank: int | None = 0, gather: bool = True,
           ctx=None, need="", imports: str = "", gpus=None, warm: bool | None = None, hosts=None,
           launcher: str | None = None, python: str | None = None, bind: str | None = None,
-          env: dict | None = None, **kwargs):
+          env: dict | None = None, collapse: bool = True, **kwargs):
     """Runs fn(*args, **kwargs) on `nprocs` ranked processes and returns the results.
 
     caller_rank: the rank the notebook itself plays (0 by default), or None for all children.
@@ -81,6 +82,8 @@ def ranch(nprocs: int | None, fn: Callable, *args, caller_rank: int | None = 0, 
         includes the notebook; nprocs is then the list's total (or None). launcher=, python=,
         bind= as for Group (docs/multihost.md).
     env: variables for the child ranks (on every host), on top of the ones they inherit.
+    collapse: a line that several children print alike is shown once, "[ranks 1-7] text"
+        (ddip.repeats); False shows each child's lines as they come.
 
     The notebook's process is left as it was found, also on error: its environment, the
     process groups fn created there (HF Trainer, Accelerator() and Lightning leave theirs),
@@ -89,7 +92,8 @@ def ranch(nprocs: int | None, fn: Callable, *args, caller_rank: int | None = 0, 
     Raises RemoteError naming the first failing rank (the root cause), then the others."""
     return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
                   need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals,
-                  warm=warm, hosts=hosts, launcher=launcher, python=python, bind=bind, env=env)
+                  warm=warm, hosts=hosts, launcher=launcher, python=python, bind=bind, env=env,
+                  collapse=collapse)
 
 
 def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
@@ -99,7 +103,7 @@ def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
         if reserved in kwargs:
             raise TypeError(f"torchddp_launch sets {reserved}= itself; call ranch() to choose it")
     opts = {k: kwargs.pop(k) for k in ("caller_rank", "need", "imports", "warm", "hosts", "launcher",
-                                       "python", "bind", "env") if k in kwargs}
+                                       "python", "bind", "env", "collapse") if k in kwargs}
     gpus = kwargs.pop("gpus", None)
     if opts.get("hosts") is not None:
         # Across hosts the GPUs belong to the host list (the launch refuses them: see _lay_out).
@@ -326,8 +330,8 @@ def _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx):
     return layout, total
 
 
-def _ranch(nprocs, fn, args, kwargs, **options):
-    launch = _Launch(_spec(nprocs, fn, args, kwargs, **options))
+def _ranch(nprocs, fn, args, kwargs, collapse=True, **options):
+    launch = _Launch(_spec(nprocs, fn, args, kwargs, **options), collapse)
     try:
         return launch.run()
     finally:
@@ -364,10 +368,12 @@ class _Launch:
     "failed" the moment fn (or ctx) raises, before ctx exits. Their replies and deaths come as
     on_done from the Group's Pending. All of it arrives in the collecting thread, as it happens."""
 
-    def __init__(self, spec: LaunchSpec):
+    def __init__(self, spec: LaunchSpec, collapse: bool = True):
         self.spec = spec
         self.group: Group | None = None
         self.out: LabelledOutput | None = None  # the children's output (and the notebook's), labelled
+        self.collapse = collapse and len(spec.child_ranks) > 1
+        self.repeats: Repeats | None = None  # the children's output on its way to `out`, repeats collapsed
         self.lock = threading.Lock()
         self.failed_at: dict[int, float] = {}  # rank -> when the launch heard it failed
         self.running: set[int] = set()  # child ranks past ctx.__enter__, not yet done or failed
@@ -382,10 +388,10 @@ class _Launch:
         if spec.child_ranks:
             pending, own_env = self._start_children()
         if spec.caller_rank is None:
-            return self._finish(self._collect(pending, self.out), None)
+            return self._finish(self._collect(pending), None)
         collector = None
         if spec.child_ranks:
-            collector = _Collector(self, pending, self.out)
+            collector = _Collector(self, pending)
             collector.start()
         own = self.caller.play(own_env, self.out if spec.child_ranks else LabelledOutput())
         # The user's Ctrl-C ended the notebook's rank (inside fn or around it): the children
@@ -399,12 +405,14 @@ class _Launch:
         and the notebook's environment as its rank (None when it plays none)."""
         spec = self.spec
         self.group = self._children()
-        out = self.out = LabelledOutput()
+        self.out = LabelledOutput()
         if spec.imports.strip():
             try:
-                self.group.run(spec.imports, on_output=out, on_display=self._on_display)
+                self.group.run(spec.imports, on_output=self._output(), on_display=self._on_display)
             except RemoteError as exc:
                 raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
+            finally:
+                self._output_ended()
         if spec.needed:
             self.group.push(spec.needed)
         own_env = None
@@ -481,6 +489,8 @@ class _Launch:
                 self._kill([rank])
 
     def _on_done(self, result):
+        if self.repeats is not None:
+            self.repeats.done(result.rank)
         if result.error is not None:
             self.failure(result.rank)
         else:
@@ -491,12 +501,14 @@ class _Launch:
         # display() in a child, in the notebook when there is one (its display ids its own, as
         # in %%dip); in a script, only the text form, labelled like the child's other output.
         if notebook_env():
+            if self.repeats is not None:
+                self.repeats.flush()  # the text printed before the display comes first
             sys.stdout.flush()
             self.displays.show(rank, msg)
         elif not msg.get("clear") and not msg.get("update"):
             text = (msg.get("data") or {}).get("text/plain", "")
             if text:
-                self.out(rank, "stdout", text if text.endswith("\n") else text + "\n")
+                (self.repeats or self.out)(rank, "stdout", text if text.endswith("\n") else text + "\n")
 
     def _kill(self, ranks, sig=signal.SIGKILL):
         """Signals child ranks (their whole process groups) through the runtime, which knows
@@ -506,9 +518,23 @@ class _Launch:
 
     # -- collecting -------------------------------------------------------------------------------
 
-    def _collect(self, pending, out):
-        results = pending.results(on_output=out, on_display=self._on_display, on_message=self._on_message,
-                                  on_done=self._on_done)
+    def _output(self):
+        """The on_output of a request to the children: `out`, through a Repeats of its own."""
+        if self.collapse:
+            self.repeats = Repeats(self.out, self.spec.child_ranks)
+        return self.repeats or self.out
+
+    def _output_ended(self):
+        if self.repeats is not None:
+            self.repeats.close()
+            self.repeats = None
+
+    def _collect(self, pending):
+        try:
+            results = pending.results(on_output=self._output(), on_display=self._on_display,
+                                      on_message=self._on_message, on_done=self._on_done)
+        finally:
+            self._output_ended()
         if any(not r.ok for r in results) or self.failed_at:
             # Ranks that raised may still hold connections their peers wait on.
             self.group.close(0)
@@ -607,15 +633,15 @@ class _Launch:
 class _Collector(threading.Thread):
     """Collects the children's replies (printing their output live) while the notebook runs fn."""
 
-    def __init__(self, launch: _Launch, pending, out):
+    def __init__(self, launch: _Launch, pending):
         super().__init__(name="ddip-ranch-collector", daemon=True)
-        self.launch, self.pending, self.out = launch, pending, out
+        self.launch, self.pending = launch, pending
         self.results = None
         self.error = None
 
     def run(self):
         try:
-            self.results = self.launch._collect(self.pending, self.out)
+            self.results = self.launch._collect(self.pending)
         except BaseException as exc:
             self.error = exc
             self.launch._kill(self.launch.spec.child_ranks)

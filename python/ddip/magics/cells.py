@@ -62,7 +62,7 @@ class CellMagics(Magics):
         shown = self._shown(fn, args, group, ranks)
         if where == "everywhere":
             self._run_local(cell)
-        self._run_remote(group, cell, shown, args.timeout, ranks)
+        self._run_remote(group, cell, shown, args.timeout, ranks, collapse=not args.raw)
 
     @staticmethod
     def _where(fn, args) -> str:
@@ -105,8 +105,8 @@ class CellMagics(Magics):
             # The notebook's own traceback has been shown; fail the cell without adding to it.
             raise render.CellError("the cell failed in the notebook; it did not run on the ranks")
 
-    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None):
-        out = render.RankOutput(shown)
+    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None, collapse=True):
+        out = render.RankOutput(shown, collapse)
         error = None
         try:
             # Only the display form of the last value travels (values=False): the object stays in
@@ -136,6 +136,8 @@ class CellMagics(Magics):
             raise render.CellError.of(ename, exc.describe(restart=RESTART, heal=HEAL)) from None
         except RuntimeError as exc:  # anything else from the runtime: its message, not our frames
             raise render.CellError.of(type(exc).__name__, str(exc)) from None
+        finally:
+            out.close()  # the lines held for repeats, before the values and errors below
         self.session.last_results = results
         for r in results:
             if r.rank in out.shown and r.ok and r.format is not None:
@@ -146,7 +148,7 @@ class CellMagics(Magics):
                 print(error.collectives.describe(), file=sys.stderr, flush=True)
             if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
                 render.heal_note(error.heal)
-            raise render.CellError(error.headline, render.failure_entries(error.failures)) from None
+            raise render.CellError(error.headline, render.failure_entries(error.failures, collapse)) from None
 
     # -- %autodip -----------------------------------------------------------------------------------
 

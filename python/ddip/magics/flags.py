@@ -52,6 +52,9 @@ cell_flags = flag_group(
     argument("--to", choices=["remote", "local", "both"], help="the same as `where` (both = everywhere)"),
     argument("-S", "--see", metavar="all|none|RANKS", help="whose output to show: all, none or ranks like 0,2 (0)"),
     argument("-q", "--quiet", action="store_true", help="show no rank's output (errors still show)"),
+    argument("--raw", action="store_true",
+             help="show every rank's lines and tracebacks as they are, without collapsing repeats "
+                  "into one '[ranks 0-7]' line"),
     argument("-r", "--ranks", metavar="RANKS",
              help="run on these ranks only, like 0,2 (default: every rank); the others stay as they are"),
     argument("--timeout", metavar="SECONDS", type=float, help="interrupt the ranks after this many seconds"),

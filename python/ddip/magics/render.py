@@ -13,7 +13,8 @@ from IPython.display import publish_display_data
 
 from ..kernel.displays import RankDisplays
 from ..errors import merge_failures
-from ..labels import LabelledOutput, pieces, rank_label
+from ..labels import LabelledOutput, pieces, rank_label, ranks_named
+from ..repeats import Repeats
 
 
 def header(text: str) -> str:
@@ -67,10 +68,11 @@ def restore_cell_errors(shell, previous):
     shell.custom_exceptions, shell.CustomTB = previous
 
 
-def failure_entries(failures) -> list:
-    """One entry per distinct traceback, naming every rank that raised it (root cause first)."""
+def failure_entries(failures, collapse: bool = True) -> list:
+    """One entry per distinct traceback, naming every rank that raised it (root cause first);
+    collapse=False (%%dip --raw): one per rank."""
     entries = []
-    for f, ranks in merge_failures(failures):
+    for f, ranks in merge_failures(failures) if collapse else [(f, [f.rank]) for f in failures]:
         if f.died:
             body = [f"{f.ename}: {f.evalue}"]
             if f.stderr_tail:
@@ -78,8 +80,7 @@ def failure_entries(failures) -> list:
             body.append(DIED_NOTE)
         else:
             body = list(f.traceback) or [f"{f.ename}: {f.evalue}"]
-        label = rank_label(ranks[0]) if len(ranks) == 1 else \
-            f"[ranks {', '.join(map(str, ranks))} (the same traceback on each)]"
+        label = rank_label(ranks[0]) if len(ranks) == 1 else f"[{ranks_named(ranks)} (the same traceback on each)]"
         entries.append((f.ename, f.evalue, [header(label)] + body))
     return entries
 
@@ -125,20 +126,29 @@ DIED_NOTE = ("%makedip --heal (g.heal()) replaces the dead rank, keeping the oth
 
 class RankOutput:
     """Writes the shown ranks' output into the notebook live, a "[rank N]" line heading each run
-    of one rank's output (none when one rank is shown)."""
+    of one rank's output (none when one rank is shown). Lines that several ranks print alike come
+    once, headed "[ranks 0-7]" (ddip.repeats), unless `collapse` is False (--raw). close() at the
+    cell's end writes what is held."""
 
-    def __init__(self, shown: list[int]):
+    def __init__(self, shown: list[int], collapse: bool = True):
         self.shown = set(shown)
         self.out = LabelledOutput(rank_label if len(shown) > 1 else None, headers=True)
         self.displays = RankDisplays()
+        self.repeats = Repeats(self.out.headed, shown) if collapse and len(shown) > 1 else None
 
     def on_output(self, rank, stream_name, text):
         if rank in self.shown and text:
-            self.out.headed(rank, stream_name, text)
+            (self.repeats or self.out.headed)(rank, stream_name, text)
+
+    def close(self):
+        if self.repeats is not None:
+            self.repeats.close()
 
     def on_display(self, rank, msg):
         if rank not in self.shown:
             return
+        if self.repeats is not None:
+            self.repeats.flush()  # the text printed before the display comes first
         if msg.get("clear"):
             # The cell's output goes (now, or with wait=True when the next output comes), labels
             # with it: the next output is labelled again.
