@@ -496,6 +496,45 @@ def test_a_ddp_script_always_exits_0(launcher, tmp_path):
         assert by_rank(out) == {0: ["done"], 1: ["done"]}
 
 
+STORE_EARLY = """
+import os, socket, sys, time
+from pathlib import Path
+
+flag = Path(sys.argv[1])
+port = int(os.environ["MASTER_PORT"])
+assert "DDIP_STORE_FD" not in os.environ
+if os.environ["RANK"] == "1":
+    # Before rank 0 has made any store: the port listens already, or this is refused.
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        flag.write_text("listened")
+    except ConnectionRefusedError:
+        flag.write_text("refused")
+else:
+    while not flag.exists():
+        time.sleep(0.01)
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(t)
+print(flag.read_text(), int(t.item()))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("hook", ["1", "0"])
+def test_rank_0s_store_listens_before_any_rank_starts(launcher, tmp_path, hook):
+    # A store client that connects before rank 0's server is up is refused and backs off (half a
+    # second); with ddip's hook, rank 0's TCPStore serves on a socket ddip run made listen first.
+    path = script(tmp_path, STORE_EARLY)
+    got, out, err = run(launcher, ["run", "-n", "2", PY, path, str(tmp_path / "flag")],
+                        env={"DDIP_RUN_HOOK": hook}, timeout=120)
+    assert got == 0, err
+    seen = "listened" if hook == "1" else "refused"
+    assert by_rank(out) == {0: [f"{seen} 3"], 1: [f"{seen} 3"]}
+
+
 def test_rank_that_ignores_sigterm_is_killed_after_the_grace(launcher, tmp_path):
     path = script(tmp_path, PIDS_THEN.format(body="""
     if r == 0:

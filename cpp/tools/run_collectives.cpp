@@ -1,6 +1,10 @@
 #include "run_collectives.hpp"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -45,6 +49,8 @@ def _ddip_run_hook():
         hook.__file__ = path
         SourceFileLoader(hook.__name__, path).exec_module(hook)
         hook.start(here)
+    elif "DDIP_STORE_FD" in os.environ:  # rank 0's store socket: its own store binds the port
+        os.close(int(os.environ.pop("DDIP_STORE_FD")))
     try:
         import sitecustomize  # noqa: F401
     except ImportError as exc:
@@ -103,6 +109,81 @@ std::optional<int> script_status(const std::string& dir, pid_t pid) {
   std::filesystem::remove(path, ec);  // a later process with the same id must not find it
   if (status < 0 || status > 255) return std::nullopt;
   return status;
+}
+
+namespace {
+
+// A listening TCP socket on `port` of every address: IPv6 and IPv4 where IPv6 exists, as torch's
+// server binds. Inheritable (no close-on-exec): it is for a rank. Empty when it can't be made.
+Fd listen_everywhere(int port) {
+  for (int family : {AF_INET6, AF_INET}) {
+    Fd s(::socket(family, SOCK_STREAM, 0));
+    if (!s) continue;
+    int one = 1, zero = 0;
+    ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_storage ss{};
+    socklen_t len = 0;
+    if (family == AF_INET6) {
+      ::setsockopt(s.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+      a->sin6_family = AF_INET6;
+      a->sin6_addr = in6addr_any;
+      a->sin6_port = htons(static_cast<uint16_t>(port));
+      len = sizeof *a;
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+      a->sin_family = AF_INET;
+      a->sin_addr.s_addr = htonl(INADDR_ANY);
+      a->sin_port = htons(static_cast<uint16_t>(port));
+      len = sizeof *a;
+    }
+    // EADDRINUSE: the port is busy, and another family won't change that.
+    if (::bind(s.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+      if (errno == EADDRINUSE) return Fd();
+      continue;
+    }
+    if (::listen(s.get(), 1024) == 0) return s;
+  }
+  return Fd();
+}
+
+std::string env_value(const std::vector<std::string>& env, const std::string& name) {
+  for (const auto& kv : env)
+    if (kv.size() > name.size() && kv.compare(0, name.size(), name) == 0 && kv[name.size()] == '=')
+      return kv.substr(name.size() + 1);
+  return "";
+}
+
+}  // namespace
+
+SpawnSpec with_store_socket(const SpawnSpec& spec, Fd& socket) {
+  socket.reset();
+  if (spec.argv.empty() || env_value(spec.env, kRunHookVariable) != "1") return spec;
+  // Python itself: another program could bind MASTER_PORT itself, and find it taken.
+  std::string program = std::filesystem::path(spec.argv[0]).filename().string();
+  if (program.rfind("python", 0) != 0) return spec;
+  // -I, -E and -S start Python without PYTHONPATH's sitecustomize, so without the hook.
+  for (size_t i = 1; i < spec.argv.size(); ++i) {
+    const std::string& a = spec.argv[i];
+    if (a.size() < 2 || a[0] != '-' || a == "-m" || a == "-c" || a == "--") break;
+    if (a == "-X" || a == "-W") {
+      ++i;
+      continue;
+    }
+    if (a[1] != '-' && a.find_first_of("IES") != std::string::npos) return spec;
+  }
+  int port = 0;
+  try {
+    port = std::stoi(env_value(spec.env, "MASTER_PORT"));
+  } catch (const std::exception&) {
+    return spec;
+  }
+  if (port <= 0 || port > 65535) return spec;
+  socket = listen_everywhere(port);
+  if (!socket) return spec;
+  SpawnSpec out = spec;
+  out.env.push_back(std::string(kStoreFdVariable) + "=" + std::to_string(socket.get()));
+  return out;
 }
 
 bool answers_sigurg(pid_t pid) {

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "ddip/fd.hpp"
+#include "ddip/supervisor.hpp"
 #include "run_loop.hpp"
 #include "run_protocol.hpp"
 
@@ -53,6 +55,21 @@ bool answers_sigurg(pid_t pid);
 // none: the process died before its script ended (a crash is a crash), it is not a Python rank
 // with the hook, or the hook could not tell (`raise SystemExit(n)` itself, `python -c`).
 std::optional<int> script_status(const std::string& dir, pid_t pid);
+
+// torch's TCPStore, listening before any rank starts. Without it, a rank whose store client
+// connects before rank 0's server is up is refused and backs off, and its init_process_group
+// takes half a second instead of a hundredth. ddip run makes the listening socket (port
+// MASTER_PORT, every address, as torch's server binds) and hands it to rank 0; the hook there
+// gives it to the TCPStore server that init_process_group makes at MASTER_PORT (torch's
+// TCPStore takes a listening socket as master_listen_fd). Clients connect at once, into the
+// socket's backlog, and are answered once rank 0 serves.
+inline constexpr const char* kStoreFdVariable = "DDIP_STORE_FD";
+
+// For rank 0's `spec`: a socket listening on its MASTER_PORT, inheritable, returned in `socket`,
+// and the spec with DDIP_STORE_FD naming it. `spec` itself, and `socket` empty, where the rank
+// would not take it: a command that is not Python, the hook turned off (DDIP_RUN_HOOK=0), or a
+// port that can't be had (it is busy: rank 0 then fails to bind it as it would have).
+SpawnSpec with_store_socket(const SpawnSpec& spec, Fd& socket);
 
 // One request for every rank's state: who was asked, their answers, until each rank asked has
 // answered or the deadline has passed; then the text to show.

@@ -51,6 +51,7 @@ def start(hook_dir: str) -> None:
         _signal.pthread_sigmask(_signal.SIG_SETMASK, old | {_signal.SIGURG})
     os.register_at_fork(after_in_child=lambda: _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGURG}))
     _watch_end(os.path.dirname(os.path.abspath(hook_dir)))
+    _take_store_socket()
     if os.environ.get("PYTHONBREAKPOINT") == _BREAKPOINT_HOOK:
         sys.meta_path.insert(0, _PatchPdb())
 
@@ -175,6 +176,95 @@ def _write_end() -> None:
             os.close(fd)
     except OSError:
         pass  # ddip run then reads an abort as what it is
+
+
+# Rank 0's TCPStore socket (cpp/tools/run_collectives.hpp, with_store_socket): ddip run made it
+# listen at MASTER_PORT before any rank started, so the other ranks' store clients connect at once
+# instead of being refused and backing off. init_process_group makes its server here through
+# torch.distributed.rendezvous._create_c10d_store, which is wrapped to hand it the socket.
+_store_fd = None
+_store_port = None
+
+
+def _take_store_socket() -> None:
+    global _store_fd, _store_port
+    fd = os.environ.pop("DDIP_STORE_FD", None)
+    if fd is None:
+        return
+    try:
+        _store_fd, _store_port = int(fd), int(os.environ["MASTER_PORT"])
+        os.set_inheritable(_store_fd, False)  # the rank's subprocesses don't hold the port
+    except (KeyError, ValueError, OSError):
+        _store_fd = None
+        return
+    os.register_at_fork(after_in_child=_drop_store_socket)
+    sys.meta_path.insert(0, _PatchModule("torch.distributed.rendezvous", _patch_rendezvous))
+
+
+def _drop_store_socket() -> None:
+    """A forked child serves no store: the socket is its parent's."""
+    global _store_fd
+    if _store_fd is not None:
+        try:
+            os.close(_store_fd)
+        except OSError:
+            pass
+        _store_fd = None
+
+
+def _patch_rendezvous(module) -> None:
+    create = getattr(module, "_create_c10d_store", None)
+    if create is None:  # another torch: its own store as before; the socket must not hold the port
+        _drop_store_socket()
+        return
+
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        global _store_fd
+        fd = _store_fd
+        if fd is None or rank != 0 or port != _store_port or module._torchelastic_use_agent_store():
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        _store_fd = None
+        use_libuv = kwargs.get("use_libuv", args[0] if args else True)
+        try:
+            # As torch makes it (rendezvous.py), on the socket that listens already.
+            return module.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                                   timeout=timeout, multi_tenant=True, use_libuv=use_libuv,
+                                   master_listen_fd=fd)
+        except TypeError:  # a torch whose TCPStore takes no master_listen_fd: its own, as before
+            os.close(fd)
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+
+    module._create_c10d_store = _create_c10d_store
+
+
+class _PatchModule:
+    """A finder first on sys.meta_path that finds nothing itself: when `name` is imported, it finds
+    it as the rest of sys.meta_path would and calls `patch` on the module once it has run."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            from importlib.util import find_spec
+
+            spec = find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        sys.meta_path.remove(self)  # found once: later imports pass it by
+        run, patch = spec.loader.exec_module, self.patch
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def _leave_pythonpath(hook_dir: str) -> None:
