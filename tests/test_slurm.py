@@ -1,8 +1,7 @@
-"""The Slurm launcher against a real single-node Slurm cluster started by this test: Debian's
-munged, slurmctld and slurmd (22.05), each with a key, config, state, spool and logs of its own
-in a temporary folder, on free loopback ports, and a munge socket of its own; the system's
-/etc/munge and /etc/slurm are not used. Daemons run in the foreground (-D, -F) as children of
-this test and are stopped by pid.
+"""The Slurm launcher against a real single-node Slurm cluster started by this test
+(tests/slurm_cluster.py's Cluster.on_loopback(): Debian's munged, slurmctld and slurmd, with a
+key, config, state, spool and logs of their own in a temporary folder, on free loopback ports;
+daemons stopped by pid). tests/test_slurm_nodes.py runs a cluster of several nodes.
 
 The node is named "127.0.0.2" (with NodeAddr=127.0.0.1): a name that resolves to this machine
 over loopback without an /etc/hosts entry, but that ddip does not take for its own host, so its
@@ -15,12 +14,8 @@ installs them); skipped otherwise.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -28,188 +23,16 @@ import pytest
 import ddip
 
 from conftest import alive, wait_until
+from slurm_cluster import LOOPBACK_NODE, Cluster, missing
 
-NODE = "127.0.0.2"
-DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
-TOOLS = ("mungekey", "srun", "salloc", "sinfo", "squeue", "scancel")
-
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (to run munged, slurmctld and slurmd of its own)"
-    for name, path in DAEMONS.items():
-        if not os.access(path, os.X_OK):
-            return f"needs {name} (make setup installs slurmctld, slurmd, slurm-client and munge)"
-    for tool in TOOLS:
-        if shutil.which(tool) is None:
-            return f"needs {tool} (make setup installs slurmctld, slurmd, slurm-client and munge)"
-    return None
-
-
-_why_not = _missing()
+NODE = LOOPBACK_NODE
+_why_not = missing()
 needs_slurm = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """munged + slurmctld + slurmd, one node (NODE) with 2 CPUs, partition "debug"."""
-
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="ddip-slurm-")
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.job: str | None = None
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-
-    def path(self, *parts) -> str:
-        return os.path.join(self.dir, *parts)
-
-    def _start(self):
-        for sub in ("munge", "state", "spool", "log"):
-            os.makedirs(self.path(sub), mode=0o700)
-        os.chmod(self.dir, 0o755)
-        os.chmod(self.path("munge"), 0o755)  # munged wants its socket's folder searchable by all
-        key = self.path("munge", "munge.key")
-        subprocess.run(["mungekey", "--create", "--keyfile", key], check=True, capture_output=True)
-        os.chmod(key, 0o600)
-        self.socket = self.path("munge", "munge.socket")
-        conf = f"""\
-ClusterName=ddiptest
-SlurmctldHost=localhost(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
-AuthType=auth/munge
-AuthInfo=socket={self.socket}
-CredType=cred/munge
-StateSaveLocation={self.path("state")}
-SlurmdSpoolDir={self.path("spool")}
-SlurmctldPidFile={self.path("slurmctld.pid")}
-SlurmdPidFile={self.path("slurmd.pid")}
-SlurmctldLogFile={self.path("log", "slurmctld.log")}
-SlurmdLogFile={self.path("log", "slurmd.log")}
-SelectType=select/linear
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-SwitchType=switch/none
-ReturnToService=2
-NodeName={NODE} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
-"""
-        self.conf = self.path("slurm.conf")
-        with open(self.conf, "w") as f:
-            f.write(conf)
-        self.env = {**os.environ, "SLURM_CONF": self.conf}
-        for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-            self.env.pop(name, None)
-
-        self._daemon("munged", ["-F", "-f", "-S", self.socket, f"--key-file={key}",
-                                f"--pid-file={self.path('munge', 'munged.pid')}",
-                                f"--log-file={self.path('log', 'munged.log')}",
-                                f"--seed-file={self.path('munge', 'munged.seed')}"])
-        if not wait_until(lambda: os.path.exists(self.socket), 10):
-            raise RuntimeError(f"munged did not start: {self.log('munged')}")
-        self._daemon("slurmctld", ["-D", "-f", self.conf])
-        self._daemon("slurmd", ["-D", "-f", self.conf, "-N", NODE])
-        if not wait_until(lambda: self.sinfo() == "idle", 30):
-            raise RuntimeError(f"the node never became idle (sinfo: {self.sinfo()!r}); "
-                               f"{self.log('slurmctld')}\n{self.log('slurmd')}")
-
-    def _daemon(self, name: str, args: list[str]):
-        out = open(self.path("log", f"{name}.out"), "w")
-        self.procs[name] = subprocess.Popen([DAEMONS[name], *args], stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
-        out.close()
-
-    def log(self, name: str) -> str:
-        text = ""
-        for suffix in (".out", ".log"):
-            try:
-                with open(self.path("log", name + suffix)) as f:
-                    text += f.read()
-            except OSError:
-                pass
-        return f"--- {name} ---\n{text[-3000:]}"
-
-    def slurm(self, *argv, timeout=30) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), capture_output=True, text=True, env=self.env, timeout=timeout)
-
-    def sinfo(self) -> str:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode}: {self.log(name)}")
-        out = self.slurm("sinfo", "-h", "-N", "-n", NODE, "-o", "%T")
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    def allocate(self) -> str:
-        out = self.slurm("salloc", "-N1", "--no-shell", "--job-name=ddip-test", timeout=60)
-        words = [w for w in (out.stdout + out.stderr).split() if w.isdigit()]
-        if out.returncode != 0 or "Granted job allocation" not in out.stderr or not words:
-            raise RuntimeError(f"salloc failed ({out.returncode}): {out.stderr.strip()}")
-        self.job = words[-1]
-        return self.job
-
-    def steps(self) -> list[str]:
-        out = self.slurm("squeue", "-h", "--steps", "-j", self.job, "-o", "%i %j")
-        assert out.returncode == 0, out.stderr
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-
-    def strays(self) -> list[str]:
-        """Processes, other than the three daemons, started under this cluster's config: srun,
-        slurmstepd, the agent and the ranks all inherit SLURM_CONF from the notebook or slurmd."""
-        mark = f"SLURM_CONF={self.conf}".encode()
-        daemons = {p.pid for p in self.procs.values()}
-        ctld = self.procs["slurmctld"].pid if "slurmctld" in self.procs else None
-        found = []
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            if pid in daemons or pid == os.getpid() or not alive(pid):
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == ctld:
-                        continue  # slurmctld's own helper, slurmscriptd
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if mark not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{pid}: {cmd}")
-            except OSError:
-                pass
-        return found
-
-    def close(self):
-        if self.job is not None and self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
-            self.slurm("scancel", self.job)
-        for name in ("slurmd", "slurmctld", "munged"):  # by pid, in reverse order of start
-            p = self.procs.get(name)
-            if p is None or p.poll() is not None:
-                continue
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.left = self.strays() if hasattr(self, "conf") else []
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster()
+    c = Cluster.on_loopback()
     try:
         yield c
     finally:
