@@ -655,10 +655,12 @@ def test_every_magic_takes_a_trailing_comment_and_keeps_a_quoted_hash(k, tmp_pat
     # A # inside quotes, or inside a word, is part of the value: these log directories keep theirs.
     cell = k.run(f"%%diprun -n 2 --log-dir '{tmp_path}/logs #1'  # -n 5 is no flag\nprint('hi')")
     assert cell.ok and sorted(cell.stream().splitlines()) == ["[0] hi", "[1] hi"], cell.outputs
-    assert [(tmp_path / "logs #1" / f"rank{r}.stdout").read_text() for r in range(2)] == ["hi\n", "hi\n"]
+    # torchrun's layout: <dir>/<run id>_<random>/attempt_0/<local rank>/stdout.log
+    assert [next((tmp_path / "logs #1").glob(f"*/attempt_0/{r}/stdout.log")).read_text()
+            for r in range(2)] == ["hi\n", "hi\n"]
     cell = k.run(f"%%diprun -n 1 --log-dir {tmp_path}/logs#2\nprint('hi')")
     assert cell.ok, cell.outputs
-    assert (tmp_path / "logs#2" / "rank0.stdout").read_text() == "hi\n"
+    assert next((tmp_path / "logs#2").glob("*/attempt_0/0/stdout.log")).read_text() == "hi\n"
 
 
 @pytest.mark.parametrize("code, needle", [

@@ -53,6 +53,13 @@ def run(launcher, args, timeout=60, **kw):
     return p.returncode, out, err
 
 
+def rank_log(logs: Path, rank: int, stream: str = "stdout", attempt: int = 0) -> Path:
+    """A rank's log file in torchrun's --log-dir layout: <dir>/<run id>_<random>/attempt_<n>/<local rank>/."""
+    jobs = list(logs.iterdir())
+    assert len(jobs) == 1, jobs
+    return jobs[0] / f"attempt_{attempt}" / str(rank) / f"{stream}.log"
+
+
 def script(tmp_path, body: str, name="rank.py") -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
@@ -189,7 +196,7 @@ def test_gpus_named_by_cuda_visible_devices_on_a_machine_without_any_is_an_error
     (["run", "-n", "2", "--gpus", "0", "true"], "excludes"),
     (["run", "-n", "0", "true"], "not in range"),
     (["run", "-n", "2"], "COMMAND is required"),
-    (["run", "--tee", "3", "-n", "2", "true"], "there is no rank 3"),
+    (["run", "--show", "3", "-n", "2", "true"], "there is no rank 3"),
     (["run", "--bogus", "true"], "--bogus"),
 ])
 def test_usage_errors(launcher, args, message):
@@ -202,19 +209,23 @@ def test_usage_errors(launcher, args, message):
 def test_help_documents_every_flag(launcher):
     code, out, _ = run(launcher, ["run", "--help"])
     assert code == 0
-    for flag in ("-n,--nproc-per-node", "--gpus", "--tee", "--log-dir", "--timeout", "COMMAND"):
+    for flag in ("-n,--nproc-per-node", "--gpus", "--show", "-t,--tee", "-r,--redirects", "--log-dir",
+                 "--timeout", "--nnodes", "--standalone", "-m,--module", "--no-python", "COMMAND"):
         assert flag in out
     # What reaches the ranks besides their output: the signals forwarded, torchrun's variables.
     assert "Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal) are forwarded" in out
-    assert "TORCHELASTIC_ERROR_FILE" in out and "never restarts" in out
+    assert "TORCHELASTIC_ERROR_FILE" in out
 
 
 def test_command_that_does_not_exist(launcher):
+    # Looked up before any rank starts (issue 32 item 7): a usage error naming the 127 or 126 every
+    # rank would have exited with.
     code, out, err = run(launcher, ["run", "-n", "2", "no-such-command-ddip"])
-    assert code == 127
-    assert "cannot start rank 0" in err and "No such file or directory" in err
-    code, out, err = run(launcher, ["run", "-n", "2", "/etc/passwd"])  # not executable
-    assert code == 126 and "Permission denied" in err
+    assert code == 2 and out == ""
+    assert "COMMAND: no-such-command-ddip: no such program on PATH and no such file" in err
+    assert "127, not found" in err
+    code, out, err = run(launcher, ["run", "-n", "2", "--no-python", "/etc/passwd"])  # not executable
+    assert code == 2 and "COMMAND: /etc/passwd is not executable; every rank would exit with 126" in err
 
 
 NOISY = """
@@ -247,33 +258,33 @@ def test_labelled_output_under_heavy_concurrent_printing(launcher, tmp_path):
     check_noisy(err, list(range(n)), lines, "err", step=7)
     # The log files hold each rank's output exactly as it wrote it, unlabelled.
     for r in range(n):
-        stdout = (logs / f"rank{r}.stdout").read_text()
+        stdout = rank_log(logs, r).read_text()
         assert stdout == "".join(f"rank {r} line {i} {'x' * (i % 300)}\n" for i in range(lines))
-        stderr = (logs / f"rank{r}.stderr").read_text()
+        stderr = rank_log(logs, r, "stderr").read_text()
         assert stderr == "".join(f"rank {r} err {i} {'x' * (i % 300)}\n" for i in range(0, lines, 7))
 
 
-def test_tee_chooses_ranks_log_dir_keeps_all(launcher, tmp_path):
+def test_show_chooses_ranks_log_dir_keeps_all(launcher, tmp_path):
     logs = tmp_path / "logs"
     path = script(tmp_path, NOISY.format(lines=50))
-    code, out, err = run(launcher, ["run", "-n", "3", "--tee", "0", "--log-dir", str(logs), PY, path])
+    code, out, err = run(launcher, ["run", "-n", "3", "--show", "0", "--log-dir", str(logs), PY, path])
     assert code == 0
     check_noisy(out, [0], 50, "line")
     check_noisy(err, [0], 50, "err", step=7)
     for r in range(3):
-        assert (logs / f"rank{r}.stdout").read_text().count("\n") == 50
-    code, out, err = run(launcher, ["run", "-n", "2", "--tee", "none", PY, path])
+        assert rank_log(logs, r).read_text().count("\n") == 50
+    code, out, err = run(launcher, ["run", "-n", "2", "--show", "none", PY, path])
     assert code == 0 and out == "" and err == ""
 
 
-def test_rank_outside_tee_is_still_reported(launcher, tmp_path):
+def test_rank_not_shown_is_still_reported(launcher, tmp_path):
     path = script(tmp_path, """
         import os, sys
         if os.environ["RANK"] == "1":
             print("hidden reason", file=sys.stderr)
             sys.exit(4)
     """)
-    code, out, err = run(launcher, ["run", "-n", "2", "--tee", "0", PY, path])
+    code, out, err = run(launcher, ["run", "-n", "2", "--show", "0", PY, path])
     assert code == 4
     assert "[1]" not in err  # its output itself stays hidden
     assert "rank 1 failed first: exit code 4" in err and "  | hidden reason" in err
@@ -299,7 +310,7 @@ def test_reader_going_away_does_not_stop_the_ranks(tmp_path):
             p.kill()
             p.communicate()
     assert p.returncode == 0, err
-    assert (logs / "rank0.stdout").read_text().count("\n") == 2000
+    assert rank_log(logs, 0).read_text().count("\n") == 2000
 
 
 def test_partial_lines_and_progress_bars(tmp_path):
@@ -1038,7 +1049,7 @@ def test_diprun_failure_fails_the_cell(kernel):
 
 
 def test_diprun_bad_flags(kernel):
-    for line, message in (("%%diprun -n 2 --gpus 0", "--nproc-per-node excludes --gpus"),
+    for line, message in (("%%diprun -n 2 --gpus 0", "-n excludes --gpus"),
                           ("%%diprun --bogus", "unrecognized"), ("%%diprun -n x", "invalid int")):
         cell = kernel.run(line + "\nprint('never')")
         assert not cell.ok
@@ -1048,9 +1059,9 @@ def test_diprun_bad_flags(kernel):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ("-n 2 --tee 5", "--tee: there is no rank 5: ranks are 0-1"),
+    ("-n 2 --show 5", "--show: there is no rank 5: ranks are 0-1"),
     ("--gpus 0,0", "--gpus: GPUs 0,0 list GPU 0 more than once; each rank needs its own GPU"),
-    ("-n 0", "--nproc-per-node: Value 0 not in range 1 to 1024"),
+    ("-n 0", "-n: Value 0 not in range 1 to 1024"),
     ("--timeout -1", "--timeout: give a positive number of seconds, got -1"),
 ])
 def test_diprun_values_ddip_run_rejects_are_usage_errors_in_its_words(kernel, flags, message, fake_gpus):
@@ -1063,7 +1074,7 @@ def test_diprun_values_ddip_run_rejects_are_usage_errors_in_its_words(kernel, fl
     finally:
         assert kernel.run("del os.environ['CUDA_VISIBLE_DEVICES']\nos.environ['PATH'] = _path").ok
     assert not cell.ok and cell.reply["ename"] == "UsageError"
-    assert cell.reply["evalue"] == f"{message}\nusage: %diprun [-n N] [-g GPUS] [--tee RANKS] [--log-dir DIR] " \
+    assert cell.reply["evalue"] == f"{message}\nusage: %diprun [-n N] [-g GPUS] [--show RANKS] [--log-dir DIR] " \
                                    f"[--timeout SECONDS] [--hosts HOSTS] [--launcher LAUNCHER] [--ddip PATH]"
     # As IPython shows a UsageError: its message alone, no traceback, and no ddip run --help hint.
     assert cell.stream("stderr") == f"UsageError: {cell.reply['evalue']}\n"

@@ -348,11 +348,11 @@ def test_timeout_does_not_count_the_time_at_a_prompt(terminal, tmp_path):
 
 
 def test_a_rank_left_out_by_tee_still_shows_its_prompts(tmp_path):
-    p = subprocess.run([DDIP, "run", "-n", "2", "--tee", "0", "--", PY, two_ranks(tmp_path)], input="p x\nc\n",
+    p = subprocess.run([DDIP, "run", "-n", "2", "--show", "0", "--", PY, two_ranks(tmp_path)], input="p x\nc\n",
                        capture_output=True, text=True, timeout=60)
     out = ANSI.sub("", p.stdout)
     assert p.returncode == 0, p.stderr
     assert "[1] ipdb> p x\n[1] 41\n[1] ipdb> c\n" in out
-    # Its own output is still --tee's (the source lines its debugger lists are not).
+    # Its own output is still --show's (the source lines its debugger lists are not).
     assert "[1] rank 1 stops\n" not in out and "[1] rank 1 goes on with x=41" not in out
     assert "[0] rank 0's stdin: nothing" in out

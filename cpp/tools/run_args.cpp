@@ -567,8 +567,10 @@ void CommandLine::read_ranks() {
   for (const char* other : {"--gpus", "--hosts"})
     if (n_here && has(other)) {
       const Given* o = given(other);
-      problem_at(std::max(n->pos, o->pos), o->spelled + " excludes " + n->spelled +
-                                               " (give the ranks one way)");
+      const Given* first = n->pos < o->pos ? n : o;
+      const Given* second = first == n ? o : n;
+      problem_at(second->pos, first->spelled + " excludes " + second->spelled +
+                                  " (give the ranks one way)");
     }
   if (const Given* g = given("--gpus");
       g && g->value.find(':') == std::string::npos && !has("--hosts")) {

@@ -27,4 +27,7 @@ def binary() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Replaces this process with `ddip ARGS...`: signals and the exit code are the program's."""
     args = sys.argv[1:] if argv is None else argv
+    # torchrun's "python" for a script is this interpreter, as `python -m torch.distributed.run`'s.
+    if args[:1] == ["run"]:
+        args = ["run", "--interpreter", sys.executable, *args[1:]]
     os.execv(binary(), ["ddip", *args])

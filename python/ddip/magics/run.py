@@ -47,10 +47,11 @@ class DipRunMagics(Magics):
 
     @magic_arguments()
     @size_flags
-    @argument("--tee", default=None, metavar="RANKS",
+    @argument("--show", default=None, metavar="RANKS",
               help="ranks whose output is shown: all (default), none, or a list such as 0")
     @argument("--log-dir", default=None, metavar="DIR",
-              help="also keep each rank's full stdout/stderr in DIR/rank<i>.stdout|stderr")
+              help="also keep each rank's full stdout/stderr in torchrun's layout: "
+                   "DIR/<run id>_<random>/attempt_0/<rank>/stdout.log|stderr.log")
     @argument("--timeout", default=None, metavar="SECONDS",  # a string: ddip run judges it
               help="stop every rank after this many seconds (time at a rank's debugger prompt not counted)")
     @argument("--hosts", default=None, metavar="HOSTS",
@@ -68,7 +69,7 @@ class DipRunMagics(Magics):
         fn = self.diprun
         args = parse(fn, line)
         flags = []
-        for flag, value in (("-n", args.nprocs), ("--gpus", args.gpus), ("--tee", args.tee),
+        for flag, value in (("-n", args.nprocs), ("--gpus", args.gpus), ("--show", args.show),
                             ("--log-dir", args.log_dir), ("--timeout", args.timeout), ("--hosts", args.hosts),
                             ("--launcher", args.launcher), ("--ddip", args.ddip)):
             if value is not None:
@@ -97,7 +98,7 @@ class DipRunMagics(Magics):
 
 
 def _check(fn, command: list[str]):
-    """`ddip run` judges the values of its own flags (-n 0, --tee 5, --gpus 0,0): asked first with
+    """`ddip run` judges the values of its own flags (-n 0, --show 5, --gpus 0,0): asked first with
     --check, which starts nothing, its usage errors become this magic's (exit code 2 there can't
     be a rank's, as it would be from the real run)."""
     check = subprocess.run([binary(), "run", "--check", *command], stdin=subprocess.DEVNULL,
