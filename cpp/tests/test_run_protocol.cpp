@@ -185,7 +185,7 @@ TEST(RunProtocol, MalformedReportsAreRejectedSayingWhy) {
       {p + "done 2 0 ok\n", "says 2 rank(s) follow, which takes 4 fields, but 2 do"},
       {p + "done 1 zero ok\n", "rank \"zero\" is not a number"},
       {p + "done x\n", "rank count \"x\" is not a number"},
-      {p + "tail some stderr\n", "unknown kind \"tail\" (expected failed, done, prompt or state)"},
+      {p + "tail some stderr\n", "unknown kind \"tail\" (expected failed, done, prompt, state or signalled)"},
       {p + "status 1 exit\n", "unknown kind \"status\""},
       {p + "state 1 {}\n", "it ends before its stack"},
       {p + "state one {} x\n", "rank \"one\" is not a number"},

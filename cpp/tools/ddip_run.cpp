@@ -33,6 +33,7 @@
 #include "run_channel.hpp"
 #include "run_collectives.hpp"
 #include "run_elastic.hpp"
+#include "run_join.hpp"
 #include "run_loop.hpp"
 #include "run_output.hpp"
 #include "run_plan.hpp"
@@ -58,6 +59,14 @@ struct CannotStart : std::system_error {
   int exit_code() const { return code().value() == ENOENT ? 127 : 126; }
 };
 
+// How this ddip run is linked to the other nodes of a job that formed from one ddip run per
+// node (run_join.hpp): the job's host has every other node's link, each a unit after its own
+// ranks; another node has its link to the host, its control channel.
+struct Joined {
+  std::vector<JobHost::Node>* nodes = nullptr;
+  JoinLink* host = nullptr;
+};
+
 // Starts every unit, hands their output to LabelledStreams, their exits, the signals and the
 // control channel's messages to the FailurePolicy, and carries out its decisions (the Crew).
 class Launcher final : Crew {
@@ -67,10 +76,14 @@ class Launcher final : Crew {
   // `error_file`: this ddip run's own TORCHELASTIC_ERROR_FILE ("" when unset), which gets the
   // root cause's error file at the end, as torchrun's does.
   Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node,
-           const ErrorFiles& errors, std::string error_file);
+           const ErrorFiles& errors, std::string error_file, Joined joined = {});
 
   // Runs the ranks to the end; returns the launcher's exit code.
   int run();
+  const Outcome& outcome() const { return policy_.outcome(); }
+  const std::vector<UnitEnd>& ends() const { return ends_; }
+  // The job's host: the nodes that vanished during the attempt (indices into Joined::nodes).
+  const std::vector<size_t>& vanished() const { return vanished_; }
 
  private:
   // Crew: the policy's decisions, done.
@@ -85,6 +98,10 @@ class Launcher final : Crew {
   void stopping(size_t u, int sig);
   void pass_on_error_file() const;
   void on_exit(size_t u);
+  // A joined node (unit `u`) has said it is done, or its link is gone (`why`).
+  void on_node_done(size_t u);
+  void on_node_gone(size_t u, std::string why);
+  bool joined_node(size_t u) const { return u >= first_node_; }
   void on_signal();
   void on_control(const protocol::Control& message);
   void on_record(size_t u, std::string_view line);
@@ -103,10 +120,15 @@ class Launcher final : Crew {
     return std::all_of(ends_.begin(), ends_.end(),
                        [](const UnitEnd& e) { return e.status.has_value(); });
   }
-  std::string me() const { return node_ ? "ddip run on " + node_->name : std::string("ddip run"); }
+  std::string me() const {
+    return node_ && !joined_.host ? "ddip run on " + node_->name : std::string("ddip run");
+  }
 
   RunOptions opts_;
   std::optional<NodeOptions> node_;
+  Joined joined_;
+  size_t first_node_;  // the first joined node's unit (the job's host); past the end without
+  std::vector<size_t> vanished_;
   const ErrorFiles& errors_;
   std::string error_file_;
   milliseconds link_timeout_;
@@ -121,14 +143,17 @@ class Launcher final : Crew {
   FailurePolicy policy_;
   Downstream downstream_;
   std::optional<Upstream> upstream_;  // node mode
+  NodeReports reports_;               // the job's host: the joined nodes' records
   Fd signals_;
   Clock::time_point drain_until_;
 };
 
 Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<NodeOptions> node,
-                   const ErrorFiles& errors, std::string error_file)
+                   const ErrorFiles& errors, std::string error_file, Joined joined)
     : opts_(std::move(opts)),
       node_(std::move(node)),
+      joined_(joined),
+      first_node_(plans.size()),
       errors_(errors),
       error_file_(std::move(error_file)),
       link_timeout_(std::chrono::duration_cast<milliseconds>(
@@ -136,7 +161,7 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
       plans_(std::move(plans)),
       // On another host, output goes back through the launcher: if it can't be sent for the
       // link timeout, the link is gone (a network that dropped without a word).
-      terminal_(node_ ? link_timeout_ : milliseconds::zero()),
+      terminal_(node_ && !joined_.host ? link_timeout_ : milliseconds::zero()),
       streams_(loop_, terminal_, me(),
                {[this](size_t u, std::string_view line) { on_record(u, line); },
                 [this] {
@@ -152,7 +177,26 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
                }),
       policy_(*this, {kGrace, opts_.timeout_s, node_.has_value(), !node_.has_value()},
               Clock::now()),
-      downstream_(loop_, link_timeout_, [this](size_t u) { sup_.signal(u, SIGKILL); }) {
+      downstream_(loop_, link_timeout_,
+                  [this](size_t u) {
+                    if (joined_node(u))
+                      on_node_gone(u, "it did not stop its ranks within 3 s of being told to");
+                    else
+                      sup_.signal(u, SIGKILL);
+                  }),
+      reports_(loop_, {[this](size_t u, std::string_view line) { on_record(u, line); },
+                       [this](size_t u, std::string why) { on_node_gone(u, std::move(why)); }}) {
+  if (joined_.nodes) {
+    // Every other node of the job: a host unit, reached through its link, after this one's ranks.
+    for (const auto& n : *joined_.nodes) {
+      UnitPlan p;
+      p.host = true;
+      p.name = "node " + std::to_string(n.node_rank) + ", " + n.join.name;
+      p.first_rank = n.first_rank;
+      p.nranks = n.join.nproc;
+      plans_.push_back(std::move(p));
+    }
+  }
   for (const auto& p : plans_) {
     UnitEnd e;
     e.host = p.host;
@@ -189,11 +233,15 @@ Launcher::Launcher(RunOptions opts, std::vector<UnitPlan> plans, std::optional<N
 }
 
 void Launcher::start_units() {
-  for (size_t u = 0; u < plans_.size(); ++u) {
+  for (size_t u = first_node_; u < plans_.size(); ++u) {
+    JoinLink& link = *(*joined_.nodes)[u - first_node_].link;
+    downstream_.add(u, link);
+    reports_.add(u, link);
+  }
+  for (size_t u = 0; u < first_node_; ++u) {
     const UnitPlan& p = plans_[u];
     try {
-      Fd store;  // rank 0's TCPStore socket, listening before any rank starts; closed here after
-      sup_.spawn(p.host || p.first_rank != 0 ? p.spec : with_store_socket(p.spec, store));
+      sup_.spawn(p.spec);
     } catch (const std::system_error& e) {
       std::string what = std::string(e.what()).substr(0, std::string(e.what()).rfind(':'));
       throw CannotStart(e.code(), p.host ? "cannot start the launcher of host " + p.name + ": " +
@@ -224,7 +272,7 @@ void Launcher::stopping(size_t u, int sig) {
 void Launcher::terminate() {
   for (size_t u = 0; u < ends_.size(); ++u) {
     // One that has exited, even if its pidfd has not been read yet, ended on its own.
-    if (ends_[u].status || !sup_.running(u) || ends_[u].host) continue;
+    if (ends_[u].host || ends_[u].status || !sup_.running(u)) continue;
     stopping(u, SIGTERM);
     sup_.signal(u, SIGTERM);
   }
@@ -234,7 +282,7 @@ void Launcher::terminate() {
 
 void Launcher::kill() {
   for (size_t u = 0; u < ends_.size(); ++u) {
-    if (ends_[u].status || !sup_.running(u) || ends_[u].host) continue;
+    if (ends_[u].host || ends_[u].status || !sup_.running(u)) continue;
     stopping(u, SIGKILL);
     sup_.signal(u, SIGKILL);
   }
@@ -261,7 +309,7 @@ void Launcher::collect() {
 void Launcher::ask_states() {
   for (size_t u = 0; u < ends_.size(); ++u) {
     const UnitPlan& p = plans_[u];
-    const bool live = !ends_[u].status && sup_.running(u);
+    const bool live = !ends_[u].status && (joined_node(u) || sup_.running(u));
     if (p.host) {
       for (int r = p.first_rank; r < p.first_rank + p.nranks; ++r)
         live ? states_.asked(r) : states_.answer({r, "", ""});
@@ -318,10 +366,16 @@ void Launcher::on_record(size_t u, std::string_view line) {
       cause.when_ns = m->when_ns;
       cause.reported = true;
       policy_.failed(std::move(cause), Clock::now());
+    } else if (auto* sig = std::get_if<protocol::Signalled>(&report)) {
+      // Ctrl-C (or a scheduler's signal) at another node: for every node, as if here.
+      if (policy_.signalled(sig->number, Clock::now()) == FailurePolicy::Signalled::kKilling)
+        std::cerr << me() << ": " << signal_name(sig->number) << " again at " << plans_[u].name
+                  << ": killing every rank\n";
     } else {
       auto& done = std::get<protocol::NodeDone>(report);
       auto& ranks = ends_[u].ranks;
       ranks.insert(ranks.end(), done.ranks.begin(), done.ranks.end());
+      if (joined_node(u)) on_node_done(u);
     }
   } catch (const protocol::ProtocolError& e) {
     // Shown now, and kept with the host's last words in case it is what failed.
@@ -337,7 +391,7 @@ void Launcher::on_prompt(size_t u, protocol::Prompt prompt) {
   // The rank's own number, whatever its environment says.
   if (!plans_[u].host) prompt.rank = plans_[u].first_rank;
   // What it printed before it stopped goes first (from a host, as far as it has arrived).
-  streams_.drain(u, RankOutput::kStdout);
+  if (!joined_node(u)) streams_.drain(u, RankOutput::kStdout);
   if (node_)
     upstream_->send(prompt);  // the ddip run that started this one asks, and answers (Answer)
   else
@@ -400,11 +454,40 @@ void Launcher::on_exit(size_t u) {
   if (all_exited()) drain_until_ = Clock::now() + kDrain;
 }
 
+void Launcher::on_node_done(size_t u) {
+  ends_[u].status = ExitStatus{0, 0, false};
+  downstream_.ended(u);
+  reports_.done(u);
+  if (all_exited()) drain_until_ = Clock::now() + kDrain;
+}
+
+void Launcher::on_node_gone(size_t u, std::string why) {
+  if (ends_[u].status) return;
+  ends_[u].status = ExitStatus{1, 0, false};
+  downstream_.ended(u);
+  reports_.done(u);
+  vanished_.push_back(u - first_node_);
+  RootCause cause;
+  cause.unit = u;
+  cause.who = plans_[u].name;
+  cause.what = "its ddip run vanished before its ranks ended (" + why + ")";
+  std::cerr << me() << ": " << cause.who << ": " << cause.what << "\n";
+  cause.code = 1;
+  policy_.launcher_failed(std::move(cause), Clock::now());
+  if (all_exited()) drain_until_ = Clock::now() + kDrain;
+}
+
 void Launcher::on_signal() {
   signalfd_siginfo si{};
   while (::read(signals_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
     int sig = static_cast<int>(si.ssi_signo);
-    if (node_ && sig == SIGHUP) continue;  // its ssh session ending: the control channel says
+    if (joined_.host && upstream_->linked()) {
+      // The job's host acts on it for every node, this one included (told_signal).
+      upstream_->send(protocol::Signalled{sig});
+      continue;
+    }
+    // Its ssh session ending: the control channel says.
+    if (node_ && !joined_.host && sig == SIGHUP) continue;
     if (policy_.signalled(sig, Clock::now()) == FailurePolicy::Signalled::kKilling)
       std::cerr << me() << ": " << signal_name(sig) << " again: killing every rank\n";
   }
@@ -473,7 +556,9 @@ int Launcher::run() {
   ::signal(SIGPIPE, SIG_IGN);
   loop_.watch(signals_.get(), EPOLLIN, [this](uint32_t) { on_signal(); });
   std::string no_channel;
-  if (node_) {
+  if (joined_.host) {
+    upstream_->open(*joined_.host, "the job's host (node 0)");
+  } else if (node_) {
     // The control channel is this process's stdin; the ranks get /dev/null instead.
     no_channel = upstream_->open(
         Fd(check(::fcntl(0, F_DUPFD_CLOEXEC, 3), "fcntl", "keeping the control channel")));
@@ -562,9 +647,67 @@ void enter_node_directory(const NodeOptions& node, const std::string& prog) {
             << (ec ? std::string("its launcher's directory") : here.string()) << "\n";
 }
 
-// Starts the planned units and runs them to the end; the launcher's exit code.
-int launch(RunOptions opts, std::vector<UnitPlan> plans, const ErrorFiles& errors,
-           const std::string& prog) {
+// How one attempt of the launch ended.
+struct AttemptEnd {
+  int code = 1;
+  Outcome outcome;
+  std::vector<UnitEnd> ends;
+  std::vector<size_t> vanished;  // the job's host: nodes gone (Joined::nodes)
+};
+
+// Attempt `restart` of the launch (TORCHELASTIC_RESTART_COUNT): its own error files (the last
+// attempt's are not this one's), its plan, its Launcher, run to the end. `node`: this ddip run
+// reports to another (--node, or a node that joined a job); `joined`: the job's other nodes.
+AttemptEnd run_attempt(const RunOptions& opts, const std::string& run_id, int restart,
+                       const std::string& shipping, const std::string& prog,
+                       std::optional<NodeOptions> node, Joined joined = {}) {
+  AttemptEnd end;
+  std::optional<ErrorFiles> errors;
+  Elastic elastic{run_id, nullptr, "", restart, opts.max_restarts};
+  if (!make_error_files(errors, elastic, prog)) return end;
+  add_startup_hook(elastic, *errors, prog);
+  try {
+    auto plans = plan_units(opts, this_machine(), elastic, shipping);
+    // As torchrun's own: the root cause's error file is passed on to it at the end. On another
+    // node, the ddip run that started this one (or the job's host) does that.
+    const char* own = node ? nullptr : std::getenv("TORCHELASTIC_ERROR_FILE");
+    Launcher launcher(opts, std::move(plans), node, *errors, own ? std::string(own) : "", joined);
+    end.code = launcher.run();
+    end.outcome = launcher.outcome();
+    end.ends = launcher.ends();
+    end.vanished = launcher.vanished();
+  } catch (const std::exception& e) {
+    auto* cannot = dynamic_cast<const CannotStart*>(&e);
+    end.code = cannot ? cannot->exit_code() : 1;
+    std::cerr << prog << ": " << e.what() << "\n";
+    RootCause cause;
+    cause.who = node ? "rank " + std::to_string(node->rank_offset) : "rank 0";
+    cause.rank = node ? node->rank_offset : 0;
+    cause.what = e.what();
+    cause.code = end.code;
+    cause.exit_code = end.code;
+    end.outcome.root = cause;
+    // The job's host must hear of it, or it would wait for this node's ranks.
+    if (joined.host) {
+      joined.host->send(protocol::encode(protocol::Report{protocol::RankFailed{
+                            cause.rank, end.code, 0, realtime_ns(), cause.what, "", {}}}),
+                        milliseconds(1000));
+      joined.host->send(protocol::encode(protocol::Report{protocol::NodeDone{}}),
+                        milliseconds(1000));
+    }
+  }
+  return end;
+}
+
+void say_restart(const std::string& prog, const Outcome& outcome, int restart, int max) {
+  std::cerr << prog << ": " << outcome.root->who << " failed; restarting every rank (restart "
+            << restart << " of " << max << ", TORCHELASTIC_RESTART_COUNT=" << restart << ")\n";
+}
+
+// The launch on this machine (and --hosts), restarted after a failure up to --max-restarts
+// times, as torch elastic's agent restarts its worker group; the last attempt's exit code.
+int run_attempts(const RunOptions& opts, const std::string& run_id, const std::string& shipping,
+                 const std::string& prog) {
   try {
     if (opts.die_with_parent) {
       // SIGKILL: the ranks then die of their own PR_SET_PDEATHSIG.
@@ -572,17 +715,135 @@ int launch(RunOptions opts, std::vector<UnitPlan> plans, const ErrorFiles& error
       ddip::check(::prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl", "tying ddip run to its parent");
       if (::getppid() != parent) return 1;  // the parent died before prctl took effect
     }
-    auto node = opts.node;
-    // As torchrun's own: the root cause's error file is passed on to it at the end. On another
-    // host, the ddip run that started this one does that.
-    const char* own = node ? nullptr : std::getenv("TORCHELASTIC_ERROR_FILE");
-    Launcher launcher(std::move(opts), std::move(plans), std::move(node), errors,
-                      own ? std::string(own) : std::string());
-    return launcher.run();
-  } catch (const CannotStart& e) {
-    std::cerr << prog << ": " << e.what() << "\n";
-    return e.exit_code();
   } catch (const std::exception& e) {
+    std::cerr << prog << ": " << e.what() << "\n";
+    return 1;
+  }
+  // Another host's ddip run (--node) never restarts by itself: the one that started it does.
+  const int max = opts.node ? 0 : opts.max_restarts;
+  for (int restart = 0;; ++restart) {
+    AttemptEnd end = run_attempt(opts, run_id, restart, shipping, prog, opts.node);
+    if (!restarts_after(end.outcome, restart, max)) return end.code;
+    say_restart(prog, end.outcome, restart + 1, max);
+  }
+}
+
+// -- one ddip run per node (run_join.hpp) ------------------------------------------------------
+
+std::string host_name() {
+  char buf[256] = {};
+  return ::gethostname(buf, sizeof buf - 1) == 0 ? std::string(buf) : std::string("?");
+}
+
+// What this node brings to the rendezvous, from torchrun's options. Throws
+// std::invalid_argument (a usage error) for what can't form a job.
+JoinOptions join_options(const RunOptions& opts) {
+  JoinOptions j;
+  j.backend = opts.rdzv_backend;
+  if (j.backend != "static" && j.backend != "c10d")
+    throw std::invalid_argument("--rdzv-backend " + j.backend +
+                                " is not one ddip run has: give c10d or static");
+  const std::string master = opts.master_addr.empty() ? "127.0.0.1" : opts.master_addr;
+  const int master_port = opts.master_port ? opts.master_port : 29500;
+  std::tie(j.host, j.port) =
+      opts.rdzv_endpoint.empty()
+          ? std::pair<std::string, uint16_t>(master, static_cast<uint16_t>(master_port))
+          : split_endpoint(opts.rdzv_endpoint, 29400);
+  j.nnodes_min = opts.nnodes_min;
+  j.nnodes_max = opts.nnodes_max;
+  if (j.backend == "static" && j.nnodes_min != j.nnodes_max)
+    throw std::invalid_argument("--nnodes " + std::to_string(j.nnodes_min) + ":" +
+                                std::to_string(j.nnodes_max) +
+                                " needs a rendezvous that admits nodes: add --rdzv-backend c10d "
+                                "--rdzv-endpoint HOST:PORT");
+  j.node_rank = j.backend == "static" ? std::max(opts.node_rank, 0) : -1;
+  if (j.node_rank >= j.nnodes_max)
+    throw std::invalid_argument("--node-rank " + std::to_string(j.node_rank) +
+                                " is not one of 0.." + std::to_string(j.nnodes_max - 1));
+  j.run_id = opts.rdzv_id.empty() ? "none" : opts.rdzv_id;
+  j.nproc = opts.world_size();
+  j.name = host_name();
+  j.timeout_s = opts.timeout_s;
+  j.max_restarts = opts.max_restarts;
+  j.prompts = opts.prompts;
+  j.key = shared_key(opts.key_file);
+  j.join_timeout = conf_seconds(opts.rdzv_conf, "join_timeout", j.join_timeout);
+  j.last_call = conf_seconds(opts.rdzv_conf, "last_call_timeout", j.last_call);
+  j.link_timeout = std::chrono::duration_cast<milliseconds>(
+      std::chrono::duration<double>(opts.link_timeout_s));
+  return j;
+}
+
+// Node 0: hosts the job, attempt after attempt; every node hears how each ended.
+int host_job(RunOptions opts, const JoinOptions& j, std::unique_ptr<TcpListener> listener,
+             const std::string& prog) {
+  JobHost host(j, std::move(listener));
+  std::cerr << prog << ": node 0 of job '" << j.run_id << "': waiting for "
+            << (j.nnodes_min == j.nnodes_max ? std::to_string(j.nnodes_max)
+                                             : std::to_string(j.nnodes_min) + " to " +
+                                                   std::to_string(j.nnodes_max))
+            << " nodes at port " << j.port << "\n";
+  for (int restart = 0;; ++restart) {
+    auto start = host.gather(restart, plan::master_port(true, "0.0.0.0"));
+    RunOptions a = opts;
+    a.node = NodeOptions{0, start.world_size, 0, start.nnodes, j.name, "", 0, start.run_id};
+    a.master_addr = start.master_addr;
+    a.master_port = start.master_port;
+    std::vector<double> timeouts;
+    for (const auto& n : host.nodes()) timeouts.push_back(n.join.timeout_s);
+    a.timeout_s = earliest_timeout(opts.timeout_s, timeouts);
+    AttemptEnd end =
+        run_attempt(a, start.run_id, restart, "", prog, std::nullopt, {&host.nodes(), nullptr});
+    for (size_t i : end.vanished) host.drop(i);
+    const bool again = restarts_after(end.outcome, restart, opts.max_restarts);
+    host.end(end_record(end.outcome, again, end.ends.size() - host.nodes().size(), j.name));
+    if (!again) return end.code;
+    say_restart(prog, end.outcome, restart + 1, opts.max_restarts);
+  }
+}
+
+// Any other node: joins the job, runs its ranks in each attempt, and names the root cause as the
+// job's host tells it.
+int join_job(RunOptions opts, const JoinOptions& j, const std::string& prog) {
+  JobMember member(j);
+  auto start = member.join();
+  while (true) {
+    RunOptions a = opts;
+    a.node = NodeOptions{start.rank_offset, start.world_size, start.node_rank, start.nnodes,
+                         j.name,           "",               0,                start.run_id};
+    a.master_addr = start.master_addr;
+    a.master_port = start.master_port;
+    a.prompts = start.prompts;
+    a.timeout_s = 0;  // the job's host keeps the earliest node's
+    a.max_restarts = start.max_restarts;
+    AttemptEnd end =
+        run_attempt(a, start.run_id, start.restart, "", prog, a.node, {nullptr, &member.link()});
+    if (!end.outcome.lost.empty()) return end.code;  // said; the job's host is gone
+    auto said = member.end();
+    std::string report = summary(outcome_of(said, end.ends), end.ends);
+    if (!report.empty()) write_all(2, report);
+    if (!said.restart) return said.exit_code;
+    std::cerr << prog << ": restarting every rank (restart " << said.restart << ")\n";
+    start = member.next_start();
+  }
+}
+
+// One ddip run per node (--nnodes above 1): hosts the job, or joins the node that does.
+int run_job(CommandLine& cl, const RunOptions& opts, const std::string& prog) {
+  JoinOptions j;
+  try {
+    j = join_options(opts);
+  } catch (const std::invalid_argument& e) {
+    return cl.exit(CLI::ValidationError(opts.rdzv_endpoint.empty() ? "--nnodes" : "--rdzv-endpoint",
+                                        e.what()));
+  } catch (const JoinError& e) {
+    return cl.exit(CLI::ValidationError("--key-file", e.what()));
+  }
+  if (opts.check) return 0;
+  try {
+    auto listener = host_rendezvous(j);
+    return listener ? host_job(opts, j, std::move(listener), prog) : join_job(opts, j, prog);
+  } catch (const JoinError& e) {
     std::cerr << prog << ": " << e.what() << "\n";
     return 1;
   }
@@ -603,6 +864,8 @@ int main(int argc, char** argv) {
   const std::string prog = opts.node ? "ddip run on " + opts.node->name : "ddip run";
   // On another host, --node-prompts says whether the ddip run that started it can answer.
   if (!opts.node) opts.prompts = stdin_can_answer();
+  // One ddip run per node, as one torchrun per node: this one joins the others.
+  if (opts.nnodes_max > 1 && opts.hosts.empty() && !opts.node) return run_job(cl, opts, prog);
   // Outlives the launch: the copies go once every rank here has ended.
   ShippedFiles shipped;
   if (opts.node && opts.node->files > 0 && !receive_shipped(opts, shipped, prog)) return 1;
@@ -641,5 +904,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (opts.check) return 0;  // the command line and the plan are good; nothing was started
-  return launch(std::move(opts), std::move(plans), *errors, prog);
+  errors.reset();  // each attempt makes its own
+  return run_attempts(opts, elastic.run_id, shipping, prog);
 }

@@ -2,6 +2,8 @@
 
 #include <charconv>
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 
 namespace ddip::run::protocol {
@@ -172,6 +174,46 @@ struct ReportEncoder {
   std::string operator()(const RankState& m) const {
     return "state " + std::to_string(m.rank) + " " + escape(m.snapshot) + " " + escape(m.stack);
   }
+  std::string operator()(const Signalled& m) const {
+    return "signalled " + std::to_string(m.number);
+  }
+};
+
+// Seconds as text that reads back exactly enough (a timeout, to the millisecond).
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", s);
+  return buf;
+}
+
+struct JoinEncoder {
+  std::string operator()(const Welcome& m) const {
+    return std::string("welcome ") + (m.keyed ? "1 " : "0 ") + escape(m.challenge);
+  }
+  std::string operator()(const Hello& m) const { return "hello " + escape(m.response); }
+  std::string operator()(const Accept& m) const { return "accept " + escape(m.proof); }
+  std::string operator()(const Join& m) const {
+    return "join " + escape(m.run_id) + " " + std::to_string(m.node_rank) + " " +
+           std::to_string(m.nproc) + " " + seconds(m.timeout_s) + " " + escape(m.name);
+  }
+  std::string operator()(const Refuse& m) const { return "refuse " + escape(m.why); }
+  std::string operator()(const Start& m) const {
+    return "start " + std::to_string(m.restart) + " " + std::to_string(m.max_restarts) + " " +
+           std::to_string(m.rank_offset) + " " + std::to_string(m.world_size) + " " +
+           std::to_string(m.node_rank) + " " + std::to_string(m.nnodes) + " " +
+           escape(m.master_addr) + " " + std::to_string(m.master_port) + " " + escape(m.run_id) +
+           (m.prompts ? " 1" : " 0");
+  }
+  std::string operator()(const End& m) const {
+    std::string out = std::string("end ") + (m.restart ? "1 " : "0 ") +
+                      std::to_string(m.exit_code) + (m.failed ? " 1 " : " 0 ") +
+                      std::to_string(m.rank) + " " + escape(m.who) + " " + escape(m.what) + " " +
+                      escape(m.error) + (m.timed_out ? " 1 " : " 0 ") + seconds(m.timeout_s) + " " +
+                      std::to_string(m.first_signal) + (m.grace_ran_out ? " 1 " : " 0 ") +
+                      std::to_string(m.tail.size());
+    for (const auto& l : m.tail) out.append(" ").append(escape(l));
+    return out;
+  }
 };
 
 }  // namespace
@@ -256,7 +298,8 @@ Report decode_report(std::string_view line) {
     m.when_ns = f.number<int64_t>("time", 0, kMaxTime);
     m.what = f.text("description");
     m.error = f.text("error file");
-    if (m.exit_code == 0 && m.signal == 0) f.fail("a failed rank needs a non-zero exit code or a signal");
+    if (m.exit_code == 0 && m.signal == 0)
+      f.fail("a failed rank needs a non-zero exit code or a signal");
     size_t n = f.number<size_t>("line count", 0, kMaxLines);
     if (f.left() != n)
       f.fail("it says " + std::to_string(n) + " line(s) of stderr follow, but " +
@@ -296,7 +339,93 @@ Report decode_report(std::string_view line) {
     f.end();
     return m;
   }
-  f.unknown("failed, done, prompt or state");
+  if (kind == "signalled") {
+    Signalled m{f.number<int>("signal number", 1, NSIG - 1)};
+    f.end();
+    return m;
+  }
+  f.unknown("failed, done, prompt, state or signalled");
+}
+
+std::string encode(const JoinRecord& record) {
+  return std::string(kPrefix) + std::visit(JoinEncoder{}, record) + "\n";
+}
+
+namespace {
+double seconds_field(Fields& f, const char* name) {
+  std::string text = f.text(name);
+  char* end = nullptr;
+  double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !(v >= 0) || v > 1e9)
+    f.fail(std::string("its ") + name + " \"" + text + "\" is not a number of seconds");
+  return v;
+}
+bool flag(Fields& f, const char* name) { return f.number<int>(name, 0, 1) == 1; }
+}  // namespace
+
+JoinRecord decode_join(std::string_view line) {
+  Fields f(line, "join");
+  std::string_view kind = f.kind();
+  f.skip_kind();
+  JoinRecord out;
+  if (kind == "welcome") {
+    Welcome m;
+    m.keyed = flag(f, "keyed");
+    m.challenge = f.text("challenge");
+    out = m;
+  } else if (kind == "hello") {
+    out = Hello{f.text("response")};
+  } else if (kind == "accept") {
+    out = Accept{f.text("proof")};
+  } else if (kind == "join") {
+    Join m;
+    m.run_id = f.text("run id");
+    m.node_rank = f.number<int>("node rank", -1, kMaxRank);
+    m.nproc = f.number<int>("rank count", 1, kMaxRank);
+    m.timeout_s = seconds_field(f, "timeout");
+    m.name = f.text("name");
+    out = m;
+  } else if (kind == "refuse") {
+    out = Refuse{f.text("reason")};
+  } else if (kind == "start") {
+    Start m;
+    m.restart = f.number<int>("restart count", 0, kMaxRank);
+    m.max_restarts = f.number<int>("max restarts", 0, kMaxRank);
+    m.rank_offset = f.number<int>("rank offset", 0, kMaxRank);
+    m.world_size = f.number<int>("world size", 1, kMaxRank);
+    m.node_rank = f.number<int>("node rank", 0, kMaxRank);
+    m.nnodes = f.number<int>("node count", 1, kMaxRank);
+    m.master_addr = f.text("master address");
+    m.master_port = f.number<int>("master port", 1, 65535);
+    m.run_id = f.text("run id");
+    m.prompts = flag(f, "prompts");
+    if (m.node_rank >= m.nnodes || m.rank_offset >= m.world_size)
+      f.fail("its node rank or rank offset is outside the job");
+    out = m;
+  } else if (kind == "end") {
+    End m;
+    m.restart = flag(f, "restart");
+    m.exit_code = f.number<int>("exit code", 0, 255);
+    m.failed = flag(f, "failed");
+    m.rank = f.number<int>("rank", -1, kMaxRank);
+    m.who = f.text("who");
+    m.what = f.text("what");
+    m.error = f.text("error file");
+    m.timed_out = flag(f, "timed out");
+    m.timeout_s = seconds_field(f, "timeout");
+    m.first_signal = f.number<int>("signal", 0, NSIG - 1);
+    m.grace_ran_out = flag(f, "grace ran out");
+    size_t n = f.number<size_t>("line count", 0, kMaxLines);
+    if (f.left() != n)
+      f.fail("it says " + std::to_string(n) + " line(s) of stderr follow, but " +
+             std::to_string(f.left()) + " do");
+    for (size_t i = 0; i < n; ++i) m.tail.push_back(f.text("stderr line"));
+    out = m;
+  } else {
+    f.unknown("welcome, hello, accept, join, refuse, start or end");
+  }
+  f.end();
+  return out;
 }
 
 }  // namespace ddip::run::protocol

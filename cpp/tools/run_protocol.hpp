@@ -4,9 +4,9 @@
 //
 // - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill, Answer, Collect.
 // - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone, Prompt,
-//   RankState. A rank writes Prompt itself (ddip.rank.run_debug, on its stderr) when its
-//   breakpoint() waits for a line, and RankState (ddip.rank.run_hook) when asked by SIGURG; its
-//   host's ddip run hands them on.
+//   RankState, and Signalled from a node that joined the job itself (run_join.hpp). A rank writes
+//   Prompt itself (ddip.rank.run_debug, on its stderr) when its breakpoint() waits for a line, and
+//   RankState (ddip.rank.run_hook) when asked by SIGURG; its host's ddip run hands them on.
 //
 // A record begins with an ASCII record separator, which no line of a rank can begin with (its
 // host labels every one "[rank] "). Fields are separated by one space; text fields escape
@@ -110,7 +110,82 @@ struct RankState {
   std::string stack;
   bool operator==(const RankState&) const = default;
 };
-using Report = std::variant<RankFailed, NodeDone, Prompt, RankState>;
+// A node that joined the job itself (run_join.hpp) got `number` (Ctrl-C at its terminal, a
+// scheduler's SIGTERM): the job's host acts on it as on its own, for every node.
+struct Signalled {
+  int number = 0;
+  bool operator==(const Signalled&) const = default;
+};
+using Report = std::variant<RankFailed, NodeDone, Prompt, RankState, Signalled>;
+
+// -- forming a job from one ddip run per node (run_join.hpp) ----------------------------------
+//
+// On a TCP connection from a node to the job's host: Welcome; with a shared key, Hello and
+// Accept (the key's challenge-response, ddip/auth.hpp), after which every line is sealed
+// (SealedLines, run_channel.hpp); then Join, answered by Refuse or, once the job forms, Start.
+// Each attempt then runs the control channel above on the same connection, and ends with End.
+
+// The job's host, first: whether it wants the shared key, and its challenge (hex) if so.
+struct Welcome {
+  bool keyed = false;
+  std::string challenge;
+  bool operator==(const Welcome&) const = default;
+};
+// The node's answer to the challenge (hex), and the host's proof that it knows the key too.
+struct Hello {
+  std::string response;
+  bool operator==(const Hello&) const = default;
+};
+struct Accept {
+  std::string proof;
+  bool operator==(const Accept&) const = default;
+};
+// A node asks to join: the job it means, its place (-1: given on arrival), its ranks, its
+// --timeout (0: none) and its host's name.
+struct Join {
+  std::string run_id;
+  int node_rank = -1;
+  int nproc = 1;
+  double timeout_s = 0;
+  std::string name;
+  bool operator==(const Join&) const = default;
+};
+// The host will not have it, and why (a run id of another job, a node rank taken).
+struct Refuse {
+  std::string why;
+  bool operator==(const Refuse&) const = default;
+};
+// An attempt starts: the node's place in it, where rank 0 serves torch's store, and the
+// restart count.
+struct Start {
+  int restart = 0, max_restarts = 0;
+  int rank_offset = 0, world_size = 1, node_rank = 0, nnodes = 1;
+  std::string master_addr;
+  int master_port = 0;
+  std::string run_id;
+  bool prompts = false;  // the host can answer the ranks' debugger prompts
+  bool operator==(const Start&) const = default;
+};
+// An attempt has ended on every node: the job's outcome as the host's report gives it, so every
+// node names the root cause; `restart`: another attempt follows (a Start).
+struct End {
+  bool restart = false;
+  int exit_code = 0;
+  bool failed = false;  // a root cause follows
+  int rank = -1;        // its rank, -1 for a node's ddip run
+  std::string who, what;
+  std::string error;
+  std::vector<std::string> tail;
+  bool timed_out = false;
+  double timeout_s = 0;
+  int first_signal = 0;
+  bool grace_ran_out = false;
+  bool operator==(const End&) const = default;
+};
+using JoinRecord = std::variant<Welcome, Hello, Accept, Join, Refuse, Start, End>;
+std::string encode(const JoinRecord& record);
+// Throws ProtocolError for anything else.
+JoinRecord decode_join(std::string_view line);
 
 // -- files shipped to a host's ddip run (--ship) -------------------------------------------------
 
