@@ -68,8 +68,10 @@ def test_the_plot_draws_each_ranks_wait_over_time(g):
     assert lines["rank 1 (the straggler)"].get_ydata()[-1] == pytest.approx(s.held_s[1])
     assert list(lines["rank 1 (the straggler)"].get_xdata()[1:]) == [w.at_s for w in s.timeline]
     assert ax.get_title().replace("\n", " ") == s.headline
-    per = s.plot(cumulative=False)
-    assert [len(line.get_ydata()) for line in per.get_lines()] == [4, 4, 4]
+    # Per collective: a point where the rank entered last, at how long the others waited for it.
+    per = {line.get_label(): line for line in s.plot(cumulative=False).get_lines()}
+    assert list(per["rank 1 (the straggler)"].get_ydata()) == [w.wait_s for w in s.timeline if w.last == 1]
+    assert sum(len(line.get_xdata()) for line in per.values()) == 4
 
 
 def test_the_plot_without_matplotlib_says_what_to_install(g, monkeypatch):

@@ -80,9 +80,9 @@ class Stragglers:
 
     def plot(self, ax=None, cumulative: bool = True):
         """The wait over time, a line per rank: how long the others had waited for that rank by
-        each collective of the window (cumulative), or in each one (cumulative=False); x is
-        seconds from the window's start. Draws on `ax` (a new figure without one) and returns it.
-        Needs matplotlib."""
+        each collective of the window (cumulative), or a point per collective it entered last
+        with how long they waited for it there (cumulative=False); x is seconds from the window's
+        start. Draws on `ax` (a new figure without one) and returns it. Needs matplotlib."""
         try:
             import matplotlib.pyplot as plt
         except ImportError as exc:
@@ -100,8 +100,10 @@ class Stragglers:
             label = f"rank {rank}" + (" (the straggler)" if rank == self.straggler else "")
             if cumulative:
                 ax.step(xs, ys, where="post", label=label)
-            else:
-                ax.plot(xs[1:], ys[1:], marker=".", label=label)
+            else:  # a point where it was the last to enter
+                ax.plot([w.at_s for w in self.timeline if w.last == rank],
+                        [w.wait_s for w in self.timeline if w.last == rank], marker="o", linestyle="none",
+                        label=label)
         ax.set_xlabel("seconds from the window's first collective")
         ax.set_ylabel("the others waited for it, s" + (" (so far)" if cumulative else " (per collective)"))
         ax.set_title("\n".join(textwrap.wrap(self.headline, 90)), fontsize="medium")
