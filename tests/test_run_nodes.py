@@ -322,3 +322,46 @@ def test_max_restarts_restart_every_node(nodes, tmp_path):
     # The first attempt's failure was named on both nodes before the restart.
     for err in (err0, err1):
         assert f"rank 1 (on node 1, {HOST}) failed first: exit code 3" in err, err
+
+
+def test_a_node_that_loses_the_jobs_host_stops_its_ranks_and_says_why(nodes, tmp_path):
+    port, rank_py = free_port(), script(tmp_path, HANGS)
+    n0 = nodes(static(port, 2, 0, "-n", "1", PY, rank_py))
+    n1 = nodes(static(port, 2, 1, "-n", "1", PY, rank_py))
+    assert n0.stdout.readline().strip() == "[0] in"
+    assert n1.stdout.readline().strip() == "[1] in"
+    n0.kill()
+    _, (c1, _, err1) = finish(n0, n1)
+    assert c1 == 1, err1
+    assert "its link to the job's host (node 0) closed: that ddip run is gone; stopped its ranks" \
+        in err1, err1
+
+
+def test_each_network_namespace_host_runs_its_own_ddip_run_as_a_pod_would(tmp_path):
+    from netns_hosts import Hosts, missing
+
+    if missing():
+        pytest.skip(missing())
+    rank_py = script(tmp_path, ALL_REDUCE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["GLOO_SOCKET_IFNAME"] = "ddip0"  # the hosts' interface (netns_hosts.LINK)
+    with Hosts(("A", "B")) as h:
+        port = free_port()
+        args = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{h.addr['A']}:{port}", "--rdzv-id", "pods", PY, rank_py]
+        # B first: its ddip run waits for A's, which hosts the job (the endpoint is A's address).
+        procs = [subprocess.Popen(["ip", "netns", "exec", h.ns[n], DDIP, *args], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL, text=True) for n in "BA"]
+        try:
+            (cb, outb, errb), (ca, outa, erra) = finish(*procs, timeout=120)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert (ca, cb) == (0, 0), erra + errb
+    assert "node 0 of job 'pods'" in erra
+    assert said(outa) == [f"rank {r} of 4 group 0 of 2 local {r} of 2 sum 6 restart 0"
+                          for r in (0, 1)]
+    assert said(outb) == [f"rank {r} of 4 group 1 of 2 local {r - 2} of 2 sum 6 restart 0"
+                          for r in (2, 3)]
