@@ -19,15 +19,18 @@ import pytest
 import ddip.gpus
 
 SCRIPT = """#!/bin/sh
-# nvidia-smi as a machine with {n} GPUs and no process on them would answer (tests only).
+# nvidia-smi as a machine with {n} GPUs would answer (tests only); apps.csv: the processes on them.
 n={n}
 i=0
 case "$1" in
   -L)
     while [ $i -lt $n ]; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-${{i}}aaa${{i}})"; i=$((i+1)); done ;;
+  --query-gpu=uuid,utilization.gpu)
+    while [ $i -lt $n ]; do echo "GPU-${{i}}aaa${{i}}, $((i*10+37))"; i=$((i+1)); done ;;
   --query-gpu=*)
     while [ $i -lt $n ]; do echo "$i, GPU-${{i}}aaa${{i}}, NVIDIA H100 80GB HBM3, 81559"; i=$((i+1)); done ;;
-  --query-compute-apps=*) ;;
+  --query-compute-apps=*)  # the processes a test put on the GPUs: apps.csv beside this script
+    apps="$(dirname "$0")/apps.csv"; if [ -f "$apps" ]; then cat "$apps"; fi ;;
   *) echo "fake nvidia-smi: $* is not answered here" >&2; exit 2 ;;
 esac
 """
@@ -36,7 +39,8 @@ esac
 @pytest.fixture
 def fake_gpus(tmp_path, monkeypatch):
     """fake_gpus(n): from now on, for this process and what it starts, the machine has n GPUs
-    (UUIDs GPU-0aaa0, GPU-1aaa1, ...); returns the folder of the stand-in. Skips where the driver lists real ones in /proc: those
+    (UUIDs GPU-0aaa0, GPU-1aaa1, ...; GPU i is 10*i+37% busy); returns the folder of the stand-in, where
+    an apps.csv ('PID, GPU-UUID, MIB' lines) lists the processes on the GPUs. Skips where the driver lists real ones in /proc: those
     are the machine's, whatever nvidia-smi says."""
     if Path("/proc/driver/nvidia/gpus").exists():
         pytest.skip("this machine's driver lists its own GPUs")

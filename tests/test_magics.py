@@ -21,7 +21,7 @@ from jupyter_client import KernelManager
 from conftest import alive as _alive
 from conftest import wait_until
 from ddip.errors import strip_ansi
-from ddip.magics import CellMagics, DataMagics, DipMagics, DipRunMagics
+from ddip.magics import CellMagics, DataMagics, DipMagics, DipRunMagics, PanelMagics
 from ddip.magics.flags import without_comment
 
 KERNEL_NAME = "ddip-test"
@@ -185,7 +185,7 @@ STATES = ["idle", "busy", "dead", "unresponsive"]  # every state Group.status() 
 def every_magic() -> dict:
     """Every magic `%load_ext ddip` registers: name -> its function (whose .parser is its help)."""
     magics = {}
-    for cls in (DipMagics, CellMagics, DataMagics, DipRunMagics):
+    for cls in (DipMagics, PanelMagics, CellMagics, DataMagics, DipRunMagics):
         for kind in ("line", "cell"):
             for name, attr in cls.magics[kind].items():
                 magics[name] = getattr(cls, attr)

@@ -171,6 +171,18 @@ def resolve(request) -> list[Selected]:
     return select(request, os.environ.get("CUDA_VISIBLE_DEVICES"), physical_gpus())
 
 
+def utilization() -> dict[str, int]:
+    """GPU uuid -> its utilization now (percent of the last sample period a kernel ran), read with
+    nvidia-smi; {} where it can't say."""
+    out = {}
+    for row in _smi("--query-gpu=uuid,utilization.gpu", timeout=5.0) or []:
+        try:
+            out[row[0]] = int(float(row[1]))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
 def usage(pids) -> dict[int, dict]:
     """Per process id: the GPU it is using (physical index, name, MiB used), read with
     nvidia-smi, never through CUDA in the notebook. Processes not on a GPU are left out."""

@@ -32,6 +32,7 @@ from ..messages import picklable
 from . import debugger as _debugger
 from . import heal as _heal
 from .collectives import CollectivePicture, Stacks
+from .panel import RankStatus
 from .stragglers import LAST as _LAST, Stragglers, checked_last as _checked_last
 from . import template as _template
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
@@ -307,7 +308,9 @@ class Group:
 
     def status(self) -> list[dict]:
         """Per rank: pid, device, state (idle / busy / dead / unresponsive), resident memory,
-        heartbeat age, how long it has been busy with its current request, and its GPU use."""
+        heartbeat age, how long it has been busy with its current request, its GPU use and the
+        last line it printed. A list of dicts; as a cell's value in JupyterLab, the live rank
+        panel (kernel/panel_view.py), elsewhere a table."""
         rt = self._check_open()
         rt.pump(0)
         gpu_use = _gpus.usage(rt.coord.pids) if self.gpus is not None else {}
@@ -327,8 +330,8 @@ class Group:
                              "host": rt.info[slot].get("host"),
                              "heartbeat_ms": rt.coord.heartbeat_age_ms(slot),
                              "busy_s": (now - req.started) if req is not None else None,
-                             "gpu": gpu_use.get(pid)})
-        return rows
+                             "gpu": gpu_use.get(pid), "last_line": rt.last_line[slot]})
+        return RankStatus(rows, self)
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -56,6 +56,8 @@ class Runtime:
         self.background_dropped = [0] * size
         self.answers: dict[int, dict[int, bytes]] = {}  # seq -> slot -> a stacks/collectives answer
         self.info: list[dict] = [{} for _ in range(size)]  # each rank's hello
+        self.last_line: list[str] = [""] * size  # the last line each rank printed (the rank panel's)
+        self.replaced: dict[int, RankFailure] = {}  # slot -> the death heal replaced it after
         self.specs: list[tuple] = []  # slot -> (argv, env, cwd) it was started with (Group._start)
         self.template = None  # the rank template the ranks were started with, if any
 
@@ -138,6 +140,7 @@ class Runtime:
         kind, slot = ev.kind, ev.slot
         req = self.running.get(slot) if slot >= 0 else None
         if kind == "output":
+            self.note_line(slot, ev.data)
             if req is not None:
                 req.mailbox.append(("output", slot, ev.stream, ev.data))
             else:
@@ -201,13 +204,14 @@ class Runtime:
         pid = coord.respawn(slot, spec, tmpl)
         with self.mu:
             self.specs[slot] = spec
-            del self.exits[slot]
+            self.replaced[slot] = self.exits.pop(slot)
             self.unresponsive.pop(slot, None)
             self.running.pop(slot, None)
             self.state[slot] = "starting"
             self.info[slot] = {}
             self.background[slot].clear()
             self.background_bytes[slot] = self.background_dropped[slot] = 0
+            self.last_line[slot] = ""
         return pid
 
     def wait_hello(self, slots, timeout: float, slice_s: float):
@@ -226,6 +230,17 @@ class Runtime:
             bad.update({s: f"it did not connect within {timeout:g} s" for s in slots
                         if self.state[s] == "starting"})
         return bad
+
+    def note_line(self, slot, data: bytes):
+        """Keeps the last line of text in `data` as the rank's last line (a bar redrawn with \\r
+        counts by its latest state); output that is only line ends leaves it as it was."""
+        end = len(data)
+        while end > 0:
+            start = max(data.rfind(b"\n", 0, end), data.rfind(b"\r", 0, end)) + 1
+            if data[start:end].strip():
+                self.last_line[slot] = data[start:end].decode(errors="replace").strip()[-400:]
+                return
+            end = start - 1
 
     def keep_background(self, slot, stream, data):
         q = self.background[slot]

@@ -5,7 +5,8 @@
     %%dip --see all
     import os; print(os.environ["RANK"])
 
-- lifecycle.DipMagics: the group's life (%makedip) and its ranks' state (%dipstatus, %dipstack)
+- lifecycle.DipMagics: the group's life (%makedip) and its ranks' stacks (%dipstack)
+- panel.PanelMagics: the rank panel (%dipstatus)
 - cells.CellMagics: running cells (%%dip, %autodip)
 - data.DataMagics: moving data (%dipush, %dipull)
 - run.DipRunMagics: %%diprun, a cell as a script under `ddip run`
@@ -26,10 +27,12 @@ from .cells import CellMagics
 from .data import DataMagics
 from .debug import DebugMagics
 from .lifecycle import DipMagics
+from .panel import PanelMagics
 from .run import DipRunError, DipRunMagics
 from .session import Session
 
-__all__ = ["CellMagics", "DataMagics", "DebugMagics", "DipMagics", "DipRunError", "DipRunMagics", "Session",
+__all__ = ["CellMagics", "DataMagics", "DebugMagics", "DipMagics", "DipRunError", "DipRunMagics", "PanelMagics",
+           "Session",
            "load_ipython_extension", "unload_ipython_extension"]
 
 _loaded: dict = {}  # for the shell it is loaded in: its Session, its Magics, what to restore on unload
@@ -40,7 +43,8 @@ def load_ipython_extension(ip):
         return
     session = Session(ip)
     debug = DebugMagics(ip, session)
-    magics = [DipMagics(ip, session), CellMagics(ip, session), DataMagics(ip, session), DipRunMagics(ip), debug]
+    magics = [DipMagics(ip, session), PanelMagics(ip, session), CellMagics(ip, session), DataMagics(ip, session),
+              DipRunMagics(ip), debug]
     for m in magics:
         ip.register_magics(m)
     ip.events.register("post_run_cell", debug.after_cell)  # %dippdb

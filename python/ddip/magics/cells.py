@@ -17,6 +17,7 @@ from .data import push
 from .flags import cell_flags, parse, positive_seconds, rank_list, unquote, usage_error, without_comment
 from .lifecycle import HEAL, RESTART
 from .session import Session
+from .tabs import RankTabs, tabbed
 
 _WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
 LINE_FORM = "as a line magic %dip takes --push VAR ...; to run code on the ranks, start the cell with %%dip"
@@ -62,7 +63,7 @@ class CellMagics(Magics):
         shown = self._shown(fn, args, group, ranks)
         if where == "everywhere":
             self._run_local(cell)
-        self._run_remote(group, cell, shown, args.timeout, ranks, collapse=not args.raw)
+        self._run_remote(group, cell, shown, args.timeout, ranks, collapse=not args.raw, tabs=args.tabs)
 
     @staticmethod
     def _where(fn, args) -> str:
@@ -80,13 +81,17 @@ class CellMagics(Magics):
         if args.quiet:
             if args.see not in (None, "none"):
                 raise usage_error(fn, f"-q shows no rank; it contradicts --see {args.see}")
+            if args.tabs:
+                raise usage_error(fn, "-q shows no rank; it contradicts --tabs")
             return []
         if args.see is None:
-            return [running[0]]
+            return running if args.tabs else [running[0]]
         see = unquote(args.see).lower()
         if see == "all":
             return running
         if see == "none":
+            if args.tabs:
+                raise usage_error(fn, "--see none shows no rank; it contradicts --tabs")
             return []
         seen = rank_list(fn, "--see", args.see, group.rank_ids, "all, none or ranks like 0,2")
         idle = [r for r in seen if r not in running]
@@ -105,8 +110,9 @@ class CellMagics(Magics):
             # The notebook's own traceback has been shown; fail the cell without adding to it.
             raise render.CellError("the cell failed in the notebook; it did not run on the ranks")
 
-    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None, collapse=True):
-        out = render.RankOutput(shown, collapse)
+    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None, collapse=True,
+                    tabs=False):
+        out = tabbed(shown) if tabs and shown else render.RankOutput(shown, collapse)
         error = None
         try:
             # Only the display form of the last value travels (values=False): the object stays in
@@ -148,6 +154,8 @@ class CellMagics(Magics):
                 print(error.collectives.describe(), file=sys.stderr, flush=True)
             if error.heal is not None:  # what happened to the group, before the ranks' tracebacks
                 render.heal_note(error.heal)
+            if isinstance(out, RankTabs):
+                out.show_failures(error.failures)
             raise render.CellError(error.headline, render.failure_entries(error.failures, collapse)) from None
 
     # -- %autodip -----------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ cell_flags = flag_group(
     argument("--raw", action="store_true",
              help="show every rank's lines and tracebacks as they are, without collapsing repeats "
                   "into one '[ranks 0-7]' line"),
+    argument("--tabs", action="store_true",
+             help="each rank's output in a tab of its own, rank 0's in front (JupyterLab; ipywidgets, the "
+                  "notebook extra): every rank's, or those --see names"),
     argument("-r", "--ranks", metavar="RANKS",
              help="run on these ranks only, like 0,2 (default: every rank); the others stay as they are"),
     argument("--timeout", metavar="SECONDS", type=float, help="interrupt the ranks after this many seconds"),

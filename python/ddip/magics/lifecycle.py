@@ -1,5 +1,5 @@
-"""The group's life: %makedip creates, restarts, heals, kills and describes it; %dipstatus and
-%dipstack look at its ranks."""
+"""The group's life: %makedip creates, restarts, heals, kills and describes it; %dipstack looks
+at its ranks (%dipstatus, the rank panel: magics/panel.py)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def known_apps() -> list[str]:
 
 @magics_class
 class DipMagics(Magics):
-    """%makedip, %dipstatus, %dipstack. Named DipMagics (not GroupMagics) because the group is
+    """%makedip, %dipstack. Named DipMagics (not GroupMagics) because the group is
     reached from Python as registry['DipMagics'].group, as docs/magics.md says."""
 
     def __init__(self, shell, session: Session):
@@ -353,17 +353,7 @@ class DipMagics(Magics):
         print(f"threads per rank: OMP_NUM_THREADS={threads} (set by {who})")
         print(s.autodip_state())
 
-    # -- %dipstatus / %dipstack -------------------------------------------------------------------
-
-    @magic_arguments()  # no flags; the parser makes `%dipstatus x` a UsageError as every magic's
-    @line_magic
-    def dipstatus(self, line=""):
-        """A table of the ranks: pid, device, state (idle, busy, dead, or unresponsive: no heartbeat
-        for 10 s), how long a busy rank has been busy, memory, heartbeat age, and each rank's GPU in
-        a GPU group."""
-        parse(self.dipstatus, line)
-        group = self.session.running_group()
-        render.status_table(group.status(), gpus=group.gpus is not None)
+    # -- %dipstack (%dipstatus: magics/panel.py) ------------------------------------------------
 
     @magic_arguments()
     @argument("-r", "--ranks", metavar="RANKS", help="ranks like 0,2 (default: all)")

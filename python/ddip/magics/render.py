@@ -1,11 +1,11 @@
 """How the magics show things in the notebook, in one place: rank labels on live output, a rank's
 last value as Out[rank:n], the ranks' tracebacks (merged when identical) and errors as IPython
-shows its own, heal notes, the %dipstatus table and %dipstack's stacks, and %%diprun's output."""
+shows its own, heal notes, %dipstack's stacks, and %%diprun's output (the rank panel: kernel/
+panel_view.py; %%dip --tabs: magics/tabs.py)."""
 
 from __future__ import annotations
 
 import functools
-import html
 import re
 import sys
 
@@ -176,28 +176,7 @@ def show_value(rank: int, count, fmt):
         publish_display_data(data, metadata)
 
 
-# -- %dipstatus and %dipstack -----------------------------------------------------------------------
-
-def status_table(rows, gpus: bool):
-    """%dipstatus: one row per rank, as text and as an HTML table."""
-    header_row = ["rank", "pid", "device", "state", "busy for", "memory", "heartbeat"] + (["GPU"] if gpus else [])
-    table = []
-    for r in rows:
-        row = [str(r["rank"]), str(r["pid"]), r["device"], r["state"],
-               "-" if r["busy_s"] is None else f"{r['busy_s']:.1f} s",
-               "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f} MiB",
-               "-" if r["heartbeat_ms"] is None or r["heartbeat_ms"] < 0 else f"{r['heartbeat_ms'] / 1000:.1f} s ago"]
-        if gpus:
-            g = r.get("gpu")
-            row.append("- (CUDA not started)" if not g else f"GPU {g['index']} {g['name']}, {g['used_mib']} MiB used")
-        table.append(row)
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header_row)]
-    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header_row] + table)
-    cells = lambda tag, row: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row)  # noqa: E731
-    markup = ("<table><thead><tr>" + cells("th", header_row) + "</tr></thead><tbody>"
-              + "".join("<tr>" + cells("td", row) + "</tr>" for row in table) + "</tbody></table>")
-    publish_display_data({"text/plain": text, "text/html": markup})
-
+# -- %dipstack ------------------------------------------------------------------------------------------
 
 def print_stacks(stacks: dict):
     """%dipstack: the straggler, where one rank holds the others up; which collective each rank is
