@@ -28,6 +28,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
+
+import psutil
 
 import netns_hosts
 from conftest import alive, wait_until
@@ -92,6 +95,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.jobs: list[str] = []
         self.left: list[str] = []
+        self.lost: set[str] = set()  # daemons of nodes lose() killed
         try:
             self._start()
         except BaseException:
@@ -161,13 +165,41 @@ ReturnToService=2
             raise RuntimeError(f"munged did not start: {self.log('munged')}")
         self._daemon("slurmctld", DAEMONS["slurmctld"], ["-D", "-f", self.conf])
         for node in self.nodes:
-            argv = [DAEMONS["slurmd"], "-D", "-f", self.conf, "-N", node]
-            if node in self.netns:
-                argv = ["nsenter", f"--net={self.netns[node]}", *argv]  # nsenter execs slurmd: same pid
-            self._daemon(f"slurmd-{node}", argv[0], argv[1:])
+            os.makedirs(self.path("spool", node), mode=0o700)
+            self._slurmd(node)
         if not wait_until(lambda: self.states() == {n: "idle" for n in self.nodes}, 60):
             raise RuntimeError(f"the nodes never became idle (sinfo: {self.states()!r}); "
                                + "\n".join(self.log(name) for name in self.procs))
+
+    def _slurmd(self, node: str):
+        argv = [DAEMONS["slurmd"], "-D", "-f", self.conf, "-N", node]
+        if node in self.netns:
+            argv = ["nsenter", f"--net={self.netns[node]}", *argv]  # nsenter execs slurmd: same pid
+        self._daemon(f"slurmd-{node}", argv[0], argv[1:])
+
+    def lose(self, node: str) -> list[str]:
+        """The node dies: every process in its namespace (its slurmd, slurmstepd, what they
+        started) is killed by pid at once. Returns their command lines. restart() brings it back."""
+        out = subprocess.run(["ip", "netns", "pids", os.path.basename(self.netns[node])],
+                             capture_output=True, text=True, check=True)
+        killed, cmds = [], []
+        for pid in map(int, out.stdout.split()):
+            try:
+                p = psutil.Process(pid)
+                cmds.append(" ".join(p.cmdline()))
+                p.kill()
+                killed.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        self.lost.add(f"slurmd-{node}")
+        self.procs[f"slurmd-{node}"].wait(10)
+        psutil.wait_procs(killed, timeout=10)
+        return cmds
+
+    def restart(self, node: str):
+        """The lost node's slurmd starts again (a rebooted node)."""
+        self.lost.discard(f"slurmd-{node}")
+        self._slurmd(node)
 
     def _daemon(self, name: str, program: str, args: list[str]):
         out = open(self.path("log", f"{name}.out"), "w")
@@ -191,6 +223,8 @@ ReturnToService=2
 
     def check_daemons(self):
         for name, p in self.procs.items():
+            if name in self.lost:
+                continue
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited with {p.returncode}: {self.log(name)}")
 
@@ -215,9 +249,32 @@ ReturnToService=2
         self.jobs.append(words[-1])
         return self.jobs[-1]
 
-    def steps(self, job: str | None = None) -> list[str]:
-        """The job's steps as 'JOBID.STEP NAME' (squeue --steps)."""
-        out = self.slurm("squeue", "-h", "--steps", "-j", job or self.job, "-o", "%i %j")
+    def finished(self, job: str, timeout: float) -> dict[str, str]:
+        """Waits until `job` has left squeue, then its record (scontrol show job: JobState,
+        ExitCode, NodeList, ...). Polled here, 5 times a second: `sbatch --wait` looks only
+        every few seconds, up to 10, after the job ended."""
+        deadline = time.monotonic() + timeout
+        while (state := self.job_state(job)).get("JobState") in ("PENDING", "RUNNING", "COMPLETING"):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job} still {state.get('JobState')} after {timeout} s")
+            time.sleep(0.2)
+        return state
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """scontrol show hostnames: a node list ('10.0.0.[2-3]') as names."""
+        out = self.slurm("scontrol", "show", "hostnames", nodelist)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    def job_state(self, job: str) -> dict[str, str]:
+        """scontrol show job's fields of `job` ({} once slurmctld forgot it)."""
+        out = self.slurm("scontrol", "show", "job", "-o", job)
+        fields = (w.split("=", 1) for w in out.stdout.split() if "=" in w)
+        return dict(f for f in fields if len(f) == 2) if out.returncode == 0 else {}
+
+    def steps(self, job: str | None = None, fmt: str = "%i %j") -> list[str]:
+        """The job's steps as 'JOBID.STEP NAME' (squeue --steps; fmt: squeue's -o)."""
+        out = self.slurm("squeue", "-h", "--steps", "-j", job or self.job, "-o", fmt)
         assert out.returncode == 0, out.stderr
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 

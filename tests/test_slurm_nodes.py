@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
+
+import ddip
 
 from conftest import wait_until
 from slurm_cluster import Cluster, missing
@@ -170,15 +169,16 @@ def test_an_sbatch_job_runs_one_ddip_run_per_node_joined_by_c10d(cluster, tmp_pa
     (tmp_path / "train.py").write_text(TRAIN)
     out = tmp_path / "job.out"
     (tmp_path / "job.sh").write_text(SBATCH.format(out=out))
-    p = cluster.slurm("sbatch", "--wait", "--parsable", f"--chdir={tmp_path}", str(tmp_path / "job.sh"),
-                      timeout=240, env=job_env(cluster))
+    p = cluster.slurm("sbatch", "--parsable", f"--chdir={tmp_path}", str(tmp_path / "job.sh"), env=job_env(cluster))
+    assert p.returncode == 0, p.stderr
     job = p.stdout.strip().split(";")[0]
-    if job:
-        cluster.jobs.append(job)
+    cluster.jobs.append(job)
+    state = cluster.finished(job, 240)
     text = out.read_text() if out.exists() else ""
-    assert p.returncode == 0, f"sbatch: {p.stderr}\n{text}"
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), f"{state}\n{text}"
     lines = sorted(line for line in text.splitlines() if " rank " in f" {line}")
-    nodes = sorted(cluster.nodes)[:2]
+    nodes = cluster.hostnames(state["NodeList"])
+    assert len(nodes) == 2, state
     # Every rank of the 4 joined one gloo all_reduce: 1 + 2 + 3 + 4; node ranks 0 and 1 each ran
     # two local ranks at its own address.
     assert len(lines) == 4, text
@@ -196,3 +196,61 @@ def test_an_sbatch_job_runs_one_ddip_run_per_node_joined_by_c10d(cluster, tmp_pa
     assert all(len({a for a, _ in v}) == 1 and {l for _, l in v} == {"0", "1"} for v in at.values()), text
     assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
     assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"
+
+
+@pytest.fixture
+def cluster2():
+    """A cluster of 2 nodes of this test's own: it loses one."""
+    c = Cluster.in_namespaces(2)
+    try:
+        yield c
+    finally:
+        c.close()
+    assert c.left == [], f"left running after the cluster stopped: {c.left}"
+
+
+def test_a_node_lost_mid_cell_is_named_and_the_others_go_on(cluster2, monkeypatch):
+    cluster = cluster2
+    job = cluster.allocate(2)
+    nodelist = cluster.job_state(job)["NodeList"]
+    # The notebook runs inside the allocation: what salloc's shell would have set.
+    for name, value in job_env(cluster, SLURM_JOB_ID=job, SLURM_JOB_NODELIST=nodelist).items():
+        monkeypatch.setenv(name, value)
+    nodes = ddip.hosts.slurm_hosts()
+    assert len(nodes) == 2, nodes
+    lost = nodes[1]
+    g = ddip.Group(hosts={h: 1 for h in nodes}, launcher="slurm", backend=None, timeout=60)
+    killed = []
+
+    def on_output(rank, stream, text):
+        # Rank 1 is mid-cell: its node dies, slurmd and all.
+        if rank == 1 and "sleeping" in text and not killed:
+            killed.extend(cluster.lose(lost))
+
+    try:
+        steps = dict(s.split() for s in cluster.steps(job, "%i %N"))
+        assert sorted(steps.values()) == nodes, steps
+        with pytest.raises(ddip.RemoteError) as err:
+            g.run("import time; print('sleeping', flush=True); time.sleep(120)", on_output=on_output)
+        assert any("ddip.remote" in cmd for cmd in killed) and any("slurmd" in cmd for cmd in killed), killed
+        root = err.value.failures[0]
+        assert root.rank == 1 and root.ename == "RankDied", err.value.headline
+        assert f"lost the link to its host {lost}" in root.evalue, root.evalue
+        assert str(err.value).startswith(f"code failed on ranks 0,1; root cause on rank 1: RankDied: lost the "
+                                         f"link to its host {lost}"), str(err.value)
+        # Rank 0's cell was stopped because of it; then rank 0 goes on, rank 1 stays dead.
+        assert [f.rank for f in err.value.failures] == [1, 0], str(err.value)
+        assert wait_until(lambda: [row["state"] for row in g.status()] == ["idle", "dead"], 30), g.status()
+        assert [r.value for r in g.run("1 + 1", ranks=[0])] == [2]
+    finally:
+        g.close()
+    assert ddip.hosts.release() == 2
+    # The live node's step ends; the lost node's stays in Slurm's books until Slurm itself
+    # learns the node is gone (SlurmdTimeout), or the node comes back and the job is cancelled.
+    assert wait_until(lambda: [s for s in cluster.steps(job, "%i %N") if not s.endswith(f" {lost}")] == [], 15), \
+        cluster.steps(job, "%i %N")
+    assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"
+    # A node that comes back (rebooted) lets the allocation end; then nothing is left in Slurm.
+    cluster.restart(lost)
+    assert cluster.slurm("scancel", job).returncode == 0
+    assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
