@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -46,6 +47,19 @@ def missing() -> str | None:
 
 
 _missing = missing  # the name tests/test_multihost.py has always used
+
+
+def _free_subnet(first: int) -> str:
+    """10.213.X for the notebook and its hosts: the first X from `first` on that no interface here
+    has. Two test runs side by side whose pids match modulo 200 would otherwise share a subnet,
+    each with the notebook's address on its own link, and see each other's listeners there."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    used = {int(x) for x in re.findall(r"\binet 10\.213\.(\d+)\.", out)}
+    for k in range(200):
+        x = 20 + (first - 20 + k) % 200
+        if x not in used:
+            return f"10.213.{x}"
+    raise RuntimeError("every subnet 10.213.20-219.0/24 is in use here: remove the hosts of finished test runs")
 
 
 def _run(*argv, ns=None):
@@ -85,7 +99,7 @@ class Hosts:
         if len(names) > 200:
             raise ValueError(f"at most 200 hosts in one subnet, got {len(names)}")
         self.id = os.getpid() % 100000
-        self.net = f"10.213.{20 + self.id % 200}"
+        self.net = _free_subnet(20 + self.id % 200)
         self.ns = {name: f"ddip{name}{self.id}" for name in names}
         self.hub = f"ddipHub{self.id}"
         self.addr = {name: f"{self.net}.{2 + i}" for i, name in enumerate(names)}

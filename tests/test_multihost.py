@@ -207,13 +207,22 @@ def test_a_launcher_that_exits_after_its_host_connected_is_a_lost_host(hosts):
         g.close()
 
 
-def _listening_port(address: str) -> int | None:
-    """A TCP port this machine listens on at `address`, as any local user sees it."""
+def _listening_port(address: str, ours: bool = False) -> int | None:
+    """A TCP port this machine listens on at `address`, as any local user sees it; with `ours`,
+    one of this process's sockets only."""
     want = socket.inet_aton(address)[::-1].hex().upper()
+    mine = set()
+    if ours:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and local.split(":")[0] == want:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and local.split(":")[0] == want and (not ours or f"socket:[{inode}]" in mine):
                 return int(local.split(":")[1], 16)
     return None
 
@@ -227,12 +236,16 @@ def test_a_group_starts_while_strangers_hold_its_port_busy(hosts, capfd):
     flag = os.path.join(hosts.dir, f"strangers-{time.monotonic_ns()}")
     launcher = (f"while [ ! -e {flag} ]; do sleep 0.02; done; "
                 f"exec ssh -F {hosts.dir}/ssh_config -T -o BatchMode=yes {{host}} exec {{command}}")
-    held, stop = [], threading.Event()
+    held, seen, stop = [], [], threading.Event()
 
     def strangers():
+        # The group's listener: this process's own. Another process's on the same address (a
+        # test run beside this one whose hosts got the same subnet) would take the connections,
+        # and this group would refuse none of them.
         port = None
         while port is None and not stop.wait(0.005):
-            port = _listening_port(hosts.me)
+            port = _listening_port(hosts.me, ours=True)
+        seen.append(port)
         for _ in range(70):
             try:
                 held.append(socket.create_connection((hosts.me, port), timeout=5))
@@ -246,6 +259,7 @@ def test_a_group_starts_while_strangers_hold_its_port_busy(hosts, capfd):
         g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=launcher, backend=None, timeout=60)
         try:
             assert len(held) == 70
+            assert seen == [int(g._coord.link_address.rpartition(":")[2])]
             assert [r.value for r in g.run("1 + 1")] == [2, 2]
             rejected = g._coord.rejected_connections
         finally:
