@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -170,6 +171,13 @@ ReturnToService=2
         if not wait_until(lambda: self.states() == {n: "idle" for n in self.nodes}, 60):
             raise RuntimeError(f"the nodes never became idle (sinfo: {self.states()!r}); "
                                + "\n".join(self.log(name) for name in self.procs))
+
+    def job_env(self, **extra) -> dict:
+        """What a user's shell on the login node passes to salloc/sbatch: this environment's
+        programs first on PATH (ddip, python, torchrun), and gloo on the hosts' link (named alike
+        on every node)."""
+        path = f"{os.path.dirname(sys.executable)}:{self.env.get('PATH', '')}"
+        return {**self.env, "PATH": path, "GLOO_SOCKET_IFNAME": netns_hosts.LINK, **extra}
 
     def _slurmd(self, node: str):
         argv = [DAEMONS["slurmd"], "-D", "-f", self.conf, "-N", node]

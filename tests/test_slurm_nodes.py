@@ -6,7 +6,7 @@ its namespace's address). What a user on a cluster does:
   salloc's whole environment) makes `%makedip --launcher slurm` across the allocation's nodes;
 - an `sbatch` job runs one `ddip run` per node with `srun`, joined through a c10d rendezvous, as
   torchrun job files do (issue 32);
-- a node lost mid-cell is named.
+- (test_slurm_node_lost.py: a node lost mid-cell is named.)
 
 All traffic stays on loopback and the namespaces the cluster made; the cluster's daemons are
 stopped by pid and its namespaces deleted at the end, and nothing started under its config may
@@ -34,7 +34,6 @@ _why_not = missing(netns=True)
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
 
 NODES = 4
-BIN = Path(sys.executable).parent  # ddip, python and torchrun of this environment
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +44,6 @@ def cluster():
     finally:
         c.close()
     assert c.left == [], f"left running after the cluster stopped: {c.left}"
-
-
-def job_env(cluster, **extra) -> dict:
-    """What a user's shell on the login node passes to salloc/sbatch: this environment's programs
-    first on PATH, and gloo on the hosts' link (named alike on every node)."""
-    return {**cluster.env, "PATH": f"{BIN}:{cluster.env.get('PATH', '')}", "GLOO_SOCKET_IFNAME": "ddip0",
-            **extra}
 
 
 class SallocKernel(Kernel):
@@ -68,7 +60,7 @@ class SallocKernel(Kernel):
             "display_name": "ddip in salloc", "language": "python"}))
         km = KernelManager(kernel_name="ddip-salloc",
                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(root / "kernels")]))
-        km.start_kernel(cwd=str(root), env=job_env(cluster))
+        km.start_kernel(cwd=str(root), env=cluster.job_env())
         kc = km.client()
         kc.start_channels()
         try:
@@ -169,7 +161,7 @@ def test_an_sbatch_job_runs_one_ddip_run_per_node_joined_by_c10d(cluster, tmp_pa
     (tmp_path / "train.py").write_text(TRAIN)
     out = tmp_path / "job.out"
     (tmp_path / "job.sh").write_text(SBATCH.format(out=out))
-    p = cluster.slurm("sbatch", "--parsable", f"--chdir={tmp_path}", str(tmp_path / "job.sh"), env=job_env(cluster))
+    p = cluster.slurm("sbatch", "--parsable", f"--chdir={tmp_path}", str(tmp_path / "job.sh"), env=cluster.job_env())
     assert p.returncode == 0, p.stderr
     job = p.stdout.strip().split(";")[0]
     cluster.jobs.append(job)
@@ -196,61 +188,3 @@ def test_an_sbatch_job_runs_one_ddip_run_per_node_joined_by_c10d(cluster, tmp_pa
     assert all(len({a for a, _ in v}) == 1 and {l for _, l in v} == {"0", "1"} for v in at.values()), text
     assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
     assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"
-
-
-@pytest.fixture
-def cluster2():
-    """A cluster of 2 nodes of this test's own: it loses one."""
-    c = Cluster.in_namespaces(2)
-    try:
-        yield c
-    finally:
-        c.close()
-    assert c.left == [], f"left running after the cluster stopped: {c.left}"
-
-
-def test_a_node_lost_mid_cell_is_named_and_the_others_go_on(cluster2, monkeypatch):
-    cluster = cluster2
-    job = cluster.allocate(2)
-    nodelist = cluster.job_state(job)["NodeList"]
-    # The notebook runs inside the allocation: what salloc's shell would have set.
-    for name, value in job_env(cluster, SLURM_JOB_ID=job, SLURM_JOB_NODELIST=nodelist).items():
-        monkeypatch.setenv(name, value)
-    nodes = ddip.hosts.slurm_hosts()
-    assert len(nodes) == 2, nodes
-    lost = nodes[1]
-    g = ddip.Group(hosts={h: 1 for h in nodes}, launcher="slurm", backend=None, timeout=60)
-    killed = []
-
-    def on_output(rank, stream, text):
-        # Rank 1 is mid-cell: its node dies, slurmd and all.
-        if rank == 1 and "sleeping" in text and not killed:
-            killed.extend(cluster.lose(lost))
-
-    try:
-        steps = dict(s.split() for s in cluster.steps(job, "%i %N"))
-        assert sorted(steps.values()) == nodes, steps
-        with pytest.raises(ddip.RemoteError) as err:
-            g.run("import time; print('sleeping', flush=True); time.sleep(120)", on_output=on_output)
-        assert any("ddip.remote" in cmd for cmd in killed) and any("slurmd" in cmd for cmd in killed), killed
-        root = err.value.failures[0]
-        assert root.rank == 1 and root.ename == "RankDied", err.value.headline
-        assert f"lost the link to its host {lost}" in root.evalue, root.evalue
-        assert str(err.value).startswith(f"code failed on ranks 0,1; root cause on rank 1: RankDied: lost the "
-                                         f"link to its host {lost}"), str(err.value)
-        # Rank 0's cell was stopped because of it; then rank 0 goes on, rank 1 stays dead.
-        assert [f.rank for f in err.value.failures] == [1, 0], str(err.value)
-        assert wait_until(lambda: [row["state"] for row in g.status()] == ["idle", "dead"], 30), g.status()
-        assert [r.value for r in g.run("1 + 1", ranks=[0])] == [2]
-    finally:
-        g.close()
-    assert ddip.hosts.release() == 2
-    # The live node's step ends; the lost node's stays in Slurm's books until Slurm itself
-    # learns the node is gone (SlurmdTimeout), or the node comes back and the job is cancelled.
-    assert wait_until(lambda: [s for s in cluster.steps(job, "%i %N") if not s.endswith(f" {lost}")] == [], 15), \
-        cluster.steps(job, "%i %N")
-    assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"
-    # A node that comes back (rebooted) lets the allocation end; then nothing is left in Slurm.
-    cluster.restart(lost)
-    assert cluster.slurm("scancel", job).returncode == 0
-    assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
