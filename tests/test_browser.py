@@ -260,6 +260,17 @@ CELLS = [
     "%%dip\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
     "%%dip --see all\n'after the stop'",
     "%%dip --see all\nimport os\nx = int(os.environ['RANK']) * 10 + 3\nbreakpoint()\nprint('after the breakpoint', x)",
+    # The rank panel (10) watches the cells after it: rank 1 sleeps before each all_reduce (11),
+    # stops at a prompt (12), dies (13) and is replaced by heal (14); --tabs, a tab per rank (15).
+    "%dipstatus",
+    "%%dip\nimport os, time, torch, torch.distributed as dist\nfor step in range(16):\n"
+    "    time.sleep(0.5 if os.environ['RANK'] == '1' else 0)\n    dist.all_reduce(torch.ones(4))\n"
+    "    print(f'step {step} done')",
+    "%%dip -r 1\nbreakpoint()\nprint('rank 1 went on')",
+    "get_ipython().magics_manager.registry['DipMagics'].group.kill([1])",
+    "%makedip --heal",
+    "%%dip --tabs\nimport os\nr = int(os.environ['RANK'])\nprint(f'only rank {r} prints this')\n"
+    "if r == 1:\n    raise ValueError('rank 1 fails alone')",
 ]
 
 
@@ -401,6 +412,108 @@ def test_a_ranks_breakpoint_is_an_input_box_under_the_cell_answered_by_typing(pa
     assert "[rank 0] 3" in text and "[rank 1] 13" in text, text
     assert "after the breakpoint 3" in text and "after the breakpoint 13" in text, text
     page.screenshot("breakpoint", cell=9)
+
+
+PANEL = 10
+
+
+def panel_rows(page) -> list[list[str]]:
+    """The rank panel's rows as the page shows them: each a list of its cells' text."""
+    rows = page.cells()[PANEL].find_elements(By.CSS_SELECTOR, ".ddip-rank-panel table.ddip-panel tbody tr")
+    return [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+
+
+def panel_text(page) -> str:
+    return page.cells()[PANEL].find_element(By.CSS_SELECTOR, ".ddip-rank-panel").text
+
+
+def state_of(page, rank: int) -> str:
+    rows = panel_rows(page)
+    return rows[rank][3] if len(rows) > rank else ""
+
+
+def test_the_rank_panel_renders(page):
+    page.run(PANEL)
+    page.wait(lambda: page.count(PANEL, ".ddip-rank-panel table.ddip-panel") == 1, 30, "the rank panel")
+    rows = panel_rows(page)
+    assert [r[0] for r in rows] == ["0", "1"] and [r[3] for r in rows] == ["idle", "idle"], rows
+    assert all(r[5].endswith("MiB") for r in rows), rows
+    # The widget is drawn, not its text fallback (the table %dipstatus prints in a terminal).
+    assert "heartbeat" not in page.text(PANEL) and "stop updating" in page.text(PANEL)
+
+
+def test_the_panel_updates_while_a_cell_runs_and_names_the_straggler(page):
+    page.run(PANEL + 1, until_started=True)
+    seen = {"titles": set(), "rank 0": set(), "rank 1": set(), "straggler": ""}
+    shot = None
+    deadline = time.monotonic() + 120
+    while page.prompt(PANEL + 1) == "[*]:" and time.monotonic() < deadline:
+        try:
+            text, rows = panel_text(page), panel_rows(page)
+        except StaleElementReferenceException:
+            continue
+        seen["titles"].add(text.splitlines()[0])
+        seen["rank 0"].add(rows[0][3])
+        seen["rank 1"].add(rows[1][3])
+        if "is the straggler" in text:
+            seen["straggler"] = next(line for line in text.splitlines() if "is the straggler" in line)
+            if shot is None and "waiting in collective" in rows[0][3]:
+                shot = page.screenshot("rank-panel", cell=PANEL)
+                if os.environ.get("DDIP_SCREENSHOTS"):
+                    shutil.copy(shot, Path(os.environ["DDIP_SCREENSHOTS"]) / "rank_panel.png")
+        time.sleep(0.2)
+    page.wait_done(PANEL + 1, 60)
+    n = re.search(r"\[(\d+)\]:", page.prompt(PANEL + 1)).group(1)
+    busy = [t for t in seen["titles"] if "2 busy" in t]
+    assert len(busy) >= 3, seen["titles"]  # redrawn again and again while the cell ran
+    assert any(s.startswith(f"running cell {n} for") for s in seen["rank 1"]), seen
+    assert any(re.match(r"waiting in collective all_reduce #\d+ \(float32\[4\]\) for \d+ s", s)
+               for s in seen["rank 0"]), seen
+    assert seen["straggler"].startswith("rank 1 is the straggler: the others waited for it"), seen
+    # The cell is over: idle again, the last lines they printed, the straggler still named.
+    page.wait(lambda: [r[3] for r in panel_rows(page)] == ["idle", "idle"], 30, "the ranks to show idle")
+    assert [r[7] for r in panel_rows(page)] == ["step 15 done"] * 2
+    assert shot is not None, "never caught the straggler named while rank 0 waited"
+
+
+def test_the_panel_shows_a_rank_at_its_debugger_prompt_then_dead_then_replaced(page):
+    page.run(PANEL + 2, until_started=True)
+    box = ".jp-OutputArea-stdin-item:not(.jp-OutputArea-stdin-hiding) .jp-Stdin-input"
+    page.wait(lambda: page.cells()[PANEL + 2].find_elements(By.CSS_SELECTOR, box), 60, "rank 1's prompt")
+    page.wait(lambda: state_of(page, 1).startswith("at a debugger prompt"), 30, "the panel to show the prompt")
+    assert state_of(page, 0) == "idle"
+    page.cells()[PANEL + 2].find_element(By.CSS_SELECTOR, box).send_keys("c" + Keys.ENTER)
+    page.wait_done(PANEL + 2, 60)
+    page.run(PANEL + 3)
+    page.wait(lambda: state_of(page, 1) == "dead: killed by SIGKILL", 30, "the panel to show rank 1 dead")
+    page.screenshot("rank-panel-dead", cell=PANEL)
+    page.run(PANEL + 4, timeout=120)
+    page.wait(lambda: state_of(page, 1).startswith("idle (replaced by heal"), 30, "the panel to show the heal")
+    assert "killed by SIGKILL" in state_of(page, 1) and state_of(page, 0) == "idle"
+
+
+def test_tabs_show_each_ranks_own_output(page):
+    page.run(PANEL + 5)
+    cell = page.cells()[PANEL + 5]
+    tabs = ".ddip-rank-tabs .lm-TabBar-tab"
+    titles = [t.text for t in cell.find_elements(By.CSS_SELECTOR, tabs)]
+    assert titles == ["rank 0", "rank 1 (ValueError)"], titles
+
+    def shown() -> str:  # the open tab's output
+        panes = [p for p in cell.find_elements(By.CSS_SELECTOR, ".ddip-rank-tabs .widget-tab-contents > *")
+                 if p.is_displayed()]
+        return strip_ansi("\n".join(p.text for p in panes))
+
+    page.wait(lambda: "only rank 0 prints this" in shown(), 30, "rank 0's tab in front")
+    assert "rank 1" not in shown()
+    cell.find_elements(By.CSS_SELECTOR, tabs)[1].click()
+    page.wait(lambda: "only rank 1 prints this" in shown(), 30, "rank 1's tab")
+    assert "ValueError: rank 1 fails alone" in shown() and "only rank 0" not in shown()
+    # The cell's error, as without --tabs, below the tabs.
+    assert "ValueError" in strip_ansi(page.text(PANEL + 5)).split("only rank 1 prints this")[-1]
+    shot = page.screenshot("rank-tabs", cell=PANEL + 5)
+    if os.environ.get("DDIP_SCREENSHOTS"):
+        shutil.copy(shot, Path(os.environ["DDIP_SCREENSHOTS"]) / "rank_tabs.png")
 
 
 def test_the_executed_user_guide_opens_and_shows_its_outputs(page, browser, lab):

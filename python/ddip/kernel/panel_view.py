@@ -26,7 +26,8 @@ IDLE_EVERY_S = 3.0  # ... while every rank is idle
 _live: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its live panel
 _STYLE = """<style>
 .ddip-panel td, .ddip-panel th { padding: 1px 8px; text-align: left; white-space: nowrap; }
-.ddip-panel td:last-child { font-family: monospace; max-width: 40em; overflow: hidden; text-overflow: ellipsis; }
+.ddip-panel td:nth-child(4) { white-space: normal; min-width: 14em; max-width: 28em; }
+.ddip-panel td:last-child { font-family: monospace; max-width: 30em; overflow: hidden; text-overflow: ellipsis; }
 .ddip-panel .ddip-dead td, .ddip-panel .ddip-unresponsive td { color: #c62828; }
 .ddip-panel .ddip-busy td { color: #1565c0; }
 .ddip-panel .ddip-straggler td { background: #fff3e0; font-weight: bold; }
@@ -63,11 +64,13 @@ def show(group, rows: list[dict]):
 
 
 def _cell_number() -> int | None:
-    """The notebook's cell running now (In[N]), the one a run the panel first sees started in."""
+    """The notebook's cell running now (In[N]): the one a run the panel first sees started in. The
+    history has it from the cell's start (IPython's execution_count moves on at the start in some
+    versions, at the end in others)."""
     from IPython import get_ipython
 
-    shell = get_ipython()
-    return getattr(shell, "execution_count", None)
+    history = getattr(get_ipython(), "history_manager", None)
+    return len(history.input_hist_raw) - 1 if history is not None else None
 
 
 class LivePanel:
