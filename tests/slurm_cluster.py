@@ -37,7 +37,7 @@ import netns_hosts
 from conftest import alive, wait_until
 
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
-TOOLS = ("mungekey", "srun", "salloc", "sbatch", "sinfo", "squeue", "scancel", "scontrol", "nsenter")
+TOOLS = ("mungekey", "srun", "salloc", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
 LOOPBACK_NODE = "127.0.0.2"
 
 
@@ -51,6 +51,8 @@ def missing(netns: bool = False) -> str | None:
     for tool in TOOLS:
         if shutil.which(tool) is None:
             return f"needs {tool} (make setup installs slurmctld, slurmd, slurm-client and munge)"
+    if netns and shutil.which("nsenter") is None:
+        return "needs nsenter (util-linux)"
     return netns_hosts.missing() if netns else None
 
 
