@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -168,16 +169,15 @@ def test_an_sbatch_job_runs_one_ddip_run_per_node_joined_by_c10d(cluster, tmp_pa
     state = cluster.finished(job, 240)
     text = out.read_text() if out.exists() else ""
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), f"{state}\n{text}"
-    lines = sorted(line for line in text.splitlines() if " rank " in f" {line}")
+    # Each rank's line, labelled with its global rank by its node's ddip run.
+    lines = [m.groups() for m in re.finditer(r"(?m)^\[(\d)\] rank (\d) (.*)$", text)]
     nodes = cluster.hostnames(state["NodeList"])
     assert len(nodes) == 2, state
     # Every rank of the 4 joined one gloo all_reduce: 1 + 2 + 3 + 4; node ranks 0 and 1 each ran
     # two local ranks at its own address.
     assert len(lines) == 4, text
-    ranks = {}
-    for line in lines:
-        words = line[line.index("rank "):].split()
-        ranks[int(words[1])] = dict(zip(words[2::2], words[3::2]))
+    assert all(label == rank for label, rank, _ in lines), text
+    ranks = {int(rank): dict(zip(rest.split()[::2], rest.split()[1::2])) for _, rank, rest in lines}
     assert sorted(ranks) == [0, 1, 2, 3], text
     assert all(r["of"] == "4" and r["sum"] == "10" and r["job"] == job for r in ranks.values()), text
     at = {r["node"]: set() for r in ranks.values()}
