@@ -105,9 +105,11 @@ def agent_command(python: str) -> list[str]:
     return [python, "-m", "ddip.remote"]
 
 
-def launcher_argv(launcher: str | None, host: str, python: str) -> list[str]:
-    """The command, run here, that starts ddip's agent on `host` (see plan.hpp's launcher_argv)."""
-    cpus = _plan.uniform_cpus(os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
+def launcher_argv(launcher: str | None, host: str, python: str, env=None) -> list[str]:
+    """The command, run here, that starts ddip's agent on `host` (see plan.hpp's launcher_argv);
+    `env`: the launcher's environment (default: ours), where srun's job is."""
+    env = os.environ if env is None else env
+    cpus = _plan.uniform_cpus(env.get("SLURM_JOB_CPUS_PER_NODE", ""))
     return _plan.launcher_argv(launcher or "ssh", host, agent_command(python), cpus)
 
 
@@ -135,6 +137,9 @@ class Layout:
     # Ranks of the plan that no process is started for: the notebook plays them (ranch). The
     # group's slots are the other ranks, in order; each keeps its place on its host.
     played_here: tuple = ()
+    # The launchers' environment where it is not the notebook's: a Slurm job asked for from the
+    # notebook (ddip/hosts/allocation.py) is that job's, not ours.
+    env: dict | None = None
 
     @property
     def rank_ids(self) -> list[int]:
@@ -189,16 +194,17 @@ class Layout:
 
     def launchers(self) -> list[tuple[str, list[str], list[int]]]:
         """(host name, launcher argv, slots) for each remote host that has ranks to start."""
-        return [(h.name, launcher_argv(self.launcher, h.name, self.python), self.slots_of(i))
+        return [(h.name, launcher_argv(self.launcher, h.name, self.python, self.env), self.slots_of(i))
                 for i, h in enumerate(self.plan.hosts) if not h.local and self.slots_of(i)]
 
     def master_port(self) -> int:
         return _plan.master_port(self.plan.hosts[0].local, self.plan.bind)
 
 
-def layout(hosts, launcher=None, python=None, bind=None) -> Layout:
+def layout(hosts, launcher=None, python=None, bind=None, env=None) -> Layout:
     """Checks everything (bad input changes nothing) and lays the ranks out host by host.
-    A Layout already made (ranch's, without the notebook's rank) is taken as it is."""
+    A Layout already made (ranch's, without the notebook's rank) is taken as it is. `env`: the
+    launchers' environment, if not the notebook's."""
     if isinstance(hosts, Layout):
         if launcher is not None or python is not None or bind is not None:
             raise ValueError("a laid-out host list already says its launcher, python and bind")
@@ -215,7 +221,7 @@ def layout(hosts, launcher=None, python=None, bind=None) -> Layout:
     if bind is not None and not isinstance(bind, str):
         raise ValueError(f"bind must be an IP address of this machine, got {bind!r}")
     plan = _plan.lay_out(parsed, "", bind or "")
-    out = Layout(plan, launcher, python)
+    out = Layout(plan, launcher, python, env=env)
     out.launchers()  # fail now, not once ranks are starting
     return out
 

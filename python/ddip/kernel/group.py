@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 from .. import _core, gpus as _gpus
 from ..errors import GroupClosedError, HealReport, RemoteError
+from ..hosts import allocation as _allocation
 from ..hosts import keeper as _keeper
 from ..hosts import placement as _hosts
 from ..hosts.placement import cpu_count, omp_threads
@@ -88,10 +89,31 @@ class Group:
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  heartbeat_timeout: float = 10.0, warm: bool | None = None,
                  hosts=None, launcher: str | None = None, python: str | None = None,
-                 bind: str | None = None):
+                 bind: str | None = None, slurm=None):
+        # slurm=: nodes asked of Slurm first (the wait shown, Ctrl-C cancels), then ranks on them
+        # as in any allocation; the group owns the job and ends it when it closes (or fails to start).
+        self._allocation = slurm if isinstance(slurm, _allocation.SlurmAllocation) else None
+        env_of_launchers = None
+        try:
+            if slurm is not None:
+                _check_slurm_group(slurm, n, gpus, hosts, launcher, rank_ids, world_size, timeout, env)
+            if self._allocation is None and slurm is not None:
+                self._allocation = _allocation.SlurmAllocation.request(slurm)
+            if self._allocation is not None:
+                hosts, launcher = self._allocation.hosts(), "slurm"
+                env_of_launchers = self._allocation.launcher_env()
+            self._set_up(n, gpus, backend, timeout, env, world_size, rank_ids, master_addr, master_port,
+                         heartbeat_timeout, warm, hosts, launcher, python, bind, env_of_launchers)
+        except BaseException:
+            if self._allocation is not None:
+                self._allocation.close()  # nothing is left of a group that did not start
+            raise
+
+    def _set_up(self, n, gpus, backend, timeout, env, world_size, rank_ids, master_addr, master_port,
+                heartbeat_timeout, warm, hosts, launcher, python, bind, env_of_launchers):
         # Everything is checked before anything starts: bad input changes nothing.
         self._layout, gpus, n, rank_ids, world_size, master_addr = _lay_out_hosts(
-            hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind)
+            hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind, env_of_launchers)
         rank_ids = None if rank_ids is None else list(rank_ids)
         _check_sizes(n, gpus, env, rank_ids)
         self._env = dict(env or {})
@@ -188,7 +210,7 @@ class Group:
         refusals = tmpl.refusals if tmpl is not None else 0
         remote = {}
         if layout is not None:
-            launcher_env = [f"{k}={v}" for k, v in os.environ.items()]
+            launcher_env = [f"{k}={v}" for k, v in (layout.env or os.environ).items()]
             remote = dict(hosts=[(name, argv, launcher_env, slots) for name, argv, slots in layout.launchers()],
                           bind_address=layout.bind)
             if remote["hosts"]:
@@ -212,8 +234,22 @@ class Group:
         _open_groups.add(self)
 
     def close(self, grace: float = 2.0):
-        """Stops every rank (shutdown, then SIGTERM, then SIGKILL after `grace` s). Idempotent."""
-        rt, self._rt = self._rt, None
+        """Stops every rank (shutdown, then SIGTERM, then SIGKILL after `grace` s), and ends the
+        Slurm job slurm= asked for. Idempotent."""
+        try:
+            self._stop(grace)
+        finally:
+            alloc = getattr(self, "_allocation", None)
+            if alloc is not None:
+                alloc.close()
+
+    @property
+    def slurm_job(self) -> str | None:
+        """The id of the Slurm job slurm= asked for (None without slurm=)."""
+        return self._allocation.job if self._allocation is not None else None
+
+    def _stop(self, grace: float):
+        rt, self._rt = getattr(self, "_rt", None), None
         coord = rt.detach() if rt is not None else None
         if rt is not None and rt.broken:
             self._broken = rt.broken
@@ -238,8 +274,12 @@ class Group:
         _open_groups.discard(self)
 
     def restart(self):
-        """Kills every rank and starts fresh ones with the same settings (and a new MASTER_PORT)."""
-        self.close()
+        """Kills every rank and starts fresh ones with the same settings (and a new MASTER_PORT),
+        in the same Slurm job if slurm= asked for one."""
+        if self._allocation is not None and self._allocation.closed:
+            raise GroupClosedError(f"its Slurm job {self._allocation.job} has ended (scancel, or its time "
+                                   f"limit?); a new group asks Slurm again")
+        self._stop(2.0)
         self._start()
 
     def __enter__(self):
@@ -594,7 +634,7 @@ def _close_all():
             pass
 
 
-def _lay_out_hosts(hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind):
+def _lay_out_hosts(hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind, env=None):
     """hosts= (see ddip.hosts): ranks on several hosts, reached by `launcher` (ssh, slurm or a
     template) running `python` there, connecting back to this machine's address `bind`. Returns
     (layout or None, gpus, n, rank_ids, world_size, master_addr) as the group takes them."""
@@ -606,12 +646,28 @@ def _lay_out_hosts(hosts, gpus, n, rank_ids, world_size, master_addr, launcher, 
         if n is not None or rank_ids is not None or world_size is not None:
             raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
                              "leave out n=, rank_ids= and world_size=")
-        layout = _hosts.layout(hosts, launcher, python, bind)
+        layout = _hosts.layout(hosts, launcher, python, bind, env)
         # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
         return layout, gpus, layout.size, layout.rank_ids, layout.world_size, layout.master_addr
     if launcher is not None or python is not None or bind is not None:
         raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
     return layout, gpus, n, rank_ids, world_size, master_addr
+
+
+def _check_slurm_group(slurm, n, gpus, hosts, launcher, rank_ids, world_size, timeout, env):
+    """What can be checked before Slurm is asked (the nodes and GPUs come with the job)."""
+    if not isinstance(slurm, (str, _allocation.SlurmAllocation)):
+        raise ValueError(f"slurm= takes salloc's options as a string, e.g. '-N 4 -t 2:00:00', got {slurm!r}")
+    if isinstance(slurm, str):
+        _allocation.split_options(slurm)
+    if any(x is not None for x in (n, gpus, hosts, launcher, rank_ids, world_size)):
+        raise ValueError("slurm= asks Slurm for the nodes and places the ranks itself (one per task of "
+                         "--ntasks-per-node, else one per GPU of --gpus-per-node, else one per node): leave "
+                         "out n=, gpus=, hosts=, launcher=, rank_ids= and world_size=")
+    _positive_timeout(timeout)
+    if timeout is None:
+        raise ValueError("timeout must be a positive number of seconds, got None")
+    _check_sizes(None, None, env, None)
 
 
 def _check_sizes(n, gpus, env, rank_ids):

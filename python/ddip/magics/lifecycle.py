@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..hosts import allocation as _allocation
 from ..hosts import placement as _hosts
 from ..kernel import template as _template
 from ..kernel.displays import notebook_env
@@ -41,11 +42,12 @@ class GroupSpec:
     launcher: str | None = None
     python: str | None = None
     bind: str | None = None
+    slurm: str | None = None  # --slurm: salloc's options; the nodes are asked of Slurm
 
     def describe(self) -> str:
         where = f"-g {','.join(map(str, self.gpus))}" if self.gpus is not None else f"-n {self.n}"
-        if self.hosts is not None:
-            where = f"--hosts {self.hosts}" + "".join(
+        if self.hosts is not None or self.slurm is not None:
+            where = (f"--hosts {self.hosts}" if self.slurm is None else f"--slurm {self.slurm!r}") + "".join(
                 f" --{k} {v!r}" for k, v in (("launcher", self.launcher), ("python", self.python),
                                              ("bind", self.bind)) if v is not None)
         return " ".join([where, f"--backend {self.backend}"] + ([f"-a {self.app}"] if self.app else [])
@@ -101,13 +103,18 @@ class DipMagics(Magics):
     @argument("-a", "--app", metavar="APP", help="set the group up for an app (ddip.apps.APP), e.g. fastai")
     @argument("--cold", action="store_true", help="start ranks as fresh processes, not forked from the warm rank template")
     @hosts_flags
+    @argument("--slurm", metavar="OPTIONS",
+              help="ask Slurm for nodes with salloc's options ('-N 4 --gpus-per-node 8 -t 2:00:00') and put "
+                   "the ranks on them: one per task of --ntasks-per-node, else one per GPU, else one per node; "
+                   "the wait is shown, Ctrl-C cancels it, -k ends the job")
     @line_magic
     def makedip(self, line=""):
         """Create (-n/-g), restart (-r), kill (-k) or describe (-i) the group of ranks."""
         fn = self.makedip
         args = parse(fn, line)
         s = self.session
-        creating = args.gpus is not None or args.nprocs is not None or args.hosts is not None
+        creating = (args.gpus is not None or args.nprocs is not None or args.hosts is not None
+                    or args.slurm is not None)
         options = (creating or args.app is not None or args.timeout is not None or args.backend is not None
                    or args.cold)
 
@@ -142,30 +149,59 @@ class DipMagics(Magics):
             raise usage_error(fn, f"a group is already running ({s.spec.describe()}): "
                                   f"add -r to replace it with {spec.describe()}, or -k to kill it first")
 
-        reuse = None
+        reuse = allocation = None
         if running and replace(spec, app=None, timeout=None) == replace(s.spec, app=None, timeout=None):
             # The same ranks again: restarted in place, so a Group handle taken from the magics
-            # earlier (`g = ...registry["DipMagics"].group`) stays the group they drive.
+            # earlier (`g = ...registry["DipMagics"].group`) stays the group they drive (and keeps
+            # its Slurm job, if it asked for one).
             reuse, pids = s.group, s.group.pids
             if args.verbose:
                 print(f"stopping ranks (pids {pids}) ...", flush=True)
-            reuse.close()
-            print(f"killed the group (pids {pids})")
-        elif running:
-            old = s.group
-            self._kill(args.verbose, keep_autodip=True)
-            print(f"(a Group object taken earlier ({old!r}) is closed now; the new group is {GROUP_PATH})")
-        elif args.restart and s.group is not None:
-            s.group = None  # closed behind our back (group.close() in a cell): start afresh
-        self._start(spec, args.verbose, reuse)
+            if reuse.slurm_job is None:
+                reuse.close()
+            print(f"killed the group (pids {pids})" if reuse.slurm_job is None else
+                  f"restarting the group in Slurm job {reuse.slurm_job} (pids {pids})")
+        elif spec.slurm is not None:
+            # The nodes first: while Slurm keeps the request pending (Ctrl-C cancels it), or when
+            # it refuses, the running group is left as it is.
+            allocation = self._ask_slurm(spec.slurm)
+        try:
+            if reuse is None and running:
+                old = s.group
+                self._kill(args.verbose, keep_autodip=True)
+                print(f"(a Group object taken earlier ({old!r}) is closed now; the new group is {GROUP_PATH})")
+            elif reuse is None and args.restart and s.group is not None:
+                s.group = None  # closed behind our back (group.close() in a cell): start afresh
+            self._start(spec, args.verbose, reuse, allocation)
+        except BaseException:
+            if allocation is not None:
+                allocation.close()  # a job no group took (the group gives back its own: idempotent)
+            raise
         if args.info:
             self._print_info()
+
+    @staticmethod
+    def _ask_slurm(options: str):
+        try:
+            return _allocation.SlurmAllocation.request(options)
+        except _allocation.SlurmRequestError as exc:
+            raise render.CellError.of("SlurmRequestError", f"--slurm {options!r}: {exc}") from None
+        except KeyboardInterrupt:
+            raise render.CellError.of("KeyboardInterrupt", f"the request for Slurm nodes (salloc {options}) was "
+                                                           f"cancelled; nothing else changed") from None
 
     def _new_spec(self, fn, args, creating) -> GroupSpec | None:
         # Across hosts -g says each host's GPUs (-g 0,1 with --hosts, or -g 'node1:0,1 node2:2,3').
         across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(unquote(args.gpus)))
-        if not across and (args.launcher is not None or args.python is not None or args.bind is not None):
-            raise usage_error(fn, "--launcher, --python and --bind go with --hosts")
+        if args.slurm is not None and (across or args.gpus is not None or args.nprocs is not None
+                                       or args.launcher is not None):
+            raise usage_error(fn, "--slurm asks Slurm for the nodes and places the ranks itself (say how many "
+                                  "with salloc's --ntasks-per-node or --gpus-per-node): leave out -n, -g, --hosts "
+                                  "and --launcher")
+        if not across and (args.launcher is not None or (args.slurm is None and (
+                args.python is not None or args.bind is not None))):
+            raise usage_error(fn, "--launcher, --python and --bind go with --hosts (--python and --bind with "
+                                  "--slurm too)")
         if args.app is not None and args.app not in known_apps():  # before anything else is asked for
             known = known_apps()
             raise usage_error(fn, f"-a {args.app}: no such app; known apps: "
@@ -191,7 +227,14 @@ class DipMagics(Magics):
             if n is not None and gpus is not None and n != len(gpus):
                 raise usage_error(fn, f"-n {n} but -g lists {len(gpus)} GPUs; give one or the other")
             spec = replace(spec, n=None if gpus is not None else n, gpus=gpus, hosts=None, launcher=None,
-                           python=None, bind=None)
+                           python=None, bind=None, slurm=None)
+            if args.slurm is not None:
+                options = unquote(args.slurm)
+                try:
+                    _allocation.split_options(options)
+                except ValueError as exc:
+                    raise usage_error(fn, f"--slurm: {exc}") from None
+                spec = replace(spec, n=None, slurm=options, python=args.python, bind=args.bind)
             if across:
                 spec = self._hosts_spec(fn, args, replace(spec, n=None, gpus=None))
         if args.backend is not None:
@@ -203,8 +246,9 @@ class DipMagics(Magics):
         if args.cold:
             spec = replace(spec, cold=True)
         try:
-            resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus if spec.hosts is None
-                            else [g for h in _hosts.parse_hosts(spec.hosts) for g in (h.gpus or [])])
+            if spec.slurm is None:  # with --slurm the GPUs are known once the job is granted
+                resolve_backend(None if spec.backend == "none" else spec.backend, spec.gpus if spec.hosts is None
+                                else [g for h in _hosts.parse_hosts(spec.hosts) for g in (h.gpus or [])])
         except ValueError as exc:
             raise usage_error(fn, f"--backend {spec.backend}: {exc}") from None
         return spec
@@ -226,9 +270,14 @@ class DipMagics(Magics):
             raise usage_error(fn, f"--hosts {hosts}: {exc}") from None
         return replace(spec, hosts=hosts, launcher=launcher, python=args.python, bind=args.bind)
 
-    def _start(self, spec: GroupSpec, verbose: bool, reuse: Group | None = None):
+    def _start(self, spec: GroupSpec, verbose: bool, reuse: Group | None = None, allocation=None):
         s = self.session
-        if spec.hosts is not None:
+        if allocation is not None:
+            what = (f"{_hosts.layout(allocation.hosts(), 'slurm').size} rank(s) on Slurm job {allocation.job} "
+                    f"({','.join(allocation.nodes)})")
+        elif reuse is not None and reuse.slurm_job is not None:
+            what = f"{reuse.size} rank(s) on Slurm job {reuse.slurm_job}"
+        elif spec.hosts is not None:
             what = f"{_hosts.layout(spec.hosts, spec.launcher, spec.python, spec.bind).size} rank(s) on {spec.hosts}"
         else:
             what = (f"{len(parse_gpus(list(spec.gpus) if spec.gpus != ('all',) else 'all'))} GPU rank(s)"
@@ -249,6 +298,9 @@ class DipMagics(Magics):
                 reuse.timeout = spec.timeout
                 reuse.restart()
                 group = reuse
+            elif spec.slurm is not None:
+                group = Group(slurm=allocation, python=spec.python, bind=spec.bind, backend=backend,
+                              timeout=spec.timeout, env=notebook_env() or None)
             elif spec.hosts is not None:
                 group = Group(hosts=spec.hosts, launcher=spec.launcher, python=spec.python, bind=spec.bind,
                               backend=backend, timeout=spec.timeout, env=notebook_env() or None)
@@ -259,8 +311,12 @@ class DipMagics(Magics):
                               env=notebook_env() or None)
         except StartError as exc:
             s.group = None
+            ended = f"; its Slurm job {allocation.job} was given back" if allocation is not None else ""
             raise render.CellError.of("StartError", exc.describe(wait_longer="give -t SECONDS")
-                                      + "\n(no group is running; %makedip -r tries again)") from None
+                                      + f"\n(no group is running{ended}; %makedip -r tries again)") from None
+        except _allocation.SlurmRequestError as exc:
+            s.group = None
+            raise render.CellError.of("SlurmRequestError", f"--slurm {spec.slurm!r}: {exc}") from None
         except KeyboardInterrupt:
             s.group = None
             # Group() has already stopped whatever it had started.
@@ -325,12 +381,12 @@ class DipMagics(Magics):
         if not s.running:
             print("no group is running")
             return
-        pids = s.group.pids
+        pids, job = s.group.pids, s.group.slurm_job
         if verbose:
             print(f"stopping ranks (pids {pids}) ...", flush=True)
         s.group.close()
         s.group = None
-        print(f"killed the group (pids {pids})")
+        print(f"killed the group (pids {pids})" + (f"; Slurm job {job} ended" if job is not None else ""))
         if s.autodip_args is not None and not keep_autodip:
             # Every following cell would fail with "no group"; the notebook runs locally again.
             s.set_autodip(None)
@@ -344,6 +400,8 @@ class DipMagics(Magics):
             return
         g = s.group
         print(f"group: {s.spec.describe()}")
+        if g.slurm_job is not None:
+            print(f"Slurm job: {g.slurm_job} (ended by %makedip -k)")
         print(f"backend: {g.backend or 'none'}")
         print(f"app: {s.spec.app or 'none'}")
         print(f"pids: {g.pids}")
