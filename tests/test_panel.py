@@ -126,3 +126,21 @@ def test_the_tables():
     assert text.splitlines() == ["rank  pid  device  state  busy for  memory   heartbeat",
                                  "0     7    cpu     idle   -         300 MiB  0.2 s ago"]
     assert html.startswith("<table><thead><tr><th>rank</th>")
+
+
+def test_the_widget_draws_a_table_then_a_row_per_host_opening_to_its_ranks():
+    pytest.importorskip("ipywidgets", reason="ipywidgets is not installed (make setup installs the test extras)")
+    from ddip.kernel.panel_view import PanelView
+
+    view = PanelView()
+    rows = [RankRow(rank=r, pid=10 + r, host=f"node{r // 2}", device="cpu", state="busy", doing="running cell 4",
+                    cpu_pct=90.0, rss_mb=100.0, last_line=f"loss {r}", straggler=r == 5) for r in range(2 * HOSTS_FROM)]
+    view.draw(PanelData(rows[:4], "rank 1 is the straggler"))
+    assert view.body.children == (view.table,) and view.table.value.count("<tr class=") == 4
+    assert "rank 1 is the straggler" in view.straggler.value and "4 busy" in view.title.value
+    view.draw(PanelData(rows, "", by_host(rows)))
+    assert view.body.children == (view.hosts,) and len(view.hosts.children) == HOSTS_FROM
+    assert view.hosts.titles[2] == "node2: ranks 4-5: 2 busy; CPU 180%, 200 MiB; the straggler is here"
+    assert "loss 5" in view.hosts.children[2].value and "loss 6" not in view.hosts.children[2].value
+    view.stopped("the group is closed")
+    assert "the group is closed" in view.title.value and view.stop_button.layout.display == "none"

@@ -167,7 +167,7 @@ class Sampler:
         self.group = group
         self.cell_number = cell_number
         self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (when, CPU seconds then)
-        self._cells: dict[int, int | None] = {}  # request seq -> the notebook's cell it runs
+        self._cells: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> the cell it runs
         self._stragglers: Stragglers | None = None  # the last answer: shown on while ranks are idle
 
     def sample(self, ask: bool | None = None) -> PanelData:
@@ -181,7 +181,10 @@ class Sampler:
         if ask if ask is not None else busy:
             snapshots = rt.collectives(list(range(len(g.rank_ids))), ASK_TIMEOUT_S, 0.05)
             snapshots = {g.rank_ids[s]: a for s, a in snapshots.items()}
-            picture, self._stragglers = CollectivePicture(snapshots), Stragglers.of(snapshots)
+            picture, now_named = CollectivePicture(snapshots), Stragglers.of(snapshots)
+            # A rank that did not answer in time leaves the straggler named before as it was.
+            if now_named.straggler is not None or not now_named.unread or self._stragglers is None:
+                self._stragglers = now_named
         stragglers = self._stragglers
         util = _gpus.utilization() if any(s.get("gpu") for s in status) else {}
         with rt.mu:
@@ -217,9 +220,9 @@ class Sampler:
             return "starting (replaced by heal)" if replaced is not None else state
         if state != "busy" or req is None:
             return state + healed
-        if req.seq not in self._cells:
-            self._cells[req.seq] = self.cell_number() if self.cell_number and req.what == "code" else None
-        n = self._cells[req.seq]
+        if req not in self._cells:
+            self._cells[req] = self.cell_number() if self.cell_number and req.what == "code" else None
+        n = self._cells[req]
         running = f"running cell {n}" if n is not None else f"running {req.what}"
         running += f" for {now - req.started:.0f} s"
         if slot == req.prompts.floor or any(p_slot == slot for p_slot, _ in req.prompts.items):

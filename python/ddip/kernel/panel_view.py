@@ -73,60 +73,24 @@ def _cell_number() -> int | None:
     return len(history.input_hist_raw) - 1 if history is not None else None
 
 
-class LivePanel:
-    """The widget (`box`) and the thread that redraws it."""
+class PanelView:
+    """The panel's widgets (`box`): a title with a stop button, the straggler's line, and the rows,
+    as one table or, from panel.HOSTS_FROM hosts on, an Accordion of hosts, each opening to its
+    ranks. draw() shows a sample; stopped() says why it no longer changes."""
 
-    def __init__(self, group):
+    def __init__(self, on_stop=None):
         import ipywidgets as w
 
-        self.group = weakref.ref(group)
-        self.sampler = Sampler(group, cell_number=_cell_number)
         self.title = w.HTML()
         self.straggler = w.HTML()
         self.table = w.HTML()
         self.hosts = w.Accordion()
         self.stop_button = w.Button(description="stop updating", layout=w.Layout(width="auto"))
-        self.stop_button.on_click(lambda _: self.stop("stopped"))
+        if on_stop is not None:
+            self.stop_button.on_click(lambda _: on_stop())
         self.body = w.VBox([self.table])
         self.box = w.VBox([w.HBox([self.title, self.stop_button]), self.straggler, self.body])
         self.box.add_class("ddip-rank-panel")
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ddip-rank-panel", daemon=True)
-        self.draw(self.sampler.sample())
-
-    def start(self):
-        older = _live.get(self.group())
-        if older is not None:
-            older.stop("stopped: a newer panel of this group shows it live")
-        _live[self.group()] = self
-        self._thread.start()
-
-    def stop(self, why: str):
-        self._stopped.set()
-        self.title.value = f"<b>ranks</b> ({html.escape(why)})"
-        self.stop_button.layout.display = "none"
-
-    def _run(self):
-        every = EVERY_S
-        while not self._stopped.wait(every):
-            if self.box.comm is None:  # the widget was closed
-                return
-            group = self.group()
-            if group is None or group.closed:
-                self.stop("the group is closed")
-                return
-            try:
-                data = self.sampler.sample()
-            except GroupClosedError:
-                self.stop("the group is closed")
-                return
-            except Exception as exc:  # noqa: BLE001 - a panel that can't sample says why and stops
-                self.stop(f"stopped: {type(exc).__name__}: {exc}")
-                return
-            if self._stopped.is_set():
-                return
-            self.draw(data)
-            every = EVERY_S if data.busy else IDLE_EVERY_S
 
     def draw(self, data: PanelData):
         import ipywidgets as w
@@ -149,3 +113,56 @@ class LivePanel:
         self.hosts.titles = tuple(h.summary for h in data.hosts)
         if self.body.children != (self.hosts,):
             self.body.children = (self.hosts,)
+
+    def stopped(self, why: str):
+        self.title.value = f"<b>ranks</b> ({html.escape(why)})"
+        self.stop_button.layout.display = "none"
+
+
+class LivePanel:
+    """A PanelView of one group and the thread that redraws it."""
+
+    def __init__(self, group):
+        self.group = weakref.ref(group)
+        self.sampler = Sampler(group, cell_number=_cell_number)
+        self.view = PanelView(on_stop=lambda: self.stop("stopped"))
+        self.box = self.view.box
+        self._lock = threading.Lock()  # a draw and a stop, one at a time: once stopped, no draw
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddip-rank-panel", daemon=True)
+        self.view.draw(self.sampler.sample())
+
+    def start(self):
+        older = _live.get(self.group())
+        if older is not None:
+            older.stop("stopped: a newer panel of this group shows it live")
+        _live[self.group()] = self
+        self._thread.start()
+
+    def stop(self, why: str):
+        with self._lock:
+            self._stopped.set()
+            self.view.stopped(why)
+
+    def _run(self):
+        every = EVERY_S
+        while not self._stopped.wait(every):
+            if self.box.comm is None:  # the widget was closed
+                return
+            group = self.group()
+            if group is None or group.closed:
+                self.stop("the group is closed")
+                return
+            try:
+                data = self.sampler.sample()
+            except GroupClosedError:
+                self.stop("the group is closed")
+                return
+            except Exception as exc:  # noqa: BLE001 - a panel that can't sample says why and stops
+                self.stop(f"stopped: {type(exc).__name__}: {exc}")
+                return
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                self.view.draw(data)
+            every = EVERY_S if data.busy else IDLE_EVERY_S
