@@ -185,6 +185,13 @@ def test_makedip_slurm_waits_for_the_nodes_then_spans_them_and_k_ends_the_job(cl
     # --ntasks-per-node 2: ranks 0, 1 on the first node, 2, 3 on the second; all in one all_reduce.
     assert [tuple(w) for w in where] == [(r, nodes[r // 2], job, 10) for r in range(4)], where
 
+    # -r starts fresh ranks in the same job; -k ends it.
+    pids = kernel.value(f"{GROUP}.pids")
+    cell = kernel.run("%makedip -r")
+    assert cell.ok and f"restarting the group in Slurm job {job}" in cell.stream(), cell.outputs
+    assert kernel.value(f"{GROUP}.pids") != pids and kernel.value(f"{GROUP}.slurm_job") == job
+    assert cluster.queue() == [f"{job} RUNNING"]
+    assert kernel.value(f"""[r.value for r in {GROUP}.run("import os; os.environ['SLURM_JOB_ID']")]""") == [job] * 4
     cell = kernel.run("%makedip -k")
     assert cell.ok and f"Slurm job {job} ended" in cell.stream(), cell.outputs
     assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
@@ -288,3 +295,28 @@ def test_bad_slurm_arguments_are_refused_before_slurm_is_asked(tmp_path, monkeyp
     monkeypatch.setenv("PATH", str(tmp_path))  # no salloc here
     with pytest.raises(SlurmRequestError, match="needs Slurm's salloc on PATH"):
         ddip.Group(slurm="-N 1")
+
+
+def test_group_slurm_asks_for_the_nodes_and_close_gives_them_back(cluster, monkeypatch):
+    """The API, from a script on the login node (no kernel): Group(slurm=...)."""
+    for name, value in cluster.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ddip0")
+    monkeypatch.setenv("PATH", f"{BIN}:{os.environ['PATH']}")
+    g = ddip.Group(slurm="-N 2 -t 10", backend=None, timeout=60)
+    try:
+        job = g.slurm_job
+        cluster.jobs.append(job)
+        assert cluster.queue() == [f"{job} RUNNING"]
+        assert cluster.job_state(job)["TimeLimit"] == "00:10:00"
+        nodes = cluster.hostnames(cluster.job_state(job)["NodeList"])
+        code = "import os; (os.environ['SLURMD_NODENAME'], os.environ['SLURM_JOB_ID'], os.environ['WORLD_SIZE'])"
+        assert [r.value for r in g.run(code)] == [(n, job, "2") for n in nodes]
+        g.restart()  # fresh ranks, the same job
+        assert g.slurm_job == job and cluster.queue() == [f"{job} RUNNING"]
+        assert [r.value for r in g.run(code)] == [(n, job, "2") for n in nodes]
+    finally:
+        g.close()
+    assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
+    assert ddip.hosts.release() == 0  # the job's end ended the nodes' standing agents too
+    assert wait_until(lambda: cluster.strays() == [], 15), f"left running: {cluster.strays()}"

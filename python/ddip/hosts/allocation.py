@@ -87,9 +87,9 @@ def ranks_per_node(env: dict) -> tuple[list[int], int]:
     return [per_gpu or 1] * nodes, per_gpu
 
 
-def console_line() -> Callable[[str], None]:
+def console_line() -> Callable[..., None]:
     """How the wait is shown: in a Jupyter kernel one display redrawn in place; elsewhere one
-    line of stderr redrawn with a carriage return."""
+    line of stderr redrawn with a carriage return (and ended by the last, final=True)."""
     try:
         from IPython import get_ipython
         from IPython.display import display
@@ -99,7 +99,7 @@ def console_line() -> Callable[[str], None]:
     if shell is not None and getattr(shell, "kernel", None) is not None:
         handle = None
 
-        def show(text: str):
+        def show(text: str, final: bool = False):
             nonlocal handle
             if handle is None:
                 handle = display({"text/plain": text}, raw=True, display_id=True)
@@ -108,9 +108,9 @@ def console_line() -> Callable[[str], None]:
         return show
     width = 0
 
-    def write(text: str):
+    def write(text: str, final: bool = False):
         nonlocal width
-        sys.stderr.write("\r" + text.ljust(width))
+        sys.stderr.write("\r" + text.ljust(width) + ("\n" if final else ""))
         sys.stderr.flush()
         width = len(text)
     return write
@@ -128,9 +128,10 @@ class SlurmAllocation:
         self.nodes = slurm_hosts(env)
 
     @classmethod
-    def request(cls, options: str, on_wait: Callable[[str], None] | None = None) -> "SlurmAllocation":
+    def request(cls, options: str, on_wait: Callable[..., None] | None = None) -> "SlurmAllocation":
         """Asks Slurm for nodes (salloc OPTIONS) and waits until they are granted, showing the
-        job's state and Slurm's reason while it is pending (on_wait: one line, redrawn). Ctrl-C
+        job's state and Slurm's reason while it is pending (on_wait(text, final=False): one line,
+        redrawn; console_line() by default). Ctrl-C
         cancels the request. Slurm's refusal raises SlurmRequestError with its message."""
         words = split_options(options)
         if shutil.which("salloc") is None:
@@ -202,7 +203,7 @@ class _Waiting:
     """One request's wait: salloc's stderr says the job id and any refusal, HOLD's first stdout
     line says the nodes are granted, squeue says the reason while pending."""
 
-    def __init__(self, proc: subprocess.Popen, options: str, show: Callable[[str], None]):
+    def __init__(self, proc: subprocess.Popen, options: str, show: Callable[..., None]):
         self.proc, self.options, self.show = proc, options, show
         self.job: str | None = None
         self.err = b""
@@ -241,7 +242,7 @@ class _Waiting:
         self.job = env["SLURM_JOB_ID"]
         if self.shown:
             self.show(f"Slurm job {self.job} granted after {time.monotonic() - self.t0:.0f} s: "
-                      f"{env.get('SLURM_JOB_NODELIST', '')}")
+                      f"{env.get('SLURM_JOB_NODELIST', '')}", final=True)
         return env
 
     def _show_state(self):
@@ -267,6 +268,8 @@ class _Waiting:
 
     def cancel(self):
         """The request is withdrawn (Ctrl-C, a refusal, an error): nothing of it is left."""
+        if self.shown:
+            self.show(f"Slurm job {self.job or '(not yet named)'}: request withdrawn", final=True)
         if self.job is not None:
             _scancel(self.job)
         p = self.proc
