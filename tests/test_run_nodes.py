@@ -365,3 +365,20 @@ def test_each_network_namespace_host_runs_its_own_ddip_run_as_a_pod_would(tmp_pa
                           for r in (0, 1)]
     assert said(outb) == [f"rank {r} of 4 group 1 of 2 local {r - 2} of 2 sum 6 restart 0"
                           for r in (2, 3)]
+
+
+def test_a_node_whose_ranks_end_first_waits_for_the_jobs_end(nodes, tmp_path):
+    # Node 1's rank is done at once; node 0's works on for several link timeouts (a checkpoint
+    # being saved): node 1 hears the host's pings meanwhile, and both end well.
+    rank_py = script(tmp_path, """
+        import os, time
+        if os.environ["GROUP_RANK"] == "0":
+            time.sleep(4)
+        print("rank", os.environ["RANK"], "done", flush=True)
+    """)
+    port = free_port()
+    n0 = nodes(static(port, 2, 0, "--link-timeout", "1", "-n", "1", PY, rank_py))
+    n1 = nodes(static(port, 2, 1, "--link-timeout", "1", "-n", "1", PY, rank_py))
+    (c0, out0, err0), (c1, out1, err1) = finish(n0, n1)
+    assert (c0, c1) == (0, 0), err0 + err1
+    assert said(out0) == ["rank 0 done"] and said(out1) == ["rank 1 done"]

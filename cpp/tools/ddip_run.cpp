@@ -456,7 +456,8 @@ void Launcher::on_exit(size_t u) {
 
 void Launcher::on_node_done(size_t u) {
   ends_[u].status = ExitStatus{0, 0, false};
-  downstream_.ended(u);
+  // Still pinged (not ended() in downstream_): its ddip run waits for the job's end, and takes
+  // a silent host for a gone one.
   reports_.done(u);
   if (all_exited()) drain_until_ = Clock::now() + kDrain;
 }

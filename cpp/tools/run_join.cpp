@@ -395,7 +395,8 @@ void JobHost::end(const protocol::End& end) {
 
 // -- a member ---------------------------------------------------------------------------------
 
-protocol::JoinRecord JobMember::next(Clock::time_point deadline, const char* waiting_for) {
+protocol::JoinRecord JobMember::next(Clock::time_point deadline, const char* waiting_for,
+                                     bool pings_extend) {
   while (true) {
     std::string line;
     try {
@@ -417,6 +418,7 @@ protocol::JoinRecord JobMember::next(Clock::time_point deadline, const char* wai
       // ping, its stop) is no news now.
       try {
         protocol::decode_control(line);
+        if (pings_extend) deadline = std::max(deadline, Clock::now() + opts_.link_timeout);
         continue;
       } catch (const protocol::ProtocolError&) {
       }
@@ -491,8 +493,10 @@ protocol::Start JobMember::next_start() {
 }
 
 protocol::End JobMember::end() {
-  // The host ends the attempt once every node has: within the grace and the kill after it.
-  auto record = next(Clock::now() + opts_.link_timeout + milliseconds(10000), "end of the attempt");
+  // The host ends the attempt once every node has, which may be long after this one's ranks
+  // ended (another's still saving a checkpoint): it pings meanwhile, so only its silence for the
+  // link timeout is its loss.
+  auto record = next(Clock::now() + opts_.link_timeout, "end of the attempt", true);
   if (auto* e = std::get_if<protocol::End>(&record)) return *e;
   throw JoinError("the job's host sent something else than the end of the attempt");
 }

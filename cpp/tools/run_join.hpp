@@ -144,8 +144,10 @@ class JobMember {
   protocol::Start next_start();
 
  private:
-  // The next join record, skipping the pings of an attempt that has ended.
-  protocol::JoinRecord next(Clock::time_point deadline, const char* waiting_for);
+  // The next join record, skipping what the host told an attempt that has ended here (pings,
+  // its stop); `pings_extend`: each of them moves the deadline to a link timeout from then.
+  protocol::JoinRecord next(Clock::time_point deadline, const char* waiting_for,
+                            bool pings_extend = false);
   JoinOptions opts_;
   std::unique_ptr<JoinLink> link_;
 };
