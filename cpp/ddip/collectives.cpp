@@ -89,32 +89,17 @@ std::map<std::string, GroupInfo> parse_groups(const json& j) {
   return groups;
 }
 
-// Only the records of the rank's live groups, each of its current generation. The recorder
-// outlives a group: one destroyed and made again under the same name (a heal, a framework's own
-// set-up) numbers from #1 again under a new id, and its older records are history, not a
-// collective in flight. A live group's newest id is its current one, unless it has issued
-// fewer collectives than those records number (none yet: every record is an older group's).
-// A group the rank no longer has (destroyed) is history too; a snapshot that lists no groups
-// keeps each group's newest generation.
+// Only the records of the rank's live groups, each of its current generation (current_records).
 void keep_current(Snapshot& s) {
-  std::map<std::string, std::int64_t> newest;
-  for (const Entry& e : s.entries) {
-    auto it = newest.try_emplace(e.pg, e.gen).first;
-    it->second = std::max(it->second, e.gen);
-  }
-  std::map<std::string, bool> history;  // group -> its newest generation is history too
-  for (const auto& [pg, gen] : newest) {
-    auto g = s.groups.find(pg);
-    if (g == s.groups.end()) {
-      history[pg] = !s.groups.empty();
-      continue;
-    }
-    std::int64_t highest = 0;
-    for (const Entry& e : s.entries)
-      if (e.pg == pg && e.gen == gen && !e.p2p) highest = std::max(highest, e.seq);
-    history[pg] = g->second.issued && highest > *g->second.issued;
-  }
-  std::erase_if(s.entries, [&](const Entry& e) { return history[e.pg] || e.gen != newest[e.pg]; });
+  std::vector<RecordId> ids;
+  for (const Entry& e : s.entries) ids.push_back({e.pg, e.gen, e.seq, e.p2p});
+  std::map<std::string, std::optional<std::int64_t>> issued;
+  for (const auto& [name, g] : s.groups) issued[name] = g.issued;
+  std::vector<bool> keep = current_records(ids, issued);
+  std::vector<Entry> kept;
+  for (std::size_t i = 0; i < s.entries.size(); ++i)
+    if (keep[i]) kept.push_back(std::move(s.entries[i]));
+  s.entries = std::move(kept);
 }
 
 Entry parse_entry(const json& j) {
@@ -522,6 +507,32 @@ std::string dead_line(int rank, const Snapshot& dead, const std::map<int, Snapsh
 }
 
 }  // namespace
+
+std::vector<bool> current_records(
+    const std::vector<RecordId>& records,
+    const std::map<std::string, std::optional<std::int64_t>>& issued) {
+  std::map<std::string, std::int64_t> newest;
+  for (const RecordId& r : records) {
+    auto it = newest.try_emplace(r.pg, r.gen).first;
+    it->second = std::max(it->second, r.gen);
+  }
+  std::map<std::string, bool> history;  // group -> its newest generation is history too
+  for (const auto& [pg, gen] : newest) {
+    auto g = issued.find(pg);
+    if (g == issued.end()) {
+      history[pg] = !issued.empty();
+      continue;
+    }
+    std::int64_t highest = 0;
+    for (const RecordId& r : records)
+      if (r.pg == pg && r.gen == gen && !r.p2p) highest = std::max(highest, r.seq);
+    history[pg] = g->second && highest > *g->second;
+  }
+  std::vector<bool> keep;
+  keep.reserve(records.size());
+  for (const RecordId& r : records) keep.push_back(!history[r.pg] && r.gen == newest[r.pg]);
+  return keep;
+}
 
 CollectivePicture::CollectivePicture(const std::map<int, std::string>& texts) {
   std::map<int, Snapshot> snapshots;

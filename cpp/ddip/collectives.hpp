@@ -5,12 +5,35 @@
 // (%dipstack, Group.stacks(), a cell that timed out, heal) and for `ddip run` (--timeout, Ctrl-C).
 #pragma once
 
+#include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 namespace ddip {
+
+// A flight-recorder record, as far as telling whose it is goes: its process group, the group's id
+// in the recorder (one per group made: a rebuild's anew), its sequence number there, and p2p.
+struct RecordId {
+  std::string pg;
+  std::int64_t gen = 0;
+  std::int64_t seq = 0;
+  bool p2p = false;
+};
+
+// Which of one rank's records (oldest first) are of its live groups' current generations: the
+// one rule CollectivePicture and Stragglers (stragglers.hpp) read records by. The recorder
+// outlives a group: one destroyed and made again under the same name (a heal, a framework's own
+// set-up) numbers from #1 again under a new id, and its older records are history, not a
+// collective in flight. A live group's newest id is its current one, unless it has issued fewer
+// collectives than those records number (none yet: every record is an older group's). A group
+// the rank no longer has (destroyed) is history too. `issued`: the rank's live groups -> how many
+// collectives each has issued (nullopt where its backend does not count them); where the rank
+// listed no groups, each group's newest generation is kept.
+std::vector<bool> current_records(const std::vector<RecordId>& records,
+                                  const std::map<std::string, std::optional<std::int64_t>>& issued);
 
 class CollectivePicture {
  public:

@@ -8,6 +8,8 @@
 #include <tuple>
 #include <utility>
 
+#include "ddip/collectives.hpp"
+
 namespace ddip {
 
 namespace {
@@ -53,31 +55,18 @@ std::map<std::string, GroupInfo> parse_groups(const json& j) {
   return groups;
 }
 
-// The records of each live group's current generation only, by CollectivePicture's rule: the
-// recorder outlives a group, and one made anew under the same name (a heal) numbers from #1
-// again under a new id; its older records are another group's collectives. A group the rank no
-// longer has is history; so is a live group's newest id while the group has issued fewer
-// collectives than those records number (the new group has issued none yet).
+// The records of each live group's current generation only (current_records, the rule
+// CollectivePicture reads by): after a heal, the rebuilt group's, numbered from #1 again.
 void keep_current(RankRecords& r) {
-  std::map<std::string, std::int64_t> newest;
-  for (const Record& e : r.records) {
-    auto [it, fresh] = newest.emplace(e.pg, e.gen);
-    if (!fresh) it->second = std::max(it->second, e.gen);
-  }
-  std::set<std::string> history;
-  for (const auto& [pg, gen] : newest) {
-    auto g = r.groups.find(pg);
-    if (g == r.groups.end()) {
-      if (!r.groups.empty()) history.insert(pg);
-      continue;
-    }
-    std::int64_t highest = 0;
-    for (const Record& e : r.records)
-      if (e.pg == pg && e.gen == gen) highest = std::max(highest, e.seq);
-    if (g->second.issued && highest > *g->second.issued) history.insert(pg);
-  }
-  std::erase_if(r.records,
-                [&](const Record& e) { return history.count(e.pg) || e.gen != newest[e.pg]; });
+  std::vector<RecordId> ids;
+  for (const Record& e : r.records) ids.push_back({e.pg, e.gen, e.seq, false});
+  std::map<std::string, std::optional<std::int64_t>> issued;
+  for (const auto& [name, g] : r.groups) issued[name] = g.issued;
+  std::vector<bool> keep = current_records(ids, issued);
+  std::vector<Record> kept;
+  for (std::size_t i = 0; i < r.records.size(); ++i)
+    if (keep[i]) kept.push_back(std::move(r.records[i]));
+  r.records = std::move(kept);
 }
 
 RankRecords parse_rank(const std::string& text) {
