@@ -676,6 +676,8 @@ def test_every_magic_takes_a_trailing_comment_and_keeps_a_quoted_hash(k, tmp_pat
     ("%%dip local --to remote\nprint('ran')", "disagree"),
     ("%%dip sideways\nprint('ran')", "invalid choice"),
     ("%%dip local --timeout -1\nprint('ran')", "--timeout -1"),
+    ("%%dip -q --tabs\nprint('ran')", "-q shows no rank; it contradicts --tabs"),
+    ("%%dip --see none --tabs\nprint('ran')", "--see none shows no rank; it contradicts --tabs"),
     ("%dip print(1)", "%%dip"),
     ("%autodip maybe", "invalid choice"),
     ("%dipstatus now", "unrecognized arguments: now"),

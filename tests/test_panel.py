@@ -144,3 +144,12 @@ def test_the_widget_draws_a_table_then_a_row_per_host_opening_to_its_ranks():
     assert "loss 5" in view.hosts.children[2].value and "loss 6" not in view.hosts.children[2].value
     view.stopped("the group is closed")
     assert "the group is closed" in view.title.value and view.stop_button.layout.display == "none"
+
+
+def test_tabs_where_widgets_do_not_render_are_the_labelled_output_with_a_note(capsys):
+    from ddip.magics.render import RankOutput
+    from ddip.magics.tabs import NO_WIDGETS, tabbed
+
+    out = tabbed([0, 1])  # no Jupyter kernel here: a terminal's case
+    assert type(out) is RankOutput and out.shown == {0, 1}
+    assert capsys.readouterr().err == NO_WIDGETS

@@ -112,7 +112,7 @@ class CellMagics(Magics):
 
     def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None, collapse=True,
                     tabs=False):
-        out = tabbed(shown) if tabs and shown else render.RankOutput(shown, collapse)
+        out = tabbed(shown, collapse) if tabs and shown else render.RankOutput(shown, collapse)
         error = None
         try:
             # Only the display form of the last value travels (values=False): the object stays in

@@ -14,14 +14,14 @@ NO_WIDGETS = ("ddip: --tabs needs a Jupyter kernel with ipywidgets (pip install 
               "ddip[notebook]); the ranks' output is shown labelled instead\n")
 
 
-def tabbed(shown: list[int]):
+def tabbed(shown: list[int], collapse: bool = True):
     """The output of %%dip --tabs: RankTabs where widgets render, else labelled output (saying so)."""
     from ..kernel.panel_view import widgets_render
 
     if widgets_render():
         return RankTabs(shown)
     sys.stderr.write(NO_WIDGETS)
-    return RankOutput(shown)
+    return RankOutput(shown, collapse)
 
 
 class RankTabs:
