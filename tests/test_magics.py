@@ -632,6 +632,16 @@ def test_dipstatus_table(k):
         row = lines[1 + r].split()
         assert row[:4] == [str(r), str(pid), "cpu", "idle"] and "MiB" in text
     assert "<table>" in table["data"]["text/html"]
+    # In a frontend that renders widgets, the live rank panel (tests/test_browser.py draws it).
+    assert "application/vnd.jupyter.widget-view+json" in table["data"]
+
+
+def test_group_status_is_a_list_of_dicts_shown_as_the_rank_panel(k):
+    g = "get_ipython().magics_manager.registry['DipMagics'].group"
+    assert k.run(f"print([r['state'] for r in {g}.status()])").stream() == "['idle', 'idle', 'idle']\n"
+    [shown] = k.run(f"{g}.status()").of_type("display_data")
+    assert "application/vnd.jupyter.widget-view+json" in shown["data"]
+    assert shown["data"]["text/plain"].splitlines()[0].split()[:4] == ["rank", "pid", "device", "state"]
 
 
 def test_every_magic_takes_a_trailing_comment_and_keeps_a_quoted_hash(k, tmp_path):
