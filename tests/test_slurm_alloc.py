@@ -288,6 +288,7 @@ def test_bad_slurm_arguments_are_refused_before_slurm_is_asked(tmp_path, monkeyp
                          (dict(slurm="-N 2", hosts={"a": 1}), "leave out n=, gpus=, hosts="),
                          (dict(slurm=""), "salloc's options as one string"),
                          (dict(slurm="-J 'x"), "unclosed quote"),
+                         (dict(slurm="-N 2 --no-shell"), "--no-shell is not for a job ddip holds"),
                          (dict(slurm=["-N", "2"]), "salloc's options as a string"),
                          (dict(slurm="-N 2", timeout=-1), "timeout")]:
         with pytest.raises(ValueError, match=says):

@@ -33,8 +33,10 @@ from .placement import slurm_hosts
 
 # Runs here, inside the granted allocation: the job's environment as one JSON line, then held
 # until the kernel closes (or loses) the pipe.
+GRANTED = b"ddip-slurm-job-granted "
 HOLD = ("import json, os, sys\n"
-        "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('SLURM_')}), flush=True)\n"
+        f"print({GRANTED.decode()!r} + json.dumps({{k: v for k, v in os.environ.items() if k.startswith('SLURM_')}}),"
+        " flush=True)\n"
         "sys.stdin.buffer.read()\n")
 
 # Execs salloc with PR_SET_PDEATHSIG set to SIGHUP, which salloc answers at any time by giving the
@@ -56,9 +58,14 @@ def split_options(options: str) -> list[str]:
     if not isinstance(options, str) or not options.strip():
         raise ValueError(f"slurm= takes salloc's options as one string, e.g. '-N 4 -t 2:00:00', got {options!r}")
     try:
-        return _core.plan.split_words(options)
+        words = _core.plan.split_words(options)
     except ValueError as exc:
         raise ValueError(f"slurm={options!r}: {exc}") from None
+    for word in words:
+        if word in ("--no-shell", "--help", "-h", "--usage", "-V", "--version") or word.startswith("--no-shell="):
+            raise ValueError(f"slurm={options!r}: {word} is not for a job ddip holds (it runs salloc with a command "
+                             f"of its own); leave it out")
+    return words
 
 
 def _counts(spec: str) -> list[int]:
@@ -218,7 +225,7 @@ class _Waiting:
         open_pipes = 2
         next_poll = time.monotonic()
         try:
-            while b"\n" not in self.out:
+            while (granted := self._granted()) is None:
                 if open_pipes == 0:
                     return self._refused()
                 for key, _ in sel.select(timeout=0.2):
@@ -238,12 +245,19 @@ class _Waiting:
                     next_poll = time.monotonic() + POLL_S
         finally:
             sel.close()
-        env = json.loads(self.out.split(b"\n", 1)[0])
+        env = json.loads(granted)
         self.job = env["SLURM_JOB_ID"]
         if self.shown:
             self.show(f"Slurm job {self.job} granted after {time.monotonic() - self.t0:.0f} s: "
                       f"{env.get('SLURM_JOB_NODELIST', '')}", final=True)
         return env
+
+    def _granted(self) -> bytes | None:
+        """HOLD's line, once it has come: the job's environment as JSON."""
+        for line in self.out.split(b"\n")[:-1]:
+            if line.startswith(GRANTED):
+                return line[len(GRANTED):]
+        return None
 
     def _show_state(self):
         waited = time.monotonic() - self.t0
@@ -261,7 +275,7 @@ class _Waiting:
     def _refused(self):
         self.proc.wait()
         message = "\n".join(line.removeprefix("salloc: ").removeprefix("error: ")
-                            for line in self.err.decode(errors="replace").splitlines()
+                            for line in (self.err + self.out).decode(errors="replace").splitlines()
                             if line.strip() and not line.startswith("Try "))
         raise SlurmRequestError(f"Slurm refused salloc {self.options} (exit code {self.proc.returncode}): "
                                 f"{message or 'no message'}; nothing was allocated")
