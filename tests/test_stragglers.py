@@ -108,3 +108,15 @@ def test_dipstack_leads_with_the_straggler_in_a_notebook(tmp_path_factory):
         assert shown.startswith("rank 1 is the straggler: the others waited for it "), shown
         assert shown.index("is the straggler") < shown.index("collectives (torch's flight recorder):")
         k.run("%makedip -k")
+
+
+def test_ranks_without_torch_distributed_say_why():
+    with ddip.Group(n=2, backend=None) as group:
+        s = group.stragglers()
+        assert s.straggler is None and s.window == 0 and s.ranks == []
+        assert s.unread == {0: "torch.distributed is not initialized there",
+                            1: "torch.distributed is not initialized there"}
+        assert str(s) == ("no straggler named: no rank's collectives could be read (rank 0: torch.distributed "
+                          "is not initialized there)\n"
+                          "  rank 0: not read (torch.distributed is not initialized there)\n"
+                          "  rank 1: not read (torch.distributed is not initialized there)")
