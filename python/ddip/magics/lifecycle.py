@@ -149,6 +149,13 @@ class DipMagics(Magics):
             raise usage_error(fn, f"a group is already running ({s.spec.describe()}): "
                                   f"add -r to replace it with {spec.describe()}, or -k to kill it first")
 
+        self._replace(spec, args, running)
+        if args.info:
+            self._print_info()
+
+    def _replace(self, spec: GroupSpec, args, running: bool):
+        """Starts the group `spec` says, in place of the running one if any."""
+        s = self.session
         reuse = allocation = None
         if running and replace(spec, app=None, timeout=None) == replace(s.spec, app=None, timeout=None):
             # The same ranks again: restarted in place, so a Group handle taken from the magics
@@ -177,8 +184,6 @@ class DipMagics(Magics):
             if allocation is not None:
                 allocation.close()  # a job no group took (the group gives back its own: idempotent)
             raise
-        if args.info:
-            self._print_info()
 
     @staticmethod
     def _ask_slurm(options: str):
@@ -193,11 +198,6 @@ class DipMagics(Magics):
     def _new_spec(self, fn, args, creating) -> GroupSpec | None:
         # Across hosts -g says each host's GPUs (-g 0,1 with --hosts, or -g 'node1:0,1 node2:2,3').
         across = args.hosts is not None or (args.gpus is not None and _hosts.host_qualified(unquote(args.gpus)))
-        if args.slurm is not None and (across or args.gpus is not None or args.nprocs is not None
-                                       or args.launcher is not None):
-            raise usage_error(fn, "--slurm asks Slurm for the nodes and places the ranks itself (say how many "
-                                  "with salloc's --ntasks-per-node or --gpus-per-node): leave out -n, -g, --hosts "
-                                  "and --launcher")
         if not across and (args.launcher is not None or (args.slurm is None and (
                 args.python is not None or args.bind is not None))):
             raise usage_error(fn, "--launcher, --python and --bind go with --hosts (--python and --bind with "
@@ -229,12 +229,7 @@ class DipMagics(Magics):
             spec = replace(spec, n=None if gpus is not None else n, gpus=gpus, hosts=None, launcher=None,
                            python=None, bind=None, slurm=None)
             if args.slurm is not None:
-                options = unquote(args.slurm)
-                try:
-                    _allocation.split_options(options)
-                except ValueError as exc:
-                    raise usage_error(fn, f"--slurm: {exc}") from None
-                spec = replace(spec, n=None, slurm=options, python=args.python, bind=args.bind)
+                spec = self._slurm_spec(fn, args, across, spec)
             if across:
                 spec = self._hosts_spec(fn, args, replace(spec, n=None, gpus=None))
         if args.backend is not None:
@@ -252,6 +247,19 @@ class DipMagics(Magics):
         except ValueError as exc:
             raise usage_error(fn, f"--backend {spec.backend}: {exc}") from None
         return spec
+
+    @staticmethod
+    def _slurm_spec(fn, args, across: bool, spec: GroupSpec) -> GroupSpec:
+        if across or args.gpus is not None or args.nprocs is not None or args.launcher is not None:
+            raise usage_error(fn, "--slurm asks Slurm for the nodes and places the ranks itself (say how many "
+                                  "with salloc's --ntasks-per-node or --gpus-per-node): leave out -n, -g, --hosts "
+                                  "and --launcher")
+        options = unquote(args.slurm)
+        try:
+            _allocation.split_options(options)
+        except ValueError as exc:
+            raise usage_error(fn, f"--slurm: {exc}") from None
+        return replace(spec, n=None, slurm=options, python=args.python, bind=args.bind)
 
     @staticmethod
     def _hosts_spec(fn, args, spec: GroupSpec) -> GroupSpec:
@@ -272,16 +280,7 @@ class DipMagics(Magics):
 
     def _start(self, spec: GroupSpec, verbose: bool, reuse: Group | None = None, allocation=None):
         s = self.session
-        if allocation is not None:
-            what = (f"{_hosts.layout(allocation.hosts(), 'slurm').size} rank(s) on Slurm job {allocation.job} "
-                    f"({','.join(allocation.nodes)})")
-        elif reuse is not None and reuse.slurm_job is not None:
-            what = f"{reuse.size} rank(s) on Slurm job {reuse.slurm_job}"
-        elif spec.hosts is not None:
-            what = f"{_hosts.layout(spec.hosts, spec.launcher, spec.python, spec.bind).size} rank(s) on {spec.hosts}"
-        else:
-            what = (f"{len(parse_gpus(list(spec.gpus) if spec.gpus != ('all',) else 'all'))} GPU rank(s)"
-                    if spec.gpus is not None else f"{spec.n} CPU rank(s)")
+        what = self._what(spec, reuse, allocation)
         if verbose:
             print(f"starting {what} ({spec.describe()}), waiting up to {spec.timeout:g} s ...", flush=True)
             if spec.cold:
@@ -298,17 +297,8 @@ class DipMagics(Magics):
                 reuse.timeout = spec.timeout
                 reuse.restart()
                 group = reuse
-            elif spec.slurm is not None:
-                group = Group(slurm=allocation, python=spec.python, bind=spec.bind, backend=backend,
-                              timeout=spec.timeout, env=notebook_env() or None)
-            elif spec.hosts is not None:
-                group = Group(hosts=spec.hosts, launcher=spec.launcher, python=spec.python, bind=spec.bind,
-                              backend=backend, timeout=spec.timeout, env=notebook_env() or None)
             else:
-                group = Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
-                              if spec.gpus is not None else None,
-                              backend=backend, timeout=spec.timeout, warm=False if spec.cold else None,
-                              env=notebook_env() or None)
+                group = self._new_group(spec, backend, allocation)
         except StartError as exc:
             s.group = None
             ended = f"; its Slurm job {allocation.job} was given back" if allocation is not None else ""
@@ -332,6 +322,32 @@ class DipMagics(Magics):
         if not verbose:
             print(f"{what} ready: pids {group.pids}, backend {group.backend or 'none'}" +
                   (f", app {spec.app}" if spec.app else ""))
+
+    @staticmethod
+    def _what(spec: GroupSpec, reuse: Group | None, allocation) -> str:
+        """The ranks about to start, in words."""
+        if allocation is not None:
+            return (f"{_hosts.layout(allocation.hosts(), 'slurm').size} rank(s) on Slurm job {allocation.job} "
+                    f"({','.join(allocation.nodes)})")
+        if reuse is not None and reuse.slurm_job is not None:
+            return f"{reuse.size} rank(s) on Slurm job {reuse.slurm_job}"
+        if spec.hosts is not None:
+            return f"{_hosts.layout(spec.hosts, spec.launcher, spec.python, spec.bind).size} rank(s) on {spec.hosts}"
+        return (f"{len(parse_gpus(list(spec.gpus) if spec.gpus != ('all',) else 'all'))} GPU rank(s)"
+                if spec.gpus is not None else f"{spec.n} CPU rank(s)")
+
+    @staticmethod
+    def _new_group(spec: GroupSpec, backend, allocation) -> Group:
+        if spec.slurm is not None:
+            return Group(slurm=allocation, python=spec.python, bind=spec.bind, backend=backend,
+                         timeout=spec.timeout, env=notebook_env() or None)
+        if spec.hosts is not None:
+            return Group(hosts=spec.hosts, launcher=spec.launcher, python=spec.python, bind=spec.bind,
+                         backend=backend, timeout=spec.timeout, env=notebook_env() or None)
+        return Group(n=spec.n, gpus=(list(spec.gpus) if spec.gpus != ("all",) else "all")
+                     if spec.gpus is not None else None,
+                     backend=backend, timeout=spec.timeout, warm=False if spec.cold else None,
+                     env=notebook_env() or None)
 
     def _set_up_app(self, app: str, group: Group, verbose: bool):
         if verbose:
