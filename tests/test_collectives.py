@@ -121,10 +121,12 @@ def test_a_slow_rank_is_waited_for_and_the_heal_decides_from_the_picture(g):
 
 def test_a_rank_that_answers_slowly_is_waited_for(g):
     # A thread of rank 0 holds the GIL in C code (a regular expression that backtracks for about
-    # a second at a time), so its answers come late: the heal's look waits for them instead of
-    # reading rank 0 as silent, and decides from them.
-    g.run("import re, threading\nhogging = True\ndef hog():\n    while hogging:\n"
-          "        re.match(r'(a+)+$', 'a' * 23 + 'b')\n", ranks=[0])
+    # half a second at a time), so its answers come late: the heal's look waits for them instead
+    # of reading rank 0 as silent, and decides from them. The hog ends by itself after a few
+    # rounds: while it runs, rank 0 gets the GIL once per round, so leaving the collective and
+    # formatting its traceback (hundreds of GIL hand-offs) would take minutes under it.
+    g.run("import re, threading\nhogging = True\ndef hog():\n    for _ in range(4):\n"
+          "        if not hogging: break\n        re.match(r'(a+)+$', 'a' * 22 + 'b')\n", ranks=[0])
     g.run("threading.Thread(target=hog, daemon=True).start()", ranks=[0])
     try:
         with pytest.raises(ddip.RemoteError) as e:

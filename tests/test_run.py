@@ -851,7 +851,7 @@ def test_torchelastic_environment(launcher, tmp_path):
             assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
             assert e["TORCHELASTIC_MAX_RESTARTS"] == "0"  # ddip run never restarts
             assert e["TORCHELASTIC_USE_AGENT_STORE"] == "False"
-            assert e["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP"
+            assert e["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default
             assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"], e["ROLE_NAME"]) == ("0", "1", "default")
             assert e["ROLE_RANK"] == e["RANK"] == e["LOCAL_RANK"] == str(r)
             assert e["ROLE_WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == e["WORLD_SIZE"] == "2"

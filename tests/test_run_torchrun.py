@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ ENV_SCRIPT = """
     import json, os, sys
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
             "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "LOCAL_RANK_ARG"]
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_SIGNALS_TO_HANDLE"]
     seen = {"argv": sys.argv, "u": "-u" in sys.orig_argv, "prefix": sys.prefix,
             **{k: os.environ.get(k) for k in keys}}
     print("ENV " + json.dumps(seen))
@@ -264,3 +265,35 @@ def test_a_bad_command_line_names_every_problem_in_order(work):
     assert p.returncode == 2 and p.stdout == ""
     named = [line.split(":")[0] for line in p.stderr.splitlines()[:5]]
     assert named == ["--nnodes", "--bogus", "--nproc_per_node", "--tee", "COMMAND"], p.stderr
+
+
+SIGNAL_SCRIPT = """
+    import os, signal, sys, time
+    def on(sig, frame):
+        print(f"rank {os.environ['RANK']} got {signal.Signals(sig).name}", flush=True)
+        sys.exit(0)
+    for s in (signal.SIGUSR1, signal.SIGQUIT):
+        signal.signal(s, on)
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("args, sig", [
+    (["--signals-to-handle", "SIGTERM,SIGUSR1"], signal.SIGUSR1),  # Slurm's --signal=USR1@90
+    ([], signal.SIGQUIT),  # torchrun's default list has it
+])
+def test_signals_to_handle_are_forwarded_to_every_rank(tmp_path, args, sig):
+    (tmp_path / "sig.py").write_text(textwrap.dedent(SIGNAL_SCRIPT))
+    p = subprocess.Popen([DDIP, "run", "-n", "2", *args, "sig.py"], cwd=tmp_path, env=clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = [p.stdout.readline() for _ in range(2)]
+        assert ready == ["[0] ready\n", "[1] ready\n"] or sorted(ready) == ["[0] ready\n", "[1] ready\n"]
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    name = signal.Signals(sig).name
+    assert sorted(line for line in out.splitlines() if "got" in line) == [
+        f"[0] rank 0 got {name}", f"[1] rank 1 got {name}"], err

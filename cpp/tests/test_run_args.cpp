@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -170,6 +171,10 @@ TEST(Hosts, NodeOptionsPlaceTheHostsRanks) {
   EXPECT_EQ(o.node->world_size, 5);
   EXPECT_EQ(o.node->node_rank, 1);
   EXPECT_EQ(o.node->nnodes, 2);
+  // What the launching side passes on: its --link-timeout, its output options.
+  o = parse({"run", "--node", "0,1,0,1", "--link-timeout", "4", "--show", "0", "-n", "1", "true"});
+  EXPECT_DOUBLE_EQ(o.link_timeout_s, 4);
+  EXPECT_EQ(o.show, "0");
   // Its ranks must fit the world it is told about.
   EXPECT_NE(error_of({"run", "--node", "3,5,1,2", "-n", "3", "true"}).find("--node"),
             std::string::npos);
@@ -510,5 +515,14 @@ TEST(CommandLine, EveryProblemIsNamedInOrder) {
 
 TEST(CommandLine, HostsAndOneDdipRunPerNodeDoNotMix) {
   EXPECT_NE(error_of({"run", "--nnodes", "2", "--hosts", "a:1,b:1", "true"}).find("not both"),
+            std::string::npos);
+}
+
+TEST(Torchrun, SignalsToHandleAreForwardedBesidesIntTermAndHup) {
+  EXPECT_EQ(forwarded_signals(parse({"run", "true"})),
+            (std::vector<int>{SIGINT, SIGTERM, SIGHUP, SIGQUIT}));  // torch's default adds SIGQUIT
+  EXPECT_EQ(forwarded_signals(parse({"run", "--signals-to-handle", "SIGUSR1,SIGTERM", "true"})),
+            (std::vector<int>{SIGINT, SIGTERM, SIGHUP, SIGUSR1}));
+  EXPECT_NE(error_of({"run", "--signals-to-handle", "SIGURG", "true"}).find("stops a job"),
             std::string::npos);
 }

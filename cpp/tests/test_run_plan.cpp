@@ -176,6 +176,7 @@ TEST(RunPlan, AnotherHostGetsItsLauncherRunningDdipRunThereWithItsPlace) {
   EXPECT_EQ(after(node, "--tee"), (Args{"0"}));
   EXPECT_EQ(after(node, "--redirects"), (Args{"0"}));
   EXPECT_EQ(after(node, "--role"), (Args{"default"}));
+  EXPECT_EQ(after(node, "--signals-to-handle"), (Args{"SIGTERM,SIGINT,SIGHUP,SIGQUIT"}));
   Args tail(node.end() - 3, node.end());
   EXPECT_EQ(tail, (Args{"--", "python", "t.py"}));
 }
@@ -215,6 +216,10 @@ TEST(RunPlan, RoleAndTorchDistributedLaunchsLocalRankArgument) {
                                  "--no-python", "true", "x"}),
                           machine(), Elastic{"j", nullptr, ""}, "");
   EXPECT_EQ(var(units[1], "ROLE_NAME"), "trainer");
+  EXPECT_EQ(var(units[1], "TORCHELASTIC_SIGNALS_TO_HANDLE"), "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+  auto usr1 = plan_units(parse({"run", "--signals-to-handle", "SIGUSR1", "true"}), machine(),
+                         Elastic{"j", nullptr, ""}, "");
+  EXPECT_EQ(var(usr1[0], "TORCHELASTIC_SIGNALS_TO_HANDLE"), "SIGUSR1");
   EXPECT_EQ(units[0].spec.argv, (Args{"true", "--local-rank=0", "x"}));
   EXPECT_EQ(units[1].spec.argv, (Args{"true", "--local-rank=1", "x"}));
 }

@@ -549,7 +549,7 @@ int Launcher::run() {
   // Signals arrive as data in the loop; the ranks get an empty mask back before exec.
   sigset_t mask;
   sigemptyset(&mask);
-  for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
+  for (int s : forwarded_signals(opts_)) sigaddset(&mask, s);
   check(::sigprocmask(SIG_BLOCK, &mask, nullptr), "sigprocmask", "taking over SIGINT and SIGTERM");
   signals_ = Fd(check(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK), "signalfd",
                       "taking over SIGINT and SIGTERM"));

@@ -73,14 +73,14 @@ std::optional<StdStreams> parse_streams(const std::string& v) {
   return s;
 }
 
-// Signal names torch's --signals-to-handle takes (getattr(signal, name)), those a launcher can
-// forward.
+// Signal names torch's --signals-to-handle takes (getattr(signal, name)) that stop a job when
+// forwarded, as torch's agent acts on each: not SIGPIPE (ddip run ignores it), nor SIGURG (its
+// own question to the ranks), nor job control's.
 const std::map<std::string, int>& signal_numbers() {
   static const std::map<std::string, int> names = {
       {"SIGHUP", SIGHUP},   {"SIGINT", SIGINT},   {"SIGQUIT", SIGQUIT}, {"SIGTERM", SIGTERM},
-      {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2}, {"SIGALRM", SIGALRM}, {"SIGCONT", SIGCONT},
-      {"SIGTSTP", SIGTSTP}, {"SIGWINCH", SIGWINCH}, {"SIGPIPE", SIGPIPE}, {"SIGABRT", SIGABRT},
-      {"SIGURG", SIGURG},   {"SIGXCPU", SIGXCPU}};
+      {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2}, {"SIGALRM", SIGALRM}, {"SIGABRT", SIGABRT},
+      {"SIGXCPU", SIGXCPU}};
   return names;
 }
 
@@ -367,7 +367,8 @@ void CommandLine::add_program_options() {
       "TORCHELASTIC_MAX_RESTARTS, and a TORCHELASTIC_ERROR_FILE per rank: a rank that fails "
       "inside a function decorated with torch's @record writes its traceback there, and ddip "
       "run's report shows it. Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal) are "
-      "forwarded to every rank's process group, on every host; a second one kills the ranks. "
+      "forwarded to every rank's process group, on every host, and so are the signals "
+      "--signals-to-handle lists (SIGQUIT by default); a second one kills the ranks. "
       "At --timeout and the first Ctrl-C, every Python rank first says where it is (torch's "
       "flight recorder and its stack) through a startup hook ddip run puts first on its "
       "PYTHONPATH, which also makes pdb.set_trace() prompt as breakpoint() does; "
@@ -615,6 +616,15 @@ void CommandLine::read_output() {
     opts_.log_dir = d->value;
     if (d->value.empty()) problem("--log-dir", "give a directory");
   }
+  // With --hosts, and on each other host's ddip run (--node), which has none.
+  if (const Given* t = given("--link-timeout")) {
+    char* end = nullptr;
+    double s = std::strtod(t->value.c_str(), &end);
+    if (t->value.empty() || *end != '\0' || !(s >= 1 && s <= 86400))
+      problem("--link-timeout", "give 1 to 86400 seconds, got " + t->value);
+    else
+      opts_.link_timeout_s = s;
+  }
   if (const Given* t = given("--timeout")) {
     // strtod, not CLI11's number check, for one message: "give a positive number".
     char* end = nullptr;
@@ -704,7 +714,8 @@ void CommandLine::read_torchrun() {
     opts_.signals_to_handle.clear();
     for (const auto& name : split_list(g->value)) {
       if (!signal_numbers().count(name)) {
-        problem("--signals-to-handle", "'" + name + "' is not a signal name such as SIGUSR1");
+        problem("--signals-to-handle",
+                "'" + name + "' is not a signal that stops a job, such as SIGUSR1 or SIGQUIT");
         break;
       }
       opts_.signals_to_handle.push_back(name);
@@ -827,14 +838,6 @@ void CommandLine::read_env() {
 void CommandLine::read_hosts() {
   if (const Given* l = given("--launcher")) opts_.launcher = l->value;
   if (const Given* d = given("--ddip")) opts_.remote_ddip = d->value;
-  if (const Given* t = given("--link-timeout")) {
-    char* end = nullptr;
-    double s = std::strtod(t->value.c_str(), &end);
-    if (t->value.empty() || *end != '\0' || !(s >= 1 && s <= 86400))
-      problem("--link-timeout", "give 1 to 86400 seconds, got " + t->value);
-    else
-      opts_.link_timeout_s = s;
-  }
   const Given* hosts = given("--hosts");
   const Given* gpus = given("--gpus");
   try {
@@ -888,6 +891,16 @@ void CommandLine::not_yet() {
   if (opts_.nnodes_max > 1 && has("--hosts"))
     problem("--nnodes", "give either --hosts (this ddip run starts every host's) or one ddip run "
                         "per node with --nnodes, not both");
+}
+
+std::vector<int> forwarded_signals(const RunOptions& opts) {
+  std::vector<int> out = {SIGINT, SIGTERM, SIGHUP};
+  for (const auto& name : opts.signals_to_handle) {
+    auto it = signal_numbers().find(name);
+    if (it != signal_numbers().end() && std::find(out.begin(), out.end(), it->second) == out.end())
+      out.push_back(it->second);
+  }
+  return out;
 }
 
 std::vector<bool> shown_ranks(const std::string& show, int world_size) {

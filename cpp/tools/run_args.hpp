@@ -212,6 +212,11 @@ class CommandLine {
   NodeOptions node_;
 };
 
+// The signals ddip run takes over and forwards to every rank (then stops them, as after a
+// SIGTERM): SIGINT, SIGTERM and SIGHUP always, and --signals-to-handle's (torch's default adds
+// SIGQUIT).
+std::vector<int> forwarded_signals(const RunOptions& opts);
+
 // Which ranks reach the terminal (--show): "all", "none", or a comma list of ranks ("0", "0,2").
 // Throws CLI::ValidationError naming the bad entry.
 std::vector<bool> shown_ranks(const std::string& show, int world_size);

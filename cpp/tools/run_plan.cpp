@@ -122,6 +122,10 @@ void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machi
     add_elastic_environment(p.spec.env, elastic.run_id,
                             elastic.errors ? elastic.errors->path(p.first_rank) : std::string(),
                             elastic.restart_count, elastic.max_restarts);
+    // torchrun's value is its --signals-to-handle, which ddip run forwards (forwarded_signals).
+    for (auto& kv : p.spec.env)
+      if (kv.rfind("TORCHELASTIC_SIGNALS_TO_HANDLE=", 0) == 0)
+        kv = "TORCHELASTIC_SIGNALS_TO_HANDLE=" + join(opts.signals_to_handle);
     // breakpoint() prompts through ddip run (run_prompts.hpp); a user's own choice stays.
     if (!lookup(p.spec.env, "PYTHONBREAKPOINT"))
       p.spec.env.push_back(std::string("PYTHONBREAKPOINT=") + kBreakpointHook);
@@ -172,7 +176,8 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
           "," + std::to_string(at.nhosts),
       "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", at.master_addr,
       "--master-port", std::to_string(at.master_port), "--show", opts.show, "--role", opts.role,
-      "--tee", streams_text(opts.tee), "--redirects", streams_text(opts.redirects)};
+      "--tee", streams_text(opts.tee), "--redirects", streams_text(opts.redirects),
+      "--signals-to-handle", join(opts.signals_to_handle)};
   if (!opts.local_ranks_filter.empty()) {
     std::string f;
     for (int r : opts.local_ranks_filter) f += (f.empty() ? "" : ",") + std::to_string(r);
