@@ -14,6 +14,7 @@ Needs root, network namespaces and Debian's Slurm and munge; skipped otherwise.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -192,6 +193,8 @@ def test_makedip_slurm_waits_for_the_nodes_then_spans_them_and_k_ends_the_job(cl
     assert kernel.value(f"{GROUP}.pids") != pids and kernel.value(f"{GROUP}.slurm_job") == job
     assert cluster.queue() == [f"{job} RUNNING"]
     assert kernel.value(f"""[r.value for r in {GROUP}.run("import os; os.environ['SLURM_JOB_ID']")]""") == [job] * 4
+    info = kernel.run("%makedip -i").stream()
+    assert f"group: --slurm '-N 2 --ntasks-per-node 2' --backend gloo" in info and f"Slurm job: {job}" in info, info
     cell = kernel.run("%makedip -k")
     assert cell.ok and f"Slurm job {job} ended" in cell.stream(), cell.outputs
     assert wait_until(lambda: cluster.queue() == [], 30), f"left in squeue: {cluster.queue()}"
@@ -298,14 +301,40 @@ def test_bad_slurm_arguments_are_refused_before_slurm_is_asked(tmp_path, monkeyp
         ddip.Group(slurm="-N 1")
 
 
+class Terminal(io.StringIO):
+    """sys.stderr of a script in a terminal; `on_write(text)` sees each write."""
+
+    def __init__(self, on_write):
+        super().__init__()
+        self.on_write = on_write
+
+    def write(self, text):
+        self.on_write(text)
+        return super().write(text)
+
+
 def test_group_slurm_asks_for_the_nodes_and_close_gives_them_back(cluster, monkeypatch):
-    """The API, from a script on the login node (no kernel): Group(slurm=...)."""
+    """The API, from a script on the login node (no kernel): Group(slurm=...), its wait on one
+    line of the terminal redrawn with a carriage return."""
     for name, value in cluster.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ddip0")
     monkeypatch.setenv("PATH", f"{BIN}:{os.environ['PATH']}")
+    holder = hold_nodes(cluster)
+    released = []
+
+    def on_write(text):
+        if "PENDING (Resources)" in text and not released:
+            released.append(cluster.slurm("scancel", holder).returncode)
+    terminal = Terminal(on_write)
+    monkeypatch.setattr(sys, "stderr", terminal)
     g = ddip.Group(slurm="-N 2 -t 10", backend=None, timeout=60)
     try:
+        assert released == [0], terminal.getvalue()
+        shown = terminal.getvalue()
+        assert shown.startswith("\r") and shown.endswith("\n") and shown.count("\n") == 1, repr(shown)
+        assert f"\rSlurm job {g.slurm_job} PENDING (Resources)" in shown, repr(shown)
+        assert shown.rsplit("\r", 1)[1].startswith(f"Slurm job {g.slurm_job} granted after"), repr(shown)
         job = g.slurm_job
         cluster.jobs.append(job)
         assert cluster.queue() == [f"{job} RUNNING"]
