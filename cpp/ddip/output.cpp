@@ -132,4 +132,114 @@ std::string RankOutput::stderr_tail() const {
   return out;
 }
 
+Repeats::Repeats(std::vector<int> ranks, double window)
+    : expected_(ranks.begin(), ranks.end()), window_(window) {}
+
+std::vector<Repeats::Piece> Repeats::feed(int rank, int stream, std::string_view text, double now) {
+  std::vector<Piece> out;
+  Key key{rank, stream};
+  double since = now;  // when the unended text held so far began
+  std::string held;
+  if (auto it = partial_.find(key); it != partial_.end()) {
+    held = std::move(it->second.text);
+    since = it->second.since;
+    partial_.erase(it);
+  }
+  held.append(text);
+  for_each_line(held, [&](std::string_view body, std::string_view end) {
+    if (end.empty()) {  // waits for its end from when it began
+      partial_[key] = Partial{std::string(body), since};
+      return;
+    }
+    since = now;
+    std::string line = std::string(body) + std::string(end);
+    if (end == "\r" || raw_.count(key)) {
+      raw(key, std::move(line), now, out);
+    } else {
+      add(key, std::move(line), now);
+    }
+  });
+  release_into(now, false, out);
+  return out;
+}
+
+std::vector<Repeats::Piece> Repeats::done(int rank, double now) {
+  done_.insert(rank);
+  return release(now);
+}
+
+std::vector<Repeats::Piece> Repeats::release(double now, bool everything) {
+  std::vector<Piece> out;
+  release_into(now, everything, out);
+  return out;
+}
+
+std::optional<double> Repeats::next_due() const {
+  std::optional<double> first;
+  auto take = [&](double since) { first = first ? std::min(*first, since) : since; };
+  for (const auto& [stream, rounds] : rounds_)
+    for (const auto& [n, round] : rounds) take(round.since);
+  for (const auto& [key, p] : partial_) take(p.since);
+  if (first) *first += window_;
+  return first;
+}
+
+void Repeats::add(const Key& key, std::string line, double now) {
+  long n = count_[key]++;
+  auto [it, fresh] = rounds_[key.second].try_emplace(n);
+  Round& round = it->second;
+  if (fresh) round.since = now;
+  for (auto& [text, ranks] : round.lines) {
+    if (text == line) {
+      ranks.push_back(key.first);
+      return;
+    }
+  }
+  round.lines.emplace_back(std::move(line), std::vector<int>{key.first});
+}
+
+void Repeats::raw(const Key& key, std::string text, double now, std::vector<Piece>& out) {
+  release_stream(key.second, now, true, out);  // this rank's lines before it go first
+  bool ended = text.back() == '\n';
+  out.push_back(Piece{{key.first}, key.second, std::move(text)});
+  if (ended) {
+    raw_.erase(key);
+    ++count_[key];
+  } else {
+    raw_.insert(key);  // the rest of this line follows it as it is
+  }
+}
+
+void Repeats::release_into(double now, bool everything, std::vector<Piece>& out) {
+  for (auto& [stream, rounds] : rounds_) release_stream(stream, now, everything, out);
+  for (auto it = partial_.begin(); it != partial_.end();) {
+    if (everything || now >= it->second.since + window_) {
+      Key key = it->first;
+      std::string text = std::move(it->second.text);
+      it = partial_.erase(it);
+      raw(key, std::move(text), now, out);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Repeats::release_stream(int stream, double now, bool everything, std::vector<Piece>& out) {
+  auto& rounds = rounds_[stream];
+  while (!rounds.empty()) {
+    auto& [n, round] = *rounds.begin();
+    bool complete = true;  // every expected rank gave its n-th line (here or before), or is done
+    for (int r : expected_) complete = complete && (count_[{r, stream}] > n || done_.count(r));
+    if (!(everything || complete || now >= round.since + window_))
+      break;  // later rounds wait for this one: each rank's lines keep their order
+    auto lines = std::move(round.lines);
+    rounds.erase(rounds.begin());
+    for (auto& [text, ranks] : lines) std::sort(ranks.begin(), ranks.end());
+    std::sort(lines.begin(), lines.end(),
+              [](const auto& a, const auto& b) { return a.second.front() < b.second.front(); });
+    for (auto& [text, ranks] : lines)
+      out.push_back(Piece{std::move(ranks), stream, std::move(text)});
+  }
+}
+
 }  // namespace ddip

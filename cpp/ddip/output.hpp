@@ -3,6 +3,9 @@
 #pragma once
 
 #include <deque>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,6 +51,56 @@ class LineAssembler {
 // range, "0-126" or "0,2,4-7" (a pair stays "0,1": shorter than no range at all). The one
 // spelling of a rank set, for the notebook (bound as _core.rank_ranges) and `ddip run` alike.
 std::string rank_ranges(std::vector<int> ranks);
+
+// Repeats collapse, with the ranks named: a line that several ranks print alike is handed on
+// once, with all their ranks, for the notebook (ddip.repeats) and `ddip run` alike. Output is live
+// and comes a piece at a time, so nothing can wait for whole outputs. The rule (why: ranks
+// running the same code print their n-th lines at about the same time): a rank's n-th line of a
+// stream joins round n of that stream; a round goes once every expected rank gave its n-th line
+// (to it, or to an earlier round n) or is done(), or `window` seconds after its first line came,
+// or at release(everything). Rounds go in order, each as its distinct lines, one Piece per set of
+// ranks, in rank order; nothing is dropped. A line that comes after its round went starts the
+// round again. Text that is no whole line (a '\r' progress bar, a line without its end for
+// `window`) goes as it is, after the rounds before it. Times are seconds on the monotonic clock
+// (Python's time.monotonic()); the caller keeps time with next_due(): the class has no thread.
+class Repeats {
+ public:
+  struct Piece {
+    std::vector<int> ranks;  // one, or every rank that wrote `text`, sorted
+    int stream;              // RankOutput::Stream: 1 stdout, 2 stderr
+    std::string text;
+  };
+  Repeats(std::vector<int> ranks, double window);
+  std::vector<Piece> feed(int rank, int stream, std::string_view text, double now);
+  // `rank` will write no more: rounds stop waiting for it.
+  std::vector<Piece> done(int rank, double now);
+  // Rounds (and unended lines) whose time is up; `everything`: all that is held.
+  std::vector<Piece> release(double now, bool everything = false);
+  // When release() next has something to hand on, or none while nothing is held.
+  std::optional<double> next_due() const;
+
+ private:
+  struct Round {
+    double since = 0;
+    std::vector<std::pair<std::string, std::vector<int>>> lines;  // in the order first written
+  };
+  struct Partial {
+    std::string text;
+    double since = 0;
+  };
+  using Key = std::pair<int, int>;  // (rank, stream)
+  void add(const Key& key, std::string line, double now);
+  void raw(const Key& key, std::string text, double now, std::vector<Piece>& out);
+  void release_stream(int stream, double now, bool everything, std::vector<Piece>& out);
+  void release_into(double now, bool everything, std::vector<Piece>& out);
+
+  std::set<int> expected_, done_;
+  double window_;
+  std::map<int, std::map<long, Round>> rounds_;  // stream -> line index -> its round
+  std::map<Key, long> count_;                     // lines so far: the next line's round
+  std::map<Key, Partial> partial_;                // text not ended yet
+  std::set<Key> raw_;                             // whose current line went on as it is
+};
 
 // Written by a worker to its stdout just before it sends a display frame: it marks where in the
 // text that rich output belongs, since the frame and the pipe travel separately.

@@ -153,3 +153,48 @@ TEST(RankRanges, RunsOfThreeOrMoreBecomeRanges) {
   EXPECT_EQ(rank_ranges({2, 2, 3}), "2,3");  // a rank named twice is one rank
   EXPECT_EQ(rank_ranges({}), "");
 }
+
+namespace {
+using Pieces = std::vector<Repeats::Piece>;
+std::vector<std::string> shown(const Pieces& pieces) {
+  std::vector<std::string> out;
+  for (const auto& p : pieces)
+    out.push_back(rank_ranges(p.ranks) + ":" + std::to_string(p.stream) + ":" + p.text);
+  return out;
+}
+}  // namespace
+
+TEST(Repeats, ALineEveryRankPrintsGoesOnceAndLinesThatDifferKeepRankOrder) {
+  Repeats rep({0, 1, 2, 3, 4, 5, 6, 7}, 60);
+  Pieces got;
+  for (int r : {3, 0, 7, 1, 2, 4, 6, 5}) {  // arrival order is not rank order
+    for (auto* p : {"loss 0.31\n", r == 5 ? "odd one out\n" : "same\n"}) {
+      auto out = rep.feed(r, 1, p, 0.0);
+      got.insert(got.end(), out.begin(), out.end());
+    }
+  }
+  EXPECT_EQ(shown(got), (std::vector<std::string>{"0-7:1:loss 0.31\n", "0-4,6,7:1:same\n",
+                                                  "5:1:odd one out\n"}));
+  EXPECT_FALSE(rep.next_due());
+}
+
+TEST(Repeats, ALineThePeersNeverPrintGoesAfterTheWindowAndStragglersCollapseAmongThemselves) {
+  Repeats rep({0, 1, 2, 3}, 0.2);
+  EXPECT_TRUE(rep.feed(0, 1, "only rank 0\n", 10.0).empty());
+  EXPECT_EQ(*rep.next_due(), 10.2);
+  EXPECT_TRUE(rep.release(10.1).empty());
+  EXPECT_EQ(shown(rep.release(10.2)), (std::vector<std::string>{"0:1:only rank 0\n"}));
+  // The round again, for the others: rank 0 gave its line already and is not waited for.
+  for (int r : {1, 2}) EXPECT_TRUE(rep.feed(r, 1, "only rank 0\n", 11.0).empty());
+  EXPECT_EQ(shown(rep.done(3, 11.0)), (std::vector<std::string>{"1,2:1:only rank 0\n"}));
+}
+
+TEST(Repeats, BarsAndUnendedLinesGoAsTheyAreAfterTheLinesBeforeThem) {
+  Repeats rep({0, 1}, 60);
+  EXPECT_TRUE(rep.feed(0, 1, "epoch 1\n", 0).empty());
+  EXPECT_EQ(shown(rep.feed(0, 1, "10%\r100%", 0)),
+            (std::vector<std::string>{"0:1:epoch 1\n", "0:1:10%\r"}));
+  EXPECT_EQ(shown(rep.feed(0, 1, "\n", 0)), (std::vector<std::string>{"0:1:100%\n"}));
+  EXPECT_TRUE(rep.feed(1, 2, "loss: ", 0).empty());
+  EXPECT_EQ(shown(rep.release(0, true)), (std::vector<std::string>{"1:2:loss: "}));
+}

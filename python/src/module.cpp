@@ -1,7 +1,5 @@
 // The ddip._core extension: one init_<module> per runtime module, called in order.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/vector.h>
 
 #include <cstdio>
 #include <system_error>
@@ -18,6 +16,7 @@ void init_remote(nb::module_& m);
 void init_plan(nb::module_& m);
 void init_keeper(nb::module_& m);
 void init_collectives(nb::module_& m);
+void init_output(nb::module_& m);
 void init_stragglers(nb::module_& m);
 
 NB_MODULE(_core, m) {
@@ -47,8 +46,6 @@ NB_MODULE(_core, m) {
   // that output is in the pipe before "done" says the request's output is complete.
   m.def("flush_stdio", [] { std::fflush(nullptr); }, "fflush(NULL): flushes every C stdio stream.");
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
-  m.def("rank_ranges", &ddip::rank_ranges, nb::arg("ranks"),
-        "Ranks as one reads them at scale: sorted, runs of three or more as ranges (\"0,2,4-7\").");
   init_rank_template(m);
   init_keeper(m);
   init_coordinator(m);
@@ -56,5 +53,6 @@ NB_MODULE(_core, m) {
   init_remote(m);
   init_plan(m);
   init_collectives(m);
+  init_output(m);
   init_stragglers(m);
 }
