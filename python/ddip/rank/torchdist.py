@@ -7,8 +7,9 @@ short polls of the TCPStore, so Ctrl-C works, an abort hook is honoured, and the
 never arrived is named.
 
 A launcher that plays rank 0 itself opens rank 0's store with serve() before it lets the other
-ranks start connecting, and brings it to init(): a peer whose connect is refused (the port not
-listening yet) sleeps torch's connect backoff, 250 to 750 ms, before it tries again.
+ranks start connecting, and brings it to init(). A peer whose store client connects while the
+port does not listen yet would sleep torch's connect backoff, 250 to 750 ms, before it tries
+again: the other ranks wait for rank 0's port to listen first, trying every few milliseconds.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
     if store is None and rank == 0:
         store = serve(addr, port, world, timeout)
     elif store is None:
+        _wait_listening(rank, addr, port, deadline, abort)
         store = TCPStore(addr, port, world, False, timedelta(seconds=timeout), wait_for_workers=False)
     store.set(f"ddip/arrived/{rank}", "1")
     while True:
@@ -67,6 +69,28 @@ def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float = REN
             raise RendezvousError(f"torch.distributed rendezvous failed on rank {rank}: {why}")
         time.sleep(poll)
         poll = min(poll * 2, _POLL_MAX_S)
+
+
+def _wait_listening(rank: int, addr: str, port: int, deadline: float, abort) -> None:
+    """Returns once rank 0's store server listens at addr:port (or what refuses is not a refusal).
+    torch's client, refused, sleeps its connect backoff (250 to 750 ms) before it tries again; this
+    tries again after 1 to 10 ms, so the client connects on its first try."""
+    poll = _POLL_FIRST_S
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.05, deadline - time.monotonic())).close()
+            return
+        except ConnectionRefusedError:
+            pass
+        except OSError:
+            return  # unreachable, say: torch's own client says so, as before
+        why = abort() if abort is not None else None
+        if why is None and time.monotonic() >= deadline:
+            return  # torch's client then names the timeout
+        if why is not None:
+            raise RendezvousError(f"torch.distributed rendezvous failed on rank {rank}: {why}")
+        time.sleep(poll)
+        poll = min(poll * 2, 0.01)
 
 
 # (rank, world size) of this process's last init(): what a heal rebuilds, whatever code ran since
