@@ -873,7 +873,8 @@ def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
         (["--hosts", "a:1", "-n", "2"], "excludes"),
         (["--hosts", "a,b", "--gpus", "all"], "can't count the GPUs of other hosts"),
         (["--gpus", "a:0 a:1"], "name host a twice"),
-        (["--hosts", "-v:1"], "can't start with '-'"),
+        (["--hosts=-v:1"], "can't start with '-'"),
+        (["--hosts", "-v:1"], "--hosts: needs a value"),  # argparse's rule, as torchrun's
         (["--hosts", "a[0,0]"], "lists a GPU twice"),
         (["--hosts", "a:1", "--launcher", "telnet"], "must be ssh, slurm or a template"),
         (["--hosts", "a:1", "--launcher", "ssh {host}"], "needs both {host} and {command}"),
