@@ -137,6 +137,20 @@ TEST(RunJoin, StaticNodesJoinTheirHostInNodeRankOrder) {
   EXPECT_EQ(s2.master_addr, "127.0.0.1");
 }
 
+TEST(RunJoin, TheHostsLocalAddrIsEveryRanksMasterAddr) {
+  auto host_opts = options(0, 2, 0);
+  host_opts.local_addr = "localhost";
+  auto listener = host_rendezvous(host_opts);
+  const uint16_t port = listener->port();
+  JobHost host(host_opts, std::move(listener));
+  auto one = std::async(std::launch::async, [&] {
+    JobMember m(options(port, 2, 1));
+    return m.join();
+  });
+  EXPECT_EQ(host.gather(0, 1).master_addr, "localhost");
+  EXPECT_EQ(one.get().master_addr, "localhost");
+}
+
 TEST(RunJoin, AWrongRunIdOrATakenNodeRankIsRefusedWithWhy) {
   auto host_opts = options(0, 3, 0);
   auto listener = host_rendezvous(host_opts);

@@ -750,6 +750,7 @@ JoinOptions join_options(const RunOptions& opts) {
       opts.rdzv_endpoint.empty()
           ? std::pair<std::string, uint16_t>(master, static_cast<uint16_t>(master_port))
           : split_endpoint(opts.rdzv_endpoint, 29400);
+  j.local_addr = opts.local_addr;
   j.nnodes_min = opts.nnodes_min;
   j.nnodes_max = opts.nnodes_max;
   if (j.backend == "static" && j.nnodes_min != j.nnodes_max)

@@ -370,7 +370,7 @@ protocol::Start JobHost::gather(int restart, int master_port) {
   start.max_restarts = opts_.max_restarts;
   start.world_size = world;
   start.nnodes = admitted();
-  start.master_addr = opts_.host;
+  start.master_addr = opts_.local_addr.empty() ? opts_.host : opts_.local_addr;
   start.master_port = master_port;
   start.run_id = opts_.run_id;
   start.prompts = opts_.prompts;

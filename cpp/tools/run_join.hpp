@@ -35,6 +35,9 @@ namespace ddip::run {
 struct JoinOptions {
   std::string backend = "static";  // "static", "c10d"
   std::string host;                // the master's address, or the rendezvous endpoint's host
+  // --local-addr: the job's host's address for MASTER_ADDR when it is not `host` (torch's
+  // agents name theirs in the rendezvous the same way); "": `host`.
+  std::string local_addr;
   uint16_t port = 29400;
   int nnodes_min = 1, nnodes_max = 1;
   int node_rank = -1;    // static: this node's place; -1 given on arrival (c10d)
