@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .. import gpus as _gpus
+from ..errors import GroupClosedError
 from .collectives import CollectivePicture
 from .stragglers import Stragglers
 
@@ -176,6 +177,8 @@ class Sampler:
         g = self.group
         status = g.status()  # pumps the runtime first: a death is seen
         rt = g.runtime
+        if rt is None:  # closed meanwhile, by another thread
+            raise GroupClosedError(None)
         busy = any(s["state"] == "busy" for s in status)
         picture = None
         if ask if ask is not None else busy:

@@ -89,7 +89,7 @@ class PanelView:
         if on_stop is not None:
             self.stop_button.on_click(lambda _: on_stop())
         self.body = w.VBox([self.table])
-        self.box = w.VBox([w.HBox([self.title, self.stop_button]), self.straggler, self.body])
+        self.box = w.VBox([w.HTML(_STYLE), w.HBox([self.title, self.stop_button]), self.straggler, self.body])
         self.box.add_class("ddip-rank-panel")
 
     def draw(self, data: PanelData):
@@ -102,14 +102,14 @@ class PanelView:
         self.straggler.value = (f'<span class="ddip-straggler-line">{html.escape(data.straggler)}</span>'
                                 if data.straggler else "")
         if data.hosts is None:
-            self.table.value = _STYLE + rows_html(data.rows)
+            self.table.value = rows_html(data.rows)
             if self.body.children != (self.table,):
                 self.body.children = (self.table,)
             return
         if len(self.hosts.children) != len(data.hosts):
             self.hosts.children = tuple(w.HTML() for _ in data.hosts)
         for child, host in zip(self.hosts.children, data.hosts):
-            child.value = _STYLE + rows_html(host.ranks)
+            child.value = rows_html(host.ranks)
         self.hosts.titles = tuple(h.summary for h in data.hosts)
         if self.body.children != (self.hosts,):
             self.body.children = (self.hosts,)
