@@ -269,7 +269,8 @@ CELLS = [
     "%%dip -r 1\nbreakpoint()\nprint('rank 1 went on')",
     "get_ipython().magics_manager.registry['DipMagics'].group.kill([1])",
     "%makedip --heal",
-    "%%dip --tabs\nimport os\nr = int(os.environ['RANK'])\nprint(f'only rank {r} prints this')\n"
+    "%%dip --tabs\nimport os, time\nfrom tqdm.auto import tqdm\nr = int(os.environ['RANK'])\n"
+    "print(f'only rank {r} prints this')\nfor i in tqdm(range(20 + r)):\n    time.sleep(0.01)\n"
     "if r == 1:\n    raise ValueError('rank 1 fails alone')",
 ]
 
@@ -505,11 +506,15 @@ def test_tabs_show_each_ranks_own_output(page):
                  if p.is_displayed()]
         return strip_ansi("\n".join(p.text for p in panes))
 
+    def bars() -> list[str]:  # the open tab's progress bars, each by its value
+        return [b.get_attribute("value") for b in cell.find_elements(By.CSS_SELECTOR, ".ddip-rank-tabs progress")
+                if b.is_displayed()]
+
     page.wait(lambda: "only rank 0 prints this" in shown(), 30, "rank 0's tab in front")
-    assert "rank 1" not in shown()
+    assert "rank 1" not in shown() and bars() == ["20"]  # its own bar, updated in place to its end
     cell.find_elements(By.CSS_SELECTOR, tabs)[1].click()
     page.wait(lambda: "only rank 1 prints this" in shown(), 30, "rank 1's tab")
-    assert "ValueError: rank 1 fails alone" in shown() and "only rank 0" not in shown()
+    assert "ValueError: rank 1 fails alone" in shown() and "only rank 0" not in shown() and bars() == ["21"]
     # The cell's error, as without --tabs, below the tabs.
     assert "ValueError" in strip_ansi(page.text(PANEL + 5)).split("only rank 1 prints this")[-1]
     shot = page.screenshot("rank-tabs", cell=PANEL + 5)

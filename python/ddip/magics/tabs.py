@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 
-from ..kernel.displays import RankDisplays
 from ..labels import rank_label
 from .render import RankOutput, failure_entries
 
@@ -24,6 +23,36 @@ def tabbed(shown: list[int], collapse: bool = True):
     return RankOutput(shown, collapse)
 
 
+class _Pane:
+    """One rank's tab: Output widgets in a column. Text and displays go into the last one; a
+    display that can be updated in place (it has a display id) gets an Output of its own, which
+    its updates redraw, so updates work inside a tab as in a cell (tqdm's bar, a display handle)."""
+
+    def __init__(self):
+        import ipywidgets as w
+
+        self.box = w.VBox([w.Output()])
+        self.by_id: dict = {}  # display id -> the Output holding that display
+
+    @property
+    def current(self):
+        return self.box.children[-1]
+
+    def add_updatable(self, display_id):
+        import ipywidgets as w
+
+        held, after = w.Output(), w.Output()
+        self.by_id[display_id] = held
+        self.box.children = self.box.children + (held, after)
+        return held
+
+    def clear(self):
+        import ipywidgets as w
+
+        self.by_id.clear()
+        self.box.children = (w.Output(),)
+
+
 class RankTabs:
     """render.RankOutput's interface (shown, on_output, on_display, close), a tab per shown rank.
     Output goes into a tab's Output widget the way `with out:` puts it there: the frontend takes
@@ -35,12 +64,12 @@ class RankTabs:
         from IPython.display import publish_display_data
 
         self.shown = set(shown)
-        self.outputs = {r: w.Output() for r in sorted(shown)}
-        self.tab = w.Tab(children=list(self.outputs.values()), titles=[rank_label(r)[1:-1] for r in self.outputs])
+        self.panes = {r: _Pane() for r in sorted(shown)}
+        self.tab = w.Tab(children=[p.box for p in self.panes.values()],
+                         titles=[rank_label(r)[1:-1] for r in self.panes])
         self.tab.selected_index = 0
         self.tab.add_class("ddip-rank-tabs")
-        self.displays = RankDisplays()
-        self.current: int | None = None
+        self.capturing = None  # the Output that captures the cell's output now
         # Where widgets don't render (nbconvert), the note says what was there.
         publish_display_data({"text/plain": f"[%%dip --tabs: {', '.join(self.tab.titles)}: each rank's output in "
                                             f"a tab of its own (a widget)]",
@@ -49,13 +78,32 @@ class RankTabs:
 
     def on_output(self, rank, stream_name, text):
         if rank in self.shown and text:
-            self._into(rank)
+            self._into(self.panes[rank].current)
             (sys.stdout if stream_name == "stdout" else sys.stderr).write(text)
 
     def on_display(self, rank, msg):
-        if rank in self.shown:
-            self._into(rank)
-            self.displays.show(rank, msg)
+        from IPython.display import clear_output, publish_display_data
+
+        if rank not in self.shown:
+            return
+        pane = self.panes[rank]
+        display_id = (msg.get("transient") or {}).get("display_id")
+        if msg.get("clear"):
+            self._into(None)
+            pane.clear()
+            return
+        if msg.get("update"):
+            held = pane.by_id.get(display_id)
+            if held is None:
+                return  # as in a cell: an update of a display never shown draws nothing
+            self._into(held)
+            clear_output(wait=True)
+        elif display_id is not None:
+            self._into(None)
+            self._into(pane.add_updatable(display_id))
+        else:
+            self._into(pane.current)
+        publish_display_data(msg["data"], msg.get("metadata") or {})
 
     def show_failures(self, failures):
         """Each shown rank's traceback (or death) in its own tab, its title saying so."""
@@ -63,23 +111,23 @@ class RankTabs:
         for f in failures:
             if f.rank not in self.shown:
                 continue
-            self._into(f.rank)
+            self._into(self.panes[f.rank].current)
             [(_, _, lines)] = failure_entries([f], collapse=False)
             sys.stderr.write("\n".join(lines[1:]) + "\n")
-            titles[list(self.outputs).index(f.rank)] += " (died)" if f.died else f" ({f.ename})"
+            titles[list(self.panes).index(f.rank)] += " (died)" if f.died else f" ({f.ename})"
         self.close()
         self.tab.titles = tuple(titles)
 
     def close(self):
         self._into(None)
 
-    def _into(self, rank: int | None):
-        if rank == self.current:
+    def _into(self, out):
+        if out is self.capturing:
             return
         sys.stdout.flush()
         sys.stderr.flush()
-        if self.current is not None:
-            self.outputs[self.current].__exit__(None, None, None)
-        self.current = rank
-        if rank is not None:
-            self.outputs[rank].__enter__()
+        if self.capturing is not None:
+            self.capturing.__exit__(None, None, None)
+        self.capturing = out
+        if out is not None:
+            out.__enter__()
