@@ -63,8 +63,9 @@ TEST(RunOutput, RanksHostsTeeAndLogs) {
   std::vector<std::pair<size_t, std::string>> records;
   LabelledStreams streams(loop, terminal, "ddip run",
                       {[&](size_t u, std::string_view line) { records.emplace_back(u, line); }, nullptr});
-  // Rank 1 is not shown (--show), rank 2's stdout goes to its log only (-r 0:0,1:0,2:1 -t 0:3,1:3).
-  auto logs = std::filesystem::temp_directory_path() / ("ddip-test-run-output-" + std::to_string(::getpid()));
+  // Rank 1 is not shown (--show), rank 2's stdout goes to its log only (-r 2:1).
+  auto logs = std::filesystem::temp_directory_path() /
+              ("ddip-test-run-output-" + std::to_string(::getpid()));
   std::filesystem::remove_all(logs);
   const std::string job = make_job_log_dir(logs.string(), "myjob");
   // torchrun's layout: <dir>/<run id>_<8 random characters>/attempt_<n>/<local rank>/.
@@ -73,8 +74,9 @@ TEST(RunOutput, RanksHostsTeeAndLogs) {
   EXPECT_NE(make_job_log_dir(logs.string(), "myjob"), job);
   const auto dir = std::filesystem::path(job) / "attempt_2";
   auto at = [&](int r) { return (dir / std::to_string(r)).string(); };
-  size_t r0 = streams.add_rank(0, true, {3, 3, at(0)}), r1 = streams.add_rank(1, false, {3, 3, at(1)}),
-         r2 = streams.add_rank(2, true, {2, 1, at(2)}), h = streams.add_host();
+  size_t r0 = streams.add_rank(0, true, {3, 3, at(0)});
+  size_t r1 = streams.add_rank(1, false, {3, 3, at(1)});
+  size_t r2 = streams.add_rank(2, true, {2, 1, at(2)}), h = streams.add_host();
   streams.open_logs();
   FakeProcess p0, p1, p2, ph;
   streams.attach(r0, std::move(p0.out.read), std::move(p0.err.read));
@@ -168,4 +170,29 @@ TEST(RunOutput, ARanksPromptRecordIsHandedOnEvenAfterTextWithoutALineEnd) {
   EXPECT_EQ(read_ready(term_err.read.get()), "[2] warn\n[2] loss: \n[2] after\n");
   // A failure report's tail shows what the rank showed.
   EXPECT_EQ(streams.stderr_tail(r), (std::vector<std::string>{"warn", "loss: ", "after"}));
+}
+
+TEST(RunOutput, LinesSeveralRanksPrintAlikeGoOnceLabelledWithTheirRanks) {
+  RunLoop loop;
+  auto term_out = ddip::make_pipe(true), term_err = ddip::make_pipe(true);
+  Terminal terminal(std::chrono::milliseconds::zero(), term_out.write.get(), term_err.write.get());
+  LabelledStreams streams(loop, terminal, "ddip run", {[](size_t, std::string_view) {}, nullptr});
+  std::vector<FakeProcess> p(4);
+  std::vector<size_t> units;
+  for (int r = 0; r < 4; ++r) units.push_back(streams.add_rank(r, true));
+  streams.collapse_repeats(60);  // complete rounds go at once: none waits for the window
+  for (int r = 0; r < 4; ++r)
+    streams.attach(units[r], std::move(p[r].out.read), std::move(p[r].err.read));
+  for (int r : {2, 0, 3, 1}) {
+    ddip::test::write_fd(p[r].out.write.get(), r == 3 ? "loss 0.31\nodd one out\n" : "loss 0.31\nsame\n");
+    ddip::test::write_fd(p[r].err.write.get(), "warning from " + std::to_string(r) + "\n");
+    p[r].out.write.reset();
+    p[r].err.write.reset();
+  }
+  loop.run_until([&] { return !streams.any_open(); });
+  streams.flush_open();
+  EXPECT_EQ(read_ready(term_out.read.get()), "[0-3] loss 0.31\n[0-2] same\n[3] odd one out\n");
+  // Lines that differ: each rank's own, in rank order, none dropped.
+  EXPECT_EQ(read_ready(term_err.read.get()),
+            "[0] warning from 0\n[1] warning from 1\n[2] warning from 2\n[3] warning from 3\n");
 }

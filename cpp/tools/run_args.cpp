@@ -196,6 +196,10 @@ void CommandLine::add_output_options() {
          "ranks such as 0 (ddip run's own; it was --tee before torchrun's -t/--tee)",
          "")
       ->type_name("all|none|RANKS");
+  option("--raw",
+         "Show every rank's lines as they come; by default a line that several ranks print "
+         "alike is shown once, labelled with their ranks: [0-7] text",
+         "", true);
   option("--local-ranks-filter,--local_ranks_filter",
          "torchrun's: only these local ranks (a comma list) reach the terminal; log files keep "
          "every rank's",
@@ -335,6 +339,7 @@ void CommandLine::add_program_options() {
   option("--node-cwd", "", "")->group("");
   option("--node-run-id", "", "")->group("");
   option("--node-files", "", "")->group("");
+  option("--node-restart", "", "")->group("");  // helper B: RESTART,MAX (NodeOptions)
   option("--node-prompts", "", "", true)->group("");
   // %%diprun's: a rank's debugger prompt as a record line on stdout, which it answers.
   option("--prompt-records", "", "", true)->group("");
@@ -635,6 +640,7 @@ void CommandLine::read_output() {
       opts_.timeout_s = s;
   }
   opts_.die_with_parent = has("--die-with-parent");
+  opts_.raw = has("--raw");
   opts_.check = check_;
   opts_.prompts = has("--node-prompts");
   opts_.prompt_records = has("--prompt-records");
@@ -874,6 +880,15 @@ void CommandLine::read_node() {
   if (const Given* g = given("--node-name")) node_.name = g->value;
   if (const Given* g = given("--node-cwd")) node_.cwd = g->value;
   if (const Given* g = given("--node-run-id")) node_.run_id = g->value;
+  if (const Given* g = given("--node-restart")) {
+    auto parts = split_list(g->value);
+    auto restart = parts.size() == 2 ? parse_index(parts[0]) : std::nullopt;
+    auto max = parts.size() == 2 ? parse_index(parts[1]) : std::nullopt;
+    if (!restart || !max || *restart > *max)
+      problem("--node-restart", "expected RESTART,MAX with RESTART <= MAX, got " + g->value);
+    else
+      node_.restart = *restart, node_.max_restarts = *max;
+  }
   if (const Given* g = given("--node-files")) {
     auto n = parse_index(g->value);
     if (!n || *n > 1024)
@@ -909,8 +924,8 @@ std::vector<bool> shown_ranks(const std::string& show, int world_size) {
   for (const auto& item : split_list(show)) {
     auto r = parse_index(item);
     if (!r)
-      throw CLI::ValidationError("--show", "'" + item +
-                                               "' is not a rank; give all, none, or ranks like 0,2");
+      throw CLI::ValidationError(
+          "--show", "'" + item + "' is not a rank; give all, none, or ranks like 0,2");
     if (*r >= world_size)
       throw CLI::ValidationError(
           "--show", "there is no rank " + item + ": ranks are 0-" + std::to_string(world_size - 1));
