@@ -1,8 +1,11 @@
 // Where every rank is when ddip run times out or is interrupted (cpp/tools/run_collectives.hpp):
 // the startup hook's file and environment, which processes answer SIGURG, and one request's
 // answers gathered until every rank asked has answered or the deadline, then shown in rank order.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -12,6 +15,8 @@
 #include "run_collectives.hpp"
 
 using namespace ddip::run;
+using ddip::Fd;
+using ddip::SpawnSpec;
 using protocol::RankState;
 using std::chrono::milliseconds;
 
@@ -90,6 +95,72 @@ TEST(RunCollectives, AProcessAnswersSigurgWhenItsMainThreadBlocksIt) {
   EXPECT_TRUE(answers_sigurg(::getpid()));
   ASSERT_EQ(::pthread_sigmask(SIG_SETMASK, &old, nullptr), 0);
   EXPECT_FALSE(answers_sigurg(0x3fffffff)) << "a process that does not exist";
+}
+
+TEST(RunCollectives, AScriptsStatusIsReadOnceForItsOwnProcess) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("ddip-test-ended-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "ended.4242") << "3";
+  EXPECT_EQ(script_status(dir.string(), 4243), std::nullopt) << "another process";
+  EXPECT_EQ(script_status(dir.string(), 4242), 3);
+  EXPECT_EQ(script_status(dir.string(), 4242), std::nullopt) << "read once: the file is gone";
+  std::ofstream(dir / "ended.4244") << "garbled";
+  EXPECT_EQ(script_status(dir.string(), 4244), std::nullopt);
+  std::ofstream(dir / "ended.4245") << "300";
+  EXPECT_EQ(script_status(dir.string(), 4245), std::nullopt) << "no exit status";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(RunCollectives, RankZerosStoreSocketListensOnItsMasterPortOnlyWhereItsHookTakesIt) {
+  int port = 0;
+  {
+    Fd probe(::socket(AF_INET, SOCK_STREAM, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    socklen_t len = sizeof a;
+    ASSERT_EQ(::bind(probe.get(), reinterpret_cast<sockaddr*>(&a), len), 0);
+    ASSERT_EQ(::getsockname(probe.get(), reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port = ntohs(a.sin_port);
+  }
+  SpawnSpec spec;
+  spec.argv = {"/usr/bin/python3", "-u", "train.py"};
+  spec.env = {"MASTER_PORT=" + std::to_string(port), "DDIP_RUN_HOOK=1"};
+  Fd socket;
+  SpawnSpec out = with_store_socket(spec, socket);
+  ASSERT_TRUE(socket);
+  EXPECT_EQ(env_value(out.env, kStoreFdVariable), std::to_string(socket.get()));
+  EXPECT_EQ(::fcntl(socket.get(), F_GETFD) & FD_CLOEXEC, 0) << "for the rank to inherit";
+  Fd client(::socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(client.get(), reinterpret_cast<sockaddr*>(&to), sizeof to), 0)
+      << "it listens before anyone serves";
+
+  Fd busy;
+  EXPECT_EQ(with_store_socket(spec, busy).env, spec.env) << "the port is taken (by the first)";
+  EXPECT_FALSE(busy);
+  socket.reset();
+  for (auto argv : std::vector<std::vector<std::string>>{
+           {"/bin/sh", "-c", "python train.py"}, {"python3", "-I", "train.py"},
+           {"python", "-X", "dev", "-E", "train.py"}, {"python3", "-sS", "train.py"}}) {
+    SpawnSpec other = spec;
+    other.argv = argv;
+    Fd none;
+    EXPECT_EQ(with_store_socket(other, none).env, spec.env) << argv[0] << " " << argv[1];
+    EXPECT_FALSE(none);
+  }
+  SpawnSpec off = spec;
+  off.env = {"MASTER_PORT=" + std::to_string(port), "DDIP_RUN_HOOK=0"};
+  Fd none;
+  EXPECT_EQ(with_store_socket(off, none).env, off.env) << "the hook is off";
+  EXPECT_FALSE(none);
+  SpawnSpec module = spec;
+  module.argv = {"python3", "-u", "-m", "pkg.train", "-I"};
+  EXPECT_NE(with_store_socket(module, none).env, spec.env) << "-I after -m is the module's";
+  EXPECT_TRUE(none);
 }
 
 TEST(RunCollectives, WaitsForEveryRankAskedAndShowsThePictureThenTheStacksInRankOrder) {

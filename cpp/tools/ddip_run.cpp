@@ -720,8 +720,14 @@ int run_attempts(const RunOptions& opts, const std::string& run_id, const std::s
     std::cerr << prog << ": " << e.what() << "\n";
     return 1;
   }
-  // Another host's ddip run (--node) never restarts by itself: the one that started it does.
-  const int max = opts.node ? 0 : opts.max_restarts;
+  // Another host's ddip run (--node) never restarts by itself: the one that started it does,
+  // and says which attempt this is (--node-restart).
+  if (opts.node) {
+    RunOptions here = opts;
+    here.max_restarts = opts.node->max_restarts;
+    return run_attempt(here, run_id, opts.node->restart, shipping, prog, opts.node).code;
+  }
+  const int max = opts.max_restarts;
   for (int restart = 0;; ++restart) {
     AttemptEnd end = run_attempt(opts, run_id, restart, shipping, prog, opts.node);
     if (!restarts_after(end.outcome, restart, max)) return end.code;

@@ -30,6 +30,9 @@ struct NodeOptions {
   std::string cwd;      // the launching side's directory, if it exists here too
   int files = 0;        // files shipped on the channel before anything else (--ship there)
   std::string run_id;   // TORCHELASTIC_RUN_ID, the same on every host
+  // --node-restart RESTART,MAX (helper B): the attempt's TORCHELASTIC_RESTART_COUNT and
+  // TORCHELASTIC_MAX_RESTARTS (the ddip run that started it restarts every host).
+  int restart = 0, max_restarts = 0;
 };
 
 // torchrun's -r/--redirects and -t/--tee (torch's Std): which of a rank's streams go to its log
