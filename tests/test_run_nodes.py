@@ -382,3 +382,15 @@ def test_a_node_whose_ranks_end_first_waits_for_the_jobs_end(nodes, tmp_path):
     (c0, out0, err0), (c1, out1, err1) = finish(n0, n1)
     assert (c0, c1) == (0, 0), err0 + err1
     assert said(out0) == ["rank 0 done"] and said(out1) == ["rank 1 done"]
+
+
+def test_max_restarts_with_hosts_counts_on_every_host(nodes, tmp_path):
+    # A second "host" reached by a template that starts its ddip run right here (--node): it is
+    # told each attempt's count, so its rank sees restart 1 in the attempt that succeeds.
+    rank_py = script(tmp_path, FAILS_FIRST_TIME)
+    p = nodes(["--hosts", f"{HOST}:1,127.0.0.2:1", "--launcher", "H={host}; {command}",
+               "--max-restarts", "1", "--", PY, rank_py])
+    (code, out, err), = finish(p)
+    assert code == 0, err
+    assert restarts_seen(out) == ["rank 0 restart 0 of 1", "rank 0 restart 1 of 1",
+                                  "rank 1 restart 0 of 1", "rank 1 restart 1 of 1"]

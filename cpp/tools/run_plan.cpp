@@ -186,9 +186,12 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
   if (!m.cwd.empty()) cmd.insert(cmd.end(), {"--node-cwd", m.cwd});
   if (shipping) cmd.insert(cmd.end(), {"--node-files", std::to_string(opts.ship.size())});
   // The attempt's count, for its ranks' TORCHELASTIC_RESTART_COUNT (this ddip run restarts).
-  if (elastic.max_restarts > 0)
-    cmd.insert(cmd.end(), {"--node-restart", std::to_string(elastic.restart_count) + "," +
-                                                 std::to_string(elastic.max_restarts)});
+  if (elastic.max_restarts > 0) {
+    // append(), not +: GCC 12's -Wrestrict misfires on the latter at -O3.
+    std::string restart = std::to_string(elastic.restart_count);
+    restart.append(",").append(std::to_string(elastic.max_restarts));
+    cmd.insert(cmd.end(), {"--node-restart", restart});
+  }
   if (opts.prompts) cmd.push_back("--node-prompts");
   std::ostringstream t;
   t << opts.link_timeout_s;
