@@ -4,10 +4,12 @@ ranges, and nothing is dropped; the same for RemoteError's tracebacks and ranch'
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +129,36 @@ def test_ranch_collapses_its_childrens_repeats_and_collapse_false_shows_them_raw
     for r in (1, 2, 3):
         assert f"[rank {r}] same line" in lines, raw
     assert "[rank 2] odd one out" in lines and "[ranks" not in raw
+
+
+DDIP = str(Path(sys.executable).with_name("ddip"))
+LINES = ("import os\nr = os.environ['RANK']\nprint('same line')\nprint('odd one out' if r == '2' else 'same again')\n")
+
+
+def _expanded(out: str) -> list[tuple[int, str]]:
+    """ddip run's labelled lines as (rank, text), a collapsed line once for each of its ranks."""
+    seen = []
+    for line in out.splitlines():
+        m = re.fullmatch(r"\[([\d,-]+)\] (.*)", line)
+        assert m, line
+        for part in m.group(1).split(","):
+            first, _, last = part.partition("-")
+            seen += [(r, m.group(2)) for r in range(int(first), int(last or first) + 1)]
+    return seen
+
+
+def test_ddip_run_collapses_repeats_and_raw_shows_every_ranks_line(tmp_path):
+    script = tmp_path / "lines.py"
+    script.write_text(LINES)
+    expected = sorted([(r, "same line") for r in range(4)] + [(r, "same again") for r in (0, 1, 3)]
+                      + [(2, "odd one out")])
+    run = subprocess.run([DDIP, "run", "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    # Which lines meet in one round depends on when the ranks print (0.2 s apart at most): every
+    # rank's line is there, once, under its rank (the rule's own cases: cpp/tests/test_run_output.cpp).
+    assert sorted(_expanded(run.stdout)) == expected, run.stdout
+    raw = subprocess.run([DDIP, "run", "--raw", "-n", "4", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=120)
+    assert raw.returncode == 0, raw.stderr
+    assert sorted(_expanded(raw.stdout)) == expected and all(re.match(r"\[\d\] ", l) for l in raw.stdout.splitlines())

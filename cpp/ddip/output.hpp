@@ -63,6 +63,9 @@ std::string rank_ranges(std::vector<int> ranks);
 // round again. Text that is no whole line (a '\r' progress bar, a line without its end for
 // `window`) goes as it is, after the rounds before it. Times are seconds on the monotonic clock
 // (Python's time.monotonic()); the caller keeps time with next_due(): the class has no thread.
+// How long a line waits for the same line of the other ranks: short enough to read as live.
+inline constexpr double kRepeatWindowS = 0.2;
+
 class Repeats {
  public:
   struct Piece {

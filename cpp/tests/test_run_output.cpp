@@ -184,7 +184,8 @@ TEST(RunOutput, LinesSeveralRanksPrintAlikeGoOnceLabelledWithTheirRanks) {
   for (int r = 0; r < 4; ++r)
     streams.attach(units[r], std::move(p[r].out.read), std::move(p[r].err.read));
   for (int r : {2, 0, 3, 1}) {
-    ddip::test::write_fd(p[r].out.write.get(), r == 3 ? "loss 0.31\nodd one out\n" : "loss 0.31\nsame\n");
+    ddip::test::write_fd(p[r].out.write.get(),
+                         r == 3 ? "loss 0.31\nodd one out\n" : "loss 0.31\nsame\n");
     ddip::test::write_fd(p[r].err.write.get(), "warning from " + std::to_string(r) + "\n");
     p[r].out.write.reset();
     p[r].err.write.reset();

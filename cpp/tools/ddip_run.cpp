@@ -573,6 +573,7 @@ int Launcher::run() {
   Fd null(check(::open("/dev/null", O_RDONLY | O_CLOEXEC), "open", "opening /dev/null"));
   check(::dup2(null.get(), 0), "dup2", "giving the ranks /dev/null as stdin");
   streams_.open_logs();
+  if (!opts_.raw) streams_.collapse_repeats(kRepeatWindowS);
   start_units();
   if (!no_channel.empty()) policy_.link_lost(no_channel, Clock::now());
 

@@ -150,6 +150,29 @@ void LabelledStreams::open_logs() {
   }
 }
 
+void LabelledStreams::collapse_repeats(double window) {
+  std::vector<int> shown;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].host || !units_[u].shown) continue;  // a host's ddip run collapses its own
+    shown.push_back(units_[u].first_rank);
+    unit_of_rank_[units_[u].first_rank] = u;
+  }
+  if (shown.size() < 2) return;
+  repeats_.emplace(std::move(shown), window);
+  loop_.deadline(
+      [this]() -> std::optional<Clock::time_point> {
+        auto due = repeats_->next_due();
+        if (!due) return std::nullopt;
+        return Clock::time_point(
+            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*due)));
+      },
+      [this](Clock::time_point now) { put(repeats_->release(seconds(now))); });
+}
+
+double LabelledStreams::seconds(Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
 void LabelledStreams::attach(size_t u, Fd out, Fd err) {
   Unit& un = units_.at(u);
   un.pipe[1] = std::move(out);
@@ -178,6 +201,8 @@ void LabelledStreams::read(size_t u, RankOutput::Stream s) {
     loop_.unwatch(fd.get());
     fd.reset();
     deliver(u, s, un.output.flush(s));
+    if (repeats_ && !un.host && !un.pipe[1] && !un.pipe[2])  // it writes no more
+      put(repeats_->done(un.first_rank, seconds(Clock::now())));
     return;
   }
   std::string_view data(buf, static_cast<size_t>(n));
@@ -191,10 +216,16 @@ void LabelledStreams::read(size_t u, RankOutput::Stream s) {
 
 // Everything the exited unit wrote is in its pipes already; take it before reporting.
 void LabelledStreams::drain(size_t u) {
-  for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) drain(u, s);
+  for (auto s : {RankOutput::kStdout, RankOutput::kStderr}) read_ready(u, s);
 }
 
 void LabelledStreams::drain(size_t u, RankOutput::Stream s) {
+  read_ready(u, s);
+  // Before its prompt, the lines held for repeats go (theirs among them), not after it.
+  if (repeats_) put(repeats_->release(seconds(Clock::now()), true));
+}
+
+void LabelledStreams::read_ready(size_t u, RankOutput::Stream s) {
   Unit& un = units_[u];
   for (int i = 0; i < 4096 && un.pipe[s]; ++i) {
     pollfd p{un.pipe[s].get(), POLLIN, 0};
@@ -211,6 +242,7 @@ void LabelledStreams::flush_open() {
   for (size_t u = 0; u < units_.size(); ++u)
     for (auto s : {RankOutput::kStdout, RankOutput::kStderr})
       if (units_[u].pipe[s]) deliver(u, s, units_[u].output.flush(s));
+  if (repeats_) put(repeats_->release(seconds(Clock::now()), true));
 }
 
 void LabelledStreams::deliver(size_t u, RankOutput::Stream s, const std::string& text) {
@@ -268,10 +300,29 @@ void LabelledStreams::emit(size_t u, RankOutput::Stream s, std::string_view text
   std::string labelled;
   if (!un.host) {  // a host's lines are labelled and filtered there already
     if (!un.shown || !(un.streams.to_console & s)) return;
+    if (repeats_) return put(repeats_->feed(un.first_rank, s, text, seconds(Clock::now())));
     labelled = label(text, un.tag, un.after_cr[s]);
     text = labelled;
   }
   if (!terminal_.write(s, text) && hooks_.on_write_failed) hooks_.on_write_failed();
+}
+
+// What repeats_ hands on: a line of one rank labelled as ever, one of several "[0-7] ".
+void LabelledStreams::put(const std::vector<ddip::Repeats::Piece>& pieces) {
+  for (const auto& p : pieces) {
+    std::string text;
+    if (p.ranks.size() == 1) {
+      Unit& un = units_[unit_of_rank_.at(p.ranks.front())];
+      text = label(p.text, un.tag, un.after_cr[p.stream]);
+    } else {
+      bool after_cr = false;
+      std::string tag;  // append(): GCC 12's -Wrestrict misfires on "[" + ... at -O3
+      tag.append("[").append(rank_ranges(p.ranks)).append("] ");
+      text = label(p.text, tag, after_cr);
+    }
+    if (!terminal_.ok(p.stream)) continue;
+    if (!terminal_.write(p.stream, text) && hooks_.on_write_failed) hooks_.on_write_failed();
+  }
 }
 
 std::vector<std::string> LabelledStreams::stderr_tail(size_t u) const {

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -96,11 +98,16 @@ class LabelledStreams {
   // Every rank's log directory (its RankStreams), with stdout.log and stderr.log for the streams
   // it keeps. Throws.
   void open_logs();
+  // From now on, a line that several shown ranks print alike is written once, "[0-7] text", by
+  // the runtime's rule (ddip::Repeats: the notebook's too); `window`: how long a line waits for
+  // the others'. Call once the ranks are added.
+  void collapse_repeats(double window);
   // Takes unit `u`'s pipes and reads them as they fill.
   void attach(size_t u, Fd out, Fd err);
   // Reads what unit `u` (exited) left in its pipes.
   void drain(size_t u);
-  // Reads what unit `u` has written to `s` so far (a rank's prints before its prompt).
+  // Reads what unit `u` has written to `s` so far (a rank's prints before its prompt), and
+  // writes every line held for repeats.
   void drain(size_t u, RankOutput::Stream s);
   // Releases unit `u`'s partial lines: a host's, once its ddip run has ended.
   void flush(size_t u);
@@ -133,12 +140,17 @@ class LabelledStreams {
   void host_text(size_t u, const std::string& text);
   void rank_text(size_t u, const std::string& text);
   void emit(size_t u, RankOutput::Stream s, std::string_view text);
+  void read_ready(size_t u, RankOutput::Stream s);  // what its pipe holds now
+  void put(const std::vector<ddip::Repeats::Piece>& pieces);
+  static double seconds(Clock::time_point t);
 
   RunLoop& loop_;
   Terminal& terminal_;
   std::string me_;
   Hooks hooks_;
   std::deque<Unit> units_;  // a deque: units never move once added
+  std::optional<ddip::Repeats> repeats_;  // collapse_repeats()
+  std::map<int, size_t> unit_of_rank_;    // the shown ranks' units, for repeats_' pieces
 };
 
 }  // namespace ddip::run

@@ -193,6 +193,7 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
     cmd.insert(cmd.end(), {"--node-restart", restart});
   }
   if (opts.prompts) cmd.push_back("--node-prompts");
+  if (opts.raw) cmd.push_back("--raw");  // a host's ddip run collapses its own ranks' repeats
   std::ostringstream t;
   t << opts.link_timeout_s;
   cmd.insert(cmd.end(), {"--link-timeout", t.str()});

@@ -15,8 +15,8 @@ from typing import Callable
 
 from . import _core
 
-# How long a line waits for the same line of the other ranks: short enough to read as live.
-REPEAT_WINDOW_S = 0.2
+# How long a line waits for the same line of the other ranks (0.2 s; ddip run's too).
+REPEAT_WINDOW_S = _core.REPEAT_WINDOW_S
 
 _STREAMS = {"stdout": 1, "stderr": 2}
 _NAMES = {1: "stdout", 2: "stderr"}

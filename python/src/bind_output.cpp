@@ -18,6 +18,7 @@ nb::list pieces(std::vector<ddip::Repeats::Piece> out) {
 }  // namespace
 
 void init_output(nb::module_& m) {
+  m.attr("REPEAT_WINDOW_S") = ddip::kRepeatWindowS;
   m.def("rank_ranges", &ddip::rank_ranges, "ranks"_a,
         "Ranks as one reads them at scale: sorted, runs of three or more as ranges (\"0,2,4-7\").");
   nb::class_<ddip::Repeats>(m, "Repeats",
