@@ -75,13 +75,13 @@ def ddip(args: list[str], cwd: Path, env: dict | None = None, timeout=60):
 
 
 def ranks_seen(text: str) -> dict[int, dict]:
-    """Each rank's ENV line, by RANK, whether labelled ([1] ENV ..., [default1]:ENV ...) or not."""
+    """Each rank's ENV record, by RANK, whether labelled ([1] ENV ..., [default1]:ENV ...) or not.
+    torchrun's ranks share its stdout, and `python -u` writes a print's text and its line end
+    apart: two ranks' records can share a line there ("ENV {...}ENV {...}")."""
     seen = {}
-    for line in text.splitlines():
-        at = line.find("ENV {")
-        if at >= 0:
-            got = json.loads(line[at + 4:])
-            seen[int(got["RANK"])] = got
+    for record in re.finditer(r"ENV (\{[^{}]*\})", text):
+        got = json.loads(record.group(1))
+        seen[int(got["RANK"])] = got
     return seen
 
 
@@ -153,13 +153,10 @@ OUTPUT_SCRIPT = """
 
 
 def terminal_lines(text: str) -> list[str]:
-    """The ranks' lines that reached a terminal, without the launcher's label ([1] , [default1]:)."""
-    lines = []
-    for line in text.splitlines():
-        m = re.match(r"^(\[\d+\] |\[default\d+\]:)?((out|err) of \d+)$", line)
-        if m:
-            lines.append(m.group(2))
-    return sorted(lines)
+    """The ranks' lines that reached a terminal, without the launcher's label ([1] , [default1]:).
+    Found anywhere in the text: torchrun's untouched streams are the ranks' own, shared, and a
+    print's line end comes apart from its text (python -u), so two lines can share one there."""
+    return sorted(re.findall(r"(?:out|err) of \d+", text))
 
 
 def log_files(logs: Path) -> dict[str, str]:
@@ -285,7 +282,8 @@ SIGNAL_SCRIPT = """
 ])
 def test_signals_to_handle_are_forwarded_to_every_rank(tmp_path, args, sig):
     (tmp_path / "sig.py").write_text(textwrap.dedent(SIGNAL_SCRIPT))
-    p = subprocess.Popen([DDIP, "run", "-n", "2", *args, "sig.py"], cwd=tmp_path, env=clean_env(),
+    # --raw: each rank's "ready" on a line of its own (not "[0,1] ready"), as the readlines wait for
+    p = subprocess.Popen([DDIP, "run", "--raw", "-n", "2", *args, "sig.py"], cwd=tmp_path, env=clean_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = [p.stdout.readline() for _ in range(2)]
