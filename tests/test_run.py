@@ -67,12 +67,16 @@ def script(tmp_path, body: str, name="rank.py") -> str:
 
 
 def by_rank(text: str) -> dict[int, list[str]]:
-    """Labelled lines grouped by rank, label removed; fails on any unlabelled line."""
+    """Labelled lines grouped by rank, label removed; fails on any unlabelled line. A line several
+    ranks printed alike, shown once ("[0-2,5] text", ddip.repeats' rule), counts for each."""
     out: dict[int, list[str]] = {}
     for line in text.splitlines():
-        m = re.fullmatch(r"\[(\d+)\] (.*)", line)
+        m = re.fullmatch(r"\[([\d,-]+)\] (.*)", line)
         assert m, f"line without a rank label: {line!r}"
-        out.setdefault(int(m.group(1)), []).append(m.group(2))
+        for part in m.group(1).split(","):
+            first, _, last = part.partition("-")
+            for rank in range(int(first), int(last or first) + 1):
+                out.setdefault(rank, []).append(m.group(2))
     return out
 
 
@@ -586,12 +590,14 @@ INTERRUPTIBLE = """
 
 
 def wait_for_lines(p, count: int, timeout=60) -> list[str]:
+    """`count` ranks' lines of ddip run's stdout, "[r] text" each: a line several ranks printed
+    alike, shown once ("[0,1] ready", ddip.repeats' rule), is each of theirs."""
     lines, deadline = [], time.monotonic() + timeout
     while len(lines) < count and time.monotonic() < deadline:
         line = p.stdout.readline()
         if not line:
             break
-        lines.append(line)
+        lines += [f"[{r}] {text}\n" for r, texts in by_rank(line).items() for text in texts] or [line]
     return lines
 
 
@@ -990,7 +996,7 @@ def test_lightning_picks_torchelastic_under_ddip_run(launcher, tmp_path):
     """)
     code, out, err = run(launcher, ["run", "-n", "2", PY, path], timeout=180)
     assert code == 1, err
-    assert "[0] TorchElasticEnvironment" in out and "[1] TorchElasticEnvironment" in out
+    assert all(by_rank(out)[r][0] == "TorchElasticEnvironment" for r in (0, 1)), out  # each rank's
     assert "but the product (1 * 1) does not match the world size (2)" in err
 
 

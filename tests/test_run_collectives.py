@@ -56,7 +56,7 @@ def script(tmp_path, body: str, name="rank.py") -> str:
     return str(path)
 
 
-from test_run import launcher  # noqa: E402,F401  (the fixture: `ddip` started, killed at the end)
+from test_run import launcher, wait_for_lines  # noqa: E402,F401  (the fixture: `ddip` started, killed at the end)
 
 
 @pytest.fixture
@@ -212,8 +212,7 @@ def test_a_rank_that_answered_ends_as_it_would_have(launcher, tmp_path):
             sys.exit(0)
     """)
     p = launcher(["run", "-n", "2", PY, path])
-    for _ in range(2):
-        assert p.stdout.readline().endswith("ready\n")
+    assert [line.split(" ", 1)[1] for line in wait_for_lines(p, 2)] == ["ready\n"] * 2  # both ranks'
     p.send_signal(2)
     out, err = p.communicate(timeout=60)
     assert "[0] rank 0 leaves" in out and "[1] rank 1 leaves" in out, (out, err)

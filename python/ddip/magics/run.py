@@ -84,7 +84,9 @@ class DipRunMagics(Magics):
                 f.write(cell)  # a plain script, as the ranks run plain Python
             command = [*flags, *(["--ship", script] if across else []), "--", sys.executable, script]
             _check(fn, command)
-            code = _stream([binary(), "run", "--die-with-parent", "--prompt-records", *command])
+            # --raw: each rank's lines labelled as its own, as RunOutput takes them (its prompts and
+            # redrawn bars are per rank); %%diprun does not collapse repeats yet.
+            code = _stream([binary(), "run", "--die-with-parent", "--prompt-records", "--raw", *command])
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         # The ranks' own report is above (ddip run names the rank that failed first, and how); the
