@@ -235,5 +235,7 @@ def test_accelerate_in_ddip_run(tmp_path):
     proc = subprocess.run([DDIP, "run", "-n", "2", sys.executable, str(script)], capture_output=True,
                           text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    found = sorted(re.findall(r"\[(\d)\] RESULT (.*)", proc.stdout))
+    # Each rank's RESULT line; the two alike come as one, "[0,1] RESULT ..." (ddip run collapses repeats).
+    found = sorted((r, v) for ranks, v in re.findall(r"\[([\d,]+)\] RESULT (.*)", proc.stdout)
+                   for r in ranks.split(","))
     assert [json.loads(v) for _, v in found] == [["DistributedType.MULTI_CPU", 2, [0, 1]]] * 2
