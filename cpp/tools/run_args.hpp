@@ -95,6 +95,7 @@ struct RunOptions {
   int local_rank_arg_at = -1;
   double timeout_s = 0;  // 0: no timeout
   bool die_with_parent = false;
+  bool raw = false;  // --raw: every rank's lines as they come, repeats not collapsed
   bool check = false;  // --check: check the command line and plan the launch; start nothing
   std::vector<std::string> env;  // --env, as NAME=VALUE: for every rank on every host
   std::vector<HostSpec> hosts;  // --hosts; empty: this machine only
