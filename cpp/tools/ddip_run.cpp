@@ -241,7 +241,8 @@ void Launcher::start_units() {
   for (size_t u = 0; u < first_node_; ++u) {
     const UnitPlan& p = plans_[u];
     try {
-      sup_.spawn(p.spec);
+      Fd store;  // rank 0's TCPStore socket, listening before any rank starts; closed here after
+      sup_.spawn(p.host || p.first_rank != 0 ? p.spec : with_store_socket(p.spec, store));
     } catch (const std::system_error& e) {
       std::string what = std::string(e.what()).substr(0, std::string(e.what()).rfind(':'));
       throw CannotStart(e.code(), p.host ? "cannot start the launcher of host " + p.name + ": " +
