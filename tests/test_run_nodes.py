@@ -109,13 +109,21 @@ def test_two_static_nodes_are_one_job_each_showing_its_own_ranks(nodes, tmp_path
 def test_three_nodes_meet_through_a_c10d_rendezvous_and_get_node_ranks_on_arrival(nodes, tmp_path):
     port, rank_py = free_port(), script(tmp_path, ALL_REDUCE)
     args = ["--nnodes", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "job7", "-n", "1", PY, rank_py]
-    procs = [nodes(args) for _ in range(3)]
+            "--rdzv-id", "job7", "-n", "1"]
+    procs = [nodes([*args, "--log-dir", str(tmp_path / f"logs{i}"), PY, rank_py]) for i in range(3)]
     results = finish(*procs)
     assert [r[0] for r in results] == [0, 0, 0], "".join(r[2] for r in results)
     lines = sorted(line for r in results for line in said(r[1]))
     # One node per group rank, one rank each, and one sum over all three.
     assert lines == [f"rank {r} of 3 group {r} of 3 local 0 of 1 sum 3 restart 0" for r in range(3)]
+    # Each node keeps its own ranks' logs in torchrun's layout, under the job's run id.
+    logged = []
+    for i, r in enumerate(results):
+        (job_dir,) = (tmp_path / f"logs{i}").iterdir()
+        assert re.fullmatch(r"job7_\w{8}", job_dir.name), job_dir.name
+        logged.append((job_dir / "attempt_0" / "0" / "stdout.log").read_text().strip())
+        assert said(r[1]) == [logged[-1]]
+    assert sorted(logged) == lines
     # The one that bound the endpoint's port first hosts the job.
     assert sum("node 0 of job 'job7'" in r[2] for r in results) == 1
 

@@ -795,6 +795,8 @@ int host_job(RunOptions opts, const JoinOptions& j, std::unique_ptr<TcpListener>
             << " nodes at port " << j.port << "\n";
   for (int restart = 0;; ++restart) {
     auto start = host.gather(restart, plan::master_port(true, "0.0.0.0"));
+    // --log-dir's DIR/<run id>_<random>: the run id is the job's, known once the nodes are in.
+    if (restart == 0) opts.log_job_dir = make_log_job_dir(opts, start.run_id, prog);
     RunOptions a = opts;
     a.node = NodeOptions{0, start.world_size, 0, start.nnodes, j.name, "", 0, start.run_id};
     a.master_addr = start.master_addr;
@@ -817,6 +819,7 @@ int host_job(RunOptions opts, const JoinOptions& j, std::unique_ptr<TcpListener>
 int join_job(RunOptions opts, const JoinOptions& j, const std::string& prog) {
   JobMember member(j);
   auto start = member.join();
+  opts.log_job_dir = make_log_job_dir(opts, start.run_id, prog);  // as on the job's host
   while (true) {
     RunOptions a = opts;
     a.node = NodeOptions{start.rank_offset, start.world_size, start.node_rank, start.nnodes,
@@ -853,7 +856,7 @@ int run_job(CommandLine& cl, const RunOptions& opts, const std::string& prog) {
   try {
     auto listener = host_rendezvous(j);
     return listener ? host_job(opts, j, std::move(listener), prog) : join_job(opts, j, prog);
-  } catch (const JoinError& e) {
+  } catch (const std::exception& e) {  // a JoinError, or --log-dir that can't be made
     std::cerr << prog << ": " << e.what() << "\n";
     return 1;
   }
