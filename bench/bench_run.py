@@ -6,12 +6,20 @@ the same run.
 Launch, 2 processes, each timed from the start of the command until it has exited:
 - empty: a script that does nothing.
 - all_reduce: a script written for torchrun: init_process_group("gloo") from env://, one
-  all_reduce of a 4-float tensor, destroy_process_group.
-Run as `ddip run -n 2 python SCRIPT` (the installed native command), as
-`python -m torch.distributed.run --nproc-per-node 2 --master-port PORT SCRIPT` (torchrun, with a
-free port so that nothing else on the machine collides with its default), and, for scale, as
-two plain `python SCRIPT` processes started together by this process (with RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set by hand for all_reduce): what any launcher must pay at least.
+  all_reduce of a 4-float tensor (its sum checked), destroy_process_group; each rank prints how
+  long its init_process_group took, so the spread shows whether a rank ever waits out torch's
+  store-connect back-off (0.5-0.7 s; issue 32's "no slow mode any more").
+One node: `python -m torch.distributed.run --nproc-per-node 2 --master-port PORT SCRIPT`
+(torchrun, with a free port so that nothing else on the machine collides with its default) and
+`ddip run` with the same command line (`ddip run --nproc-per-node 2 --master-port PORT SCRIPT`,
+the installed native command), also with DDIP_RUN_HOOK=0; and, for scale, two plain
+`python SCRIPT` processes started together by this process (with RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT set by hand): what any launcher must pay at least.
+Two nodes: two launchers started together on this machine, one per "node", with torchrun's
+static rendezvous on loopback: `LAUNCHER --nnodes 2 --node-rank K --master-addr 127.0.0.1
+--master-port PORT --nproc-per-node 1 SCRIPT` for K = 0, 1, LAUNCHER being `ddip run` or
+torchrun; timed from their start to the exit of both. OMP_NUM_THREADS=1 for both (with one rank
+per node torchrun sets none). Every tool's order turns every round.
 
 Training: the same 2-rank DDP loop (an MLP 256-512-512-10, batch 64 of synthetic data, SGD,
 gloo) run 300 timed steps after 30 warm-up steps, between two barriers; rank 0 reports steps/s.
@@ -20,9 +28,10 @@ gloo's threads alive past it, and one that drops a collective's tensors while Py
 aborts the rank after its work (docs/run.md; torchrun's rank 0 did so in a `make bench` run).
 Under `ddip run`, under torchrun, and in a `ddip.Group(n=2)` with `g.run(code)` (the group joins
 gloo itself), each with its own default OMP_NUM_THREADS: 1 for 2 ranks on this machine for all
-three (torchrun and `ddip run` set 1; a group divides the cores among its ranks). The three
-run in turn, in an order that turns every round; the ratios reported are the medians of the
-ratios within each round (runs seconds apart, under the same load).
+three (torchrun and `ddip run` set 1; a group divides the cores among its ranks); and on two
+nodes of one rank each under both launchers, as above. The five run in turn, in an order that
+turns every round; the ratios reported are the medians of the ratios within each round (runs
+seconds apart, under the same load).
 
 The tools run interleaved, so load on the machine hits them alike. Clean-up: after every launch,
 each descendant of this process still there after a grace period is killed by pid (psutil
@@ -44,9 +53,9 @@ import psutil
 
 from common import GRACE_S, kill_leftovers
 
-LAUNCH_REPS = 10  # timed launches per tool, after one untimed warm-up each
-ALL_REDUCE_REPS = 10
-TRAIN_REPS = 9  # odd, so the median of the per-round ratios is one round's
+LAUNCH_REPS = 5  # timed launches per tool, after one untimed warm-up each
+ALL_REDUCE_REPS = 5
+TRAIN_REPS = 3  # odd, so the median of the per-round ratios is one round's
 STEPS, WARMUP = 300, 30
 
 DDIP = str(Path(sys.executable).with_name("ddip"))
@@ -55,12 +64,18 @@ PY = sys.executable
 EMPTY = ""
 
 ALL_REDUCE = """\
+import time
+
 import torch
 import torch.distributed as dist
 
+t0 = time.perf_counter()
 dist.init_process_group("gloo")
+init_s = time.perf_counter() - t0
 t = torch.ones(4)
 dist.all_reduce(t)
+assert t.tolist() == [float(dist.get_world_size())] * 4, t
+print(f"INIT_S {init_s:.4f}", flush=True)
 dist.destroy_process_group()
 """
 
@@ -134,7 +149,9 @@ def _check(p: subprocess.CompletedProcess, what: str) -> str:
 
 
 def ddip_run(script: str, env: dict | None = None) -> str:
-    p = subprocess.run([DDIP, "run", "-n", "2", PY, script], capture_output=True, text=True,
+    # torchrun's own command line, the launcher's name changed (ddip run takes it since issue 32).
+    p = subprocess.run([DDIP, "run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                        script], capture_output=True, text=True,
                        env=dict(_env(), **(env or {})), timeout=600)
     return _check(p, "ddip run")
 
@@ -151,6 +168,35 @@ def torchrun(script: str) -> str:
     return _check(p, "torchrun")
 
 
+def _two_nodes(launcher: list[str], what: str, script: str) -> str:
+    """Two launchers, one per "node" (both on this machine, on loopback), started together with
+    torchrun's static rendezvous: node 0 hosts the job at a free --master-port. Returns their
+    stdout together once both have exited. OMP_NUM_THREADS=1 for both launchers: with
+    --nproc-per-node 1 torchrun sets no limit, and two ranks with two threads each would share 2
+    cores."""
+    port = str(_free_port())
+    procs = [subprocess.Popen(launcher + ["--nnodes", "2", "--node-rank", str(k), "--master-addr",
+                                          "127.0.0.1", "--master-port", port, "--nproc-per-node",
+                                          "1", script],
+                              env=dict(_env(), OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for k, (p, (out, err)) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"{what}, node {k}, exited with {p.returncode}:\n{out[-2000:]}\n"
+                               f"{err[-2000:]}")
+    return "".join(out for out, _ in outs)
+
+
+def ddip_run_2nodes(script: str) -> str:
+    return _two_nodes([DDIP, "run"], "ddip run --nnodes 2", script)
+
+
+def torchrun_2nodes(script: str) -> str:
+    return _two_nodes([PY, "-m", "torch.distributed.run"], "torchrun --nnodes 2", script)
+
+
 def plain(script: str) -> str:
     port = str(_free_port())
     procs = []
@@ -158,14 +204,22 @@ def plain(script: str) -> str:
         env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([PY, script], env=env, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
     for p in procs:
-        _, err = p.communicate(timeout=600)
+        out, err = p.communicate(timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"plain python exited with {p.returncode}:\n{err[-2000:]}")
-    return ""
+        outs.append(out)
+    return "".join(outs)
 
 
+def _inits(out: str) -> list[float]:
+    """Each rank's init_process_group time in seconds, from an all_reduce run's output."""
+    found = [float(x) for x in re.findall(r"INIT_S ([0-9.]+)", out)]
+    if len(found) != 2:
+        raise RuntimeError(f"expected 2 ranks' INIT_S in the output, found {len(found)}:\n{out[-2000:]}")
+    return found
 
 
 def _rate(out: str) -> tuple[float, float]:
@@ -188,22 +242,28 @@ def main() -> str:
         Path(scripts[name]).write_text(body)
 
     tools = [("ddip run", ddip_run), ("ddip run, no hook", ddip_run_unhooked), ("torchrun", torchrun),
-             ("2x plain python", plain)]
+             ("2x plain python", plain), ("ddip run, 2 nodes", ddip_run_2nodes),
+             ("torchrun, 2 nodes", torchrun_2nodes)]
     times = {(t, k): [] for t, _ in tools for k in ("empty", "all_reduce")}
+    inits = {t: [] for t, _ in tools}  # every rank's init_process_group seconds, all_reduce runs
     for kind, reps in (("empty", LAUNCH_REPS), ("all_reduce", ALL_REDUCE_REPS)):
         for rep in range(reps + 1):
-            for name, call in tools:
+            for name, call in tools[rep % len(tools):] + tools[:rep % len(tools)]:
                 before = {p.pid for p in me.children(recursive=True)}
                 t0 = time.perf_counter()
-                call(scripts[kind])
+                out = call(scripts[kind])
                 dt = time.perf_counter() - t0
                 killed += kill_leftovers(before)
                 if rep > 0:
                     times[(name, kind)].append(dt)
+                    if kind == "all_reduce":
+                        inits[name] += _inits(out)
             _log(f"{kind}: round {rep} of {reps} done" + (" (warm-up)" if rep == 0 else ""))
 
-    rates = {"ddip run": [], "torchrun": [], "ddip.Group": []}
-    cpu = {"ddip run": [], "torchrun": [], "ddip.Group": []}
+    train_tools = {"ddip run": ddip_run, "torchrun": torchrun, "ddip.Group": None,
+                   "ddip run, 2 nodes": ddip_run_2nodes, "torchrun, 2 nodes": torchrun_2nodes}
+    rates = {k: [] for k in train_tools}
+    cpu = {k: [] for k in train_tools}
     before = {p.pid for p in me.children(recursive=True)}
     os.environ.pop("OMP_NUM_THREADS", None)  # the group's default: ddip divides the cores (1 each here)
     import ddip.template
@@ -216,14 +276,14 @@ def main() -> str:
             before.add(template_pid)
         for rep in range(TRAIN_REPS):
             # The order turns every round, so no tool always runs first (or right after another).
-            order = ["ddip run", "torchrun", "ddip.Group"]
-            order = order[rep % 3:] + order[:rep % 3]
+            order = list(train_tools)
+            order = order[rep % len(order):] + order[:rep % len(order)]
             for name in order:
                 if name == "ddip.Group":
                     out = g.run(TRAIN, timeout=600)[0].stdout
                 else:
                     inner = {p.pid for p in me.children(recursive=True)}
-                    out = (ddip_run if name == "ddip run" else torchrun)(scripts["train"])
+                    out = train_tools[name](scripts["train"])
                     killed += kill_leftovers(inner)
                 r, c = _rate(out)
                 rates[name].append(r)
@@ -244,6 +304,8 @@ def main() -> str:
     # the less noisy figure on a shared machine; the medians of the rates are shown too.
     paired = {k: statistics.median(a / b for a, b in zip(rates[k], rates["torchrun"]))
               for k in ("ddip run", "ddip.Group")}
+    paired2 = statistics.median(a / b for a, b in zip(rates["ddip run, 2 nodes"],
+                                                      rates["torchrun, 2 nodes"]))
     rate = {k: statistics.median(v) for k, v in rates.items()}
     cpu_ms = {k: statistics.median(v) for k, v in cpu.items()}
     lines = [
@@ -268,6 +330,29 @@ def main() -> str:
         f"{cpu_ms['ddip.Group']:.3f} ms | {cpu_ms['ddip run'] / cpu_ms['torchrun']:.3f}x | "
         f"{cpu_ms['ddip.Group'] / cpu_ms['torchrun']:.3f}x |",
     ]
+    lines += [
+        "",
+        "| 2 nodes of 1 rank each (two launchers on this machine, loopback), start to the exit of both "
+        "| ddip run | torchrun | torchrun / ddip run |",
+        "|---|---|---|---|",
+    ]
+    for kind, label in (("empty", "empty script"), ("all_reduce", "gloo all_reduce script")):
+        d, t = med[("ddip run, 2 nodes", kind)], med[("torchrun, 2 nodes", kind)]
+        lines.append(f"| {label} | {d:.3f} s | {t:.3f} s | {t / d:.1f}x |")
+    lines.append(f"| DDP steps/s ({STEPS} steps after {WARMUP} warm-up) | "
+                 f"{rate['ddip run, 2 nodes']:.1f} | {rate['torchrun, 2 nodes']:.1f} | "
+                 f"ddip run / torchrun {paired2:.3f}x |")
+    lines += [
+        "",
+        "| all_reduce launches: spread | launch, min-max | each rank's init_process_group, "
+        "median | max | ranks over 0.4 s |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("ddip run", "ddip run, no hook", "torchrun", "2x plain python", "ddip run, 2 nodes",
+                 "torchrun, 2 nodes"):
+        v, i = times[(name, "all_reduce")], inits[name]
+        lines.append(f"| {name} | {min(v):.3f}-{max(v):.3f} s | {statistics.median(i):.3f} s | "
+                     f"{max(i):.3f} s | {sum(x > 0.4 for x in i)} of {len(i)} |")
     best = {key: min(v) for key, v in times.items()}
     lines += [
         "",
