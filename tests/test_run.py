@@ -942,6 +942,31 @@ def test_a_rank_failing_under_record_is_reported_with_its_error_file(launcher, t
     assert list(tmp.iterdir()) == []
 
 
+def test_with_a_log_dir_the_error_file_is_in_torchruns_layout_beside_the_logs(launcher, tmp_path):
+    # torchrun --log-dir puts each rank's error file at <dir>/<run id>_<random>/attempt_0/<local
+    # rank>/error.json; run the same command line under both and compare what each wrote there.
+    path = script(tmp_path, RECORD_SCRIPT.replace("time.sleep(600)", "time.sleep(2)"))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    written = {}
+    for name, argv in (("ddip", [DDIP, "run"]), ("torchrun", [torchrun])):
+        logs = tmp_path / f"logs-{name}"
+        p = subprocess.run([*argv, "--nproc-per-node", "2", "--log-dir", str(logs), "-t", "3", path],
+                           capture_output=True, text=True,
+                           timeout=120, env={k: v for k, v in os.environ.items()
+                                             if not k.startswith(("PET_", "TORCHELASTIC_"))})
+        assert p.returncode != 0, p.stderr
+        (job,) = logs.iterdir()
+        # One node, no port: a random run id (a UUID), as torch's run() picks.
+        assert re.fullmatch(r"[0-9a-f-]{36}_\w{8}", job.name), job.name
+        written[name] = sorted(str(f.relative_to(job)) for f in job.rglob("*") if f.is_file())
+        error = json.loads((job / "attempt_0" / "1" / "error.json").read_text())
+        assert "bad batch 7 on rank 1" in json.dumps(error)
+        if name == "ddip":  # and the report reads it from there
+            assert record_lines(path)[0] in p.stderr.splitlines(), p.stderr
+    assert written["ddip"] == written["torchrun"]
+    assert "attempt_0/1/error.json" in written["ddip"]
+
+
 def test_a_rank_failing_under_record_on_another_host_is_reported_with_its_error_file(launcher, tmp_path):
     path = script(tmp_path, RECORD_SCRIPT)
     code, out, err = run(launcher, ["run", "--hosts", "localhost:1,here:1", "--launcher",

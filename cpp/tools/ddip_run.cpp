@@ -449,7 +449,7 @@ void Launcher::on_exit(size_t u) {
     cause.exit_code = st->code;
     cause.signal = st->signal;
     cause.tail = streams_.stderr_tail(u);
-    cause.error = errors_.read(un.first_rank);
+    cause.error = ErrorFiles::read_file(plans_[u].error_file);
     policy_.failed(std::move(cause), Clock::now());
   }
   if (all_exited()) drain_until_ = Clock::now() + kDrain;

@@ -4,13 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -89,11 +88,11 @@ std::string ErrorFiles::path(int rank) const {
   return dir_ + "/rank" + std::to_string(rank) + ".json";
 }
 
-std::string ErrorFiles::read(int rank) const {
+std::string ErrorFiles::read_file(const std::string& path) {
   std::error_code ec;
-  auto size = std::filesystem::file_size(path(rank), ec);
+  auto size = std::filesystem::file_size(path, ec);
   if (ec || size > kMaxErrorFile) return {};
-  std::ifstream in(path(rank), std::ios::binary);
+  std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 

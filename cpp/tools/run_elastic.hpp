@@ -42,7 +42,9 @@ class ErrorFiles {
   // Rank `rank`'s TORCHELASTIC_ERROR_FILE (not made: the rank writes it if it fails so).
   std::string path(int rank) const;
   // Its content, when the rank wrote one ("" when not, or when it is larger than 1 MiB).
-  std::string read(int rank) const;
+  std::string read(int rank) const { return read_file(path(rank)); }
+  // The same for an error file elsewhere (--log-dir's <local rank>/error.json).
+  static std::string read_file(const std::string& path);
   const std::string& dir() const { return dir_; }
 
  private:

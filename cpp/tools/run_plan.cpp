@@ -96,8 +96,8 @@ RankStreams rank_streams(const RunOptions& opts, int local_rank, int attempt) {
   if (!keeps_files(opts) && !opts.log_dir.empty()) s.to_file = 3;
   s.to_console = 3 & ~(redirect & ~tee);
   if (!opts.log_job_dir.empty())
-    s.dir = opts.log_job_dir + "/attempt_" + std::to_string(attempt) + "/" +
-            std::to_string(local_rank);
+    s.dir =
+        opts.log_job_dir + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank);
   return s;
 }
 
@@ -119,9 +119,12 @@ void add_ranks(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machi
       p.spec.argv.insert(p.spec.argv.begin() + opts.local_rank_arg_at,
                          "--local-rank=" + std::to_string(r));
     p.spec.env = rank_environment(base, launch, r);
-    add_elastic_environment(p.spec.env, elastic.run_id,
-                            elastic.errors ? elastic.errors->path(p.first_rank) : std::string(),
-                            elastic.restart_count, elastic.max_restarts);
+    // torchrun's layout with a log directory: <local rank>/error.json beside its stream logs.
+    if (elastic.errors)
+      p.error_file = p.streams.dir.empty() ? elastic.errors->path(p.first_rank)
+                                           : p.streams.dir + "/error.json";
+    add_elastic_environment(p.spec.env, elastic.run_id, p.error_file, elastic.restart_count,
+                            elastic.max_restarts);
     // torchrun's value is its --signals-to-handle, which ddip run forwards (forwarded_signals).
     for (auto& kv : p.spec.env)
       if (kv.rfind("TORCHELASTIC_SIGNALS_TO_HANDLE=", 0) == 0)
@@ -166,18 +169,33 @@ LaunchEnv this_host(const RunOptions& opts, const Machine& m, const Meeting& at,
 
 // The ddip run that host `i` starts for its ranks (--node and its companions), and the flags of
 // this one it passes on.
-std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
-                                      const Meeting& at, size_t i, int first_rank,
-                                      const Elastic& elastic, bool shipping) {
+std::vector<std::string> node_command(const RunOptions& opts, const Machine& m, const Meeting& at,
+                                      size_t i, int first_rank, const Elastic& elastic,
+                                      bool shipping) {
   const HostSpec& h = opts.hosts[i];
-  std::vector<std::string> cmd = {
-      opts.remote_ddip.empty() ? m.self : opts.remote_ddip, "run", "--node",
-      std::to_string(first_rank) + "," + std::to_string(at.world_size) + "," + std::to_string(i) +
-          "," + std::to_string(at.nhosts),
-      "--node-name", h.name, "--node-run-id", elastic.run_id, "--master-addr", at.master_addr,
-      "--master-port", std::to_string(at.master_port), "--show", opts.show, "--role", opts.role,
-      "--tee", streams_text(opts.tee), "--redirects", streams_text(opts.redirects),
-      "--signals-to-handle", join(opts.signals_to_handle)};
+  std::vector<std::string> cmd = {opts.remote_ddip.empty() ? m.self : opts.remote_ddip,
+                                  "run",
+                                  "--node",
+                                  std::to_string(first_rank) + "," + std::to_string(at.world_size) +
+                                      "," + std::to_string(i) + "," + std::to_string(at.nhosts),
+                                  "--node-name",
+                                  h.name,
+                                  "--node-run-id",
+                                  elastic.run_id,
+                                  "--master-addr",
+                                  at.master_addr,
+                                  "--master-port",
+                                  std::to_string(at.master_port),
+                                  "--show",
+                                  opts.show,
+                                  "--role",
+                                  opts.role,
+                                  "--tee",
+                                  streams_text(opts.tee),
+                                  "--redirects",
+                                  streams_text(opts.redirects),
+                                  "--signals-to-handle",
+                                  join(opts.signals_to_handle)};
   if (!opts.local_ranks_filter.empty()) {
     std::string f;
     for (int r : opts.local_ranks_filter) f += (f.empty() ? "" : ",") + std::to_string(r);
@@ -204,8 +222,7 @@ std::vector<std::string> node_command(const RunOptions& opts, const Machine& m,
     cmd.insert(cmd.end(), {"--gpus", join(h.gpus)});
   // Relative to this directory, which that host may not share.
   if (!opts.log_dir.empty())
-    cmd.insert(cmd.end(),
-               {"--log-dir", (std::filesystem::path(m.cwd) / opts.log_dir).string()});
+    cmd.insert(cmd.end(), {"--log-dir", (std::filesystem::path(m.cwd) / opts.log_dir).string()});
   // The command as given: that host's ddip run finds its own Python for a script.
   if (opts.module) cmd.push_back("--module");
   if (opts.no_python) cmd.push_back("--no-python");
@@ -236,8 +253,7 @@ UnitPlan other_host(const RunOptions& opts, const Machine& m, const Meeting& at,
 
 // Ranks host by host. Rank 0's host serves MASTER_ADDR:MASTER_PORT for torch.distributed.
 void add_hosts(std::vector<UnitPlan>& plans, const RunOptions& opts, const Machine& m, int world,
-               const std::vector<bool>& shown, const Elastic& elastic,
-               const std::string& shipped) {
+               const std::vector<bool>& shown, const Elastic& elastic, const std::string& shipped) {
   plan::Layout layout = plan::lay_out(opts.hosts, opts.master_addr, "", false);
   Meeting at;
   at.master_addr = layout.master_addr;

@@ -24,8 +24,9 @@ struct UnitPlan {
   bool host = false;
   std::string name;  // host units: the host
   int first_rank = 0, nranks = 1;
-  bool shown = true;  // rank units: reaches the terminal (--show, --local-ranks-filter)
-  RankStreams streams;  // rank units: -r/-t, and its log directory
+  bool shown = true;       // rank units: reaches the terminal (--show, --local-ranks-filter)
+  RankStreams streams;     // rank units: -r/-t, and its log directory
+  std::string error_file;  // rank units: its TORCHELASTIC_ERROR_FILE ("" when none)
   SpawnSpec spec;
   std::string ship;  // host units: the shipped files, sent on its channel first
 };
