@@ -120,12 +120,12 @@ def test_user_guide_runs_and_shows_every_feature():
 
 def test_user_guide_uses_every_magic_ddip_registers():
     """docs/magics.md says the guide runs every magic: each line and cell magic, by its name."""
-    from ddip.magics import CellMagics, DataMagics, DipMagics, DipRunMagics
+    from ddip.magics import CellMagics, DataMagics, DipMagics, DipRunMagics, PanelMagics
 
     lines = [line for c in nbformat.read(GUIDE, as_version=4).cells if c.cell_type == "code"
              for line in c.source.splitlines()]
     registered = [("%" if kind == "line" else "%%") + name
-                  for cls in (DipMagics, CellMagics, DataMagics, DipRunMagics)
+                  for cls in (DipMagics, CellMagics, DataMagics, DipRunMagics, PanelMagics)
                   for kind, names in cls.magics.items() for name in names]
     assert len(registered) == 9
     missing = [m for m in registered if not any(line == m or line.startswith(m + " ") for line in lines)]

@@ -326,7 +326,7 @@ def test_ddip_run_ship_bad_input_is_a_usage_error(tmp_path):
     (tmp_path / "sub" / "a.py").write_text("pass\n")
     for args, words in ((["--hosts", "localhost:1,here:1", "--ship", "missing.py"], "can't ship missing.py: No such file"),
                         (["--hosts", "localhost:1,here:1", "--ship", "a.py", "--ship", "sub/a.py"], "two files named a.py"),
-                        (["-n", "1", "--ship", "a.py"], "--ship requires --hosts")):
+                        (["-n", "1", "--ship", "a.py"], "--ship: requires --hosts")):
         p = subprocess.run([DDIP, "run", "--check", *args, "--launcher", HERE, "--", sys.executable, "a.py"]
                            if "--hosts" in args else [DDIP, "run", *args, "--", sys.executable, "a.py"],
                            cwd=tmp_path, capture_output=True, text=True, timeout=60)

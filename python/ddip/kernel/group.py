@@ -33,7 +33,7 @@ from ..messages import picklable
 from . import debugger as _debugger
 from . import heal as _heal
 from .collectives import CollectivePicture, Stacks
-from .panel import RankStatus
+from .panel_view import RankStatus
 from .stragglers import LAST as _LAST, Stragglers, checked_last as _checked_last
 from . import template as _template
 from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,

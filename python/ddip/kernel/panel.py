@@ -135,20 +135,6 @@ def status_table(rows: list[dict], gpus: bool) -> tuple[str, str]:
     return text, markup
 
 
-class RankStatus(list):
-    """Group.status(): a list of per-rank dicts; shown as a cell's value it is the live rank panel
-    where widgets render (kernel/panel_view.py), the table elsewhere."""
-
-    def __init__(self, rows: list[dict], group=None):
-        super().__init__(rows)
-        self._group = weakref.ref(group) if group is not None else lambda: None
-
-    def _ipython_display_(self):
-        from . import panel_view
-
-        panel_view.show(self._group(), self)
-
-
 def by_host(rows: list[RankRow]) -> list[HostRow] | None:
     """The rows grouped by host, in rank order, once there are HOSTS_FROM hosts or more."""
     hosts: dict[str, list[RankRow]] = {}

@@ -166,3 +166,16 @@ class LivePanel:
                     return
                 self.view.draw(data)
             every = EVERY_S if data.busy else IDLE_EVERY_S
+
+
+class RankStatus(list):
+    """Group.status(): a list of per-rank dicts; shown as a cell's value it is the live rank panel
+    where widgets render, the table elsewhere. (Here, beside show(), so that kernel/panel.py, the
+    data, never imports its drawing.)"""
+
+    def __init__(self, rows: list[dict], group=None):
+        super().__init__(rows)
+        self._group = weakref.ref(group) if group is not None else lambda: None
+
+    def _ipython_display_(self):
+        show(self._group(), self)
