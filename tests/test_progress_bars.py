@@ -112,7 +112,8 @@ print(type(trainer.progress_bar_callback).__name__, trainer.world_size,
 
 
 def lightning_cell(k, callbacks: str):
-    cell = k.run("%%dip --see all\n" + LIGHTNING.replace("CALLBACKS", callbacks), timeout=240)
+    # --raw: each rank's own report line (alike, they would be shown once, for both ranks)
+    cell = k.run("%%dip --see all --raw\n" + LIGHTNING.replace("CALLBACKS", callbacks), timeout=240)
     assert cell.ok, cell
     assert_no_ansi(cell)
     assert "\r" not in cell.stream() + cell.stream("stderr")
@@ -146,7 +147,7 @@ def test_lightning_tqdm_progress_bar_is_html_updated_in_place(k):
 def test_hf_trainer_shows_the_notebook_progress_table_from_rank_0_only(k, tmp_path):
     pytest.importorskip("transformers")
     cell = k.run(
-        "%%dip --see all\nimport torch\n"
+        "%%dip --see all --raw\nimport torch\n"
         "from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments\n"
         "cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,\n"
         "                 intermediate_size=32, max_position_embeddings=16, num_labels=2)\n"
