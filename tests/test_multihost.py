@@ -714,7 +714,8 @@ def test_ddip_run_across_hosts_names_the_first_failure_and_stops_every_host(host
 @needs_netns
 def test_ddip_run_forwards_ctrl_c_to_ranks_on_every_host(hosts, tmp_path):
     a, b = hosts.addr["A"], hosts.addr["B"]
-    p = _ddip_run(["--hosts", f"{a}:1,{b}:2", "--launcher", hosts.launcher], RUN_FAIL, tmp_path)
+    # --raw: each rank's own "interrupted" line (alike, a host's would be shown once, "[1,2]")
+    p = _ddip_run(["--hosts", f"{a}:1,{b}:2", "--launcher", hosts.launcher, "--raw"], RUN_FAIL, tmp_path)
     seen = []
     while len(seen) < 3:  # every rank has started: its pid line arrived
         line = p.stdout.readline()
