@@ -27,13 +27,6 @@ struct Entry {
   std::int64_t created_ns = 0;
 };
 
-// A live process group as the rank sees it: its ranks, and how many collectives it has issued
-// (unknown for a backend that does not count them).
-struct GroupInfo {
-  std::vector<int> ranks;
-  std::optional<std::int64_t> issued;
-};
-
 // Where a rank's main thread is in the user's code (a cell, a script), as the rank read it.
 struct Where {
   std::string file;
@@ -47,11 +40,11 @@ struct Snapshot {
   // A rank that is in no collective of any group: "left" (torch.distributed was shut down
   // there) or "uninitialized".
   std::optional<std::string> outside;
-  std::vector<std::string> last_words;  // a dead rank's last lines of stderr
+  std::vector<std::string> last_words;   // a dead rank's last lines of stderr
   std::optional<std::int64_t> since_ns;  // a dead rank: when the request it died in started
-  std::optional<Where> at;              // where it is in the user's code, if in it
+  std::optional<Where> at;               // where it is in the user's code, if in it
   std::int64_t now_ns = 0;
-  int world = 0;  // torch.distributed's world size, where the rank said
+  int world = 0;                            // torch.distributed's world size, where the rank said
   std::map<std::string, GroupInfo> groups;  // the rank's live process groups
   std::vector<Entry> entries;               // the live groups' own, oldest first
 };
@@ -65,15 +58,13 @@ T field(const json& j, const char* key, T fallback) {
 }
 
 bool rank_list(const json& ranks) {
-  return ranks.is_array() && std::all_of(ranks.begin(), ranks.end(), [](const json& r) {
-           return r.is_number_integer();
-         });
+  return ranks.is_array() && std::all_of(ranks.begin(), ranks.end(),
+                                         [](const json& r) { return r.is_number_integer(); });
 }
 
-// Process group -> its ranks and issued count, from {"name": {"ranks": [...], "issued": N}} (or
-// {"name": [ranks]}); a group whose ranks are not a list of numbers is left out (its members are
-// then the ranks that ran its collectives).
-std::map<std::string, GroupInfo> parse_groups(const json& j) {
+}  // namespace
+
+std::map<std::string, GroupInfo> read_groups(const json& j) {
   std::map<std::string, GroupInfo> groups;
   auto it = j.find("groups");
   if (it == j.end() || !it->is_object()) return groups;
@@ -89,13 +80,13 @@ std::map<std::string, GroupInfo> parse_groups(const json& j) {
   return groups;
 }
 
+namespace {
+
 // Only the records of the rank's live groups, each of its current generation (current_records).
 void keep_current(Snapshot& s) {
   std::vector<RecordId> ids;
   for (const Entry& e : s.entries) ids.push_back({e.pg, e.gen, e.seq, e.p2p});
-  std::map<std::string, std::optional<std::int64_t>> issued;
-  for (const auto& [name, g] : s.groups) issued[name] = g.issued;
-  std::vector<bool> keep = current_records(ids, issued);
+  std::vector<bool> keep = current_records(ids, s.groups);
   std::vector<Entry> kept;
   for (std::size_t i = 0; i < s.entries.size(); ++i)
     if (keep[i]) kept.push_back(std::move(s.entries[i]));
@@ -148,7 +139,7 @@ Snapshot parse_snapshot(const std::string& text) {
     }
     s.now_ns = field<std::int64_t>(j, "now_ns", 0);
     s.world = field<int>(j, "world", 0);
-    s.groups = parse_groups(j);
+    s.groups = read_groups(j);
     for (const json& e : field<json>(j, "entries", json::array()))
       s.entries.push_back(parse_entry(e));
     keep_current(s);
@@ -321,7 +312,6 @@ class GroupReading {
     return unheard;
   }
 
-
   std::string why_unheard(int rank) const {
     auto it = snapshots_.find(rank);
     std::string why = it != snapshots_.end() && it->second.off ? *it->second.off : "no answer";
@@ -369,10 +359,9 @@ class GroupReading {
     for (int r : absent_) {
       auto mine = entries(r);
       const auto& outside = snapshots_.at(r).outside;
-      std::string last = outside ? "\n" + *outside
-                         : mine.empty()
-                             ? ""
-                             : mine.back()->op + " #" + std::to_string(mine.back()->seq);
+      std::string last = outside        ? "\n" + *outside
+                         : mine.empty() ? ""
+                                        : mine.back()->op + " #" + std::to_string(mine.back()->seq);
       auto it =
           std::find_if(by_last.begin(), by_last.end(), [&](auto& p) { return p.first == last; });
       if (it == by_last.end()) it = by_last.insert(by_last.end(), {last, {}});
@@ -395,8 +384,8 @@ class GroupReading {
     else if (!last.empty())
       text += std::string("; ") + (one ? "its" : "their") + " last collective was " + last;
     else
-      text += std::string("; ") + (one ? "it has" : "they have") +
-              " run no collective in this group";
+      text +=
+          std::string("; ") + (one ? "it has" : "they have") + " run no collective in this group";
     const auto& at = snapshots_.at(ranks[0]).at;
     return one && at ? text + "; it is " + place(*at) : text;
   }
@@ -508,9 +497,8 @@ std::string dead_line(int rank, const Snapshot& dead, const std::map<int, Snapsh
 
 }  // namespace
 
-std::vector<bool> current_records(
-    const std::vector<RecordId>& records,
-    const std::map<std::string, std::optional<std::int64_t>>& issued) {
+std::vector<bool> current_records(const std::vector<RecordId>& records,
+                                  const std::map<std::string, GroupInfo>& groups) {
   std::map<std::string, std::int64_t> newest;
   for (const RecordId& r : records) {
     auto it = newest.try_emplace(r.pg, r.gen).first;
@@ -518,15 +506,15 @@ std::vector<bool> current_records(
   }
   std::map<std::string, bool> history;  // group -> its newest generation is history too
   for (const auto& [pg, gen] : newest) {
-    auto g = issued.find(pg);
-    if (g == issued.end()) {
-      history[pg] = !issued.empty();
+    auto g = groups.find(pg);
+    if (g == groups.end()) {
+      history[pg] = !groups.empty();
       continue;
     }
     std::int64_t highest = 0;
     for (const RecordId& r : records)
       if (r.pg == pg && r.gen == gen && !r.p2p) highest = std::max(highest, r.seq);
-    history[pg] = g->second && highest > *g->second;
+    history[pg] = g->second.issued && highest > *g->second.issued;
   }
   std::vector<bool> keep;
   keep.reserve(records.size());

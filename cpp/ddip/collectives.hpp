@@ -7,12 +7,26 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 namespace ddip {
+
+// A live process group as a rank sees it: its ranks, and how many collectives it has issued
+// (unknown for a backend that does not count them).
+struct GroupInfo {
+  std::vector<int> ranks;
+  std::optional<std::int64_t> issued;
+};
+
+// A snapshot's live process groups (python/ddip/rank/collectives.py's snapshot()), from
+// {"groups": {"name": {"ranks": [...], "issued": N}}} (or {"name": [ranks]}): the one reading
+// CollectivePicture and Stragglers share. A group whose ranks are not a list of numbers is left
+// out (its members are then the ranks that ran its collectives).
+std::map<std::string, GroupInfo> read_groups(const nlohmann::json& snapshot);
 
 // A flight-recorder record, as far as telling whose it is goes: its process group, the group's id
 // in the recorder (one per group made: a rebuild's anew), its sequence number there, and p2p.
@@ -29,11 +43,11 @@ struct RecordId {
 // set-up) numbers from #1 again under a new id, and its older records are history, not a
 // collective in flight. A live group's newest id is its current one, unless it has issued fewer
 // collectives than those records number (none yet: every record is an older group's). A group
-// the rank no longer has (destroyed) is history too. `issued`: the rank's live groups -> how many
-// collectives each has issued (nullopt where its backend does not count them); where the rank
-// listed no groups, each group's newest generation is kept.
+// the rank no longer has (destroyed) is history too. `groups`: the rank's live groups
+// (read_groups), with how many collectives each has issued; where the rank listed no groups, each
+// group's newest generation is kept.
 std::vector<bool> current_records(const std::vector<RecordId>& records,
-                                  const std::map<std::string, std::optional<std::int64_t>>& issued);
+                                  const std::map<std::string, GroupInfo>& groups);
 
 class CollectivePicture {
  public:

@@ -26,11 +26,6 @@ struct Record {
   std::int64_t entered_ns = 0;
 };
 
-struct GroupInfo {
-  std::vector<int> ranks;
-  std::optional<std::int64_t> issued;
-};
-
 // One rank's records, or why there are none to read.
 struct RankRecords {
   std::optional<std::string> unread;
@@ -38,31 +33,12 @@ struct RankRecords {
   std::vector<Record> records;
 };
 
-std::map<std::string, GroupInfo> parse_groups(const json& j) {
-  std::map<std::string, GroupInfo> groups;
-  auto it = j.find("groups");
-  if (it == j.end() || !it->is_object()) return groups;
-  for (const auto& [name, g] : it->items()) {
-    GroupInfo info;
-    const json& ranks = g.is_object() ? g.value("ranks", json::array()) : g;
-    if (!ranks.is_array()) continue;
-    for (const json& r : ranks)
-      if (r.is_number_integer()) info.ranks.push_back(r.get<int>());
-    if (g.is_object() && g.contains("issued") && g["issued"].is_number_integer())
-      info.issued = g["issued"].get<std::int64_t>();
-    groups[name] = std::move(info);
-  }
-  return groups;
-}
-
 // The records of each live group's current generation only (current_records, the rule
 // CollectivePicture reads by): after a heal, the rebuilt group's, numbered from #1 again.
 void keep_current(RankRecords& r) {
   std::vector<RecordId> ids;
   for (const Record& e : r.records) ids.push_back({e.pg, e.gen, e.seq, false});
-  std::map<std::string, std::optional<std::int64_t>> issued;
-  for (const auto& [name, g] : r.groups) issued[name] = g.issued;
-  std::vector<bool> keep = current_records(ids, issued);
+  std::vector<bool> keep = current_records(ids, r.groups);
   std::vector<Record> kept;
   for (std::size_t i = 0; i < r.records.size(); ++i)
     if (keep[i]) kept.push_back(std::move(r.records[i]));
@@ -89,7 +65,7 @@ RankRecords parse_rank(const std::string& text) {
       r.unread = "its snapshot has no entry times (a rank running another version of ddip)";
       return r;
     }
-    r.groups = parse_groups(j);
+    r.groups = read_groups(j);
     for (const json& e : *entered) {
       if (!e.is_array() || e.size() != 5)
         throw std::runtime_error("an entered record is not [pg, gen, seq, op, ns]: " + e.dump());
