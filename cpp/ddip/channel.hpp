@@ -48,13 +48,7 @@ enum FrameKind : uint16_t {
   // watchdog wakes (it needs the GIL, which a rank waiting in a collective has let go of)
   kCollectivesRequest = 19,
   kCollectives = 20,  // worker -> kernel: that answer (JSON; empty: no flight recorder here)
-  // Only on links to other hosts (the kernel's Coordinator and a HostAgent):
-  kSpawn = 12,   // kernel -> host: the workers to start there (payload: encode_specs)
-  kSignal = 13,  // kernel -> host: signal a worker (payload: i32 signal, u8 whole group)
-  kOutput = 14,  // host -> kernel: a worker's output (seq: the stream, 1 or 2; payload: text)
-  kExit = 15,    // host -> kernel: a worker exited (payload: encode_exit)
-  kSegment = 16,  // kernel -> host: a buffer its workers' frames refer to (seq: its id; one fd)
-  kForget = 17,   // kernel -> host: no later frame refers to segment `seq`; drop it
+  // 12 to 17 and 21 on: only on links to other hosts (LinkFrameKind, link_protocol.hpp)
 };
 
 inline constexpr size_t kMaxFdsPerFrame = 16;

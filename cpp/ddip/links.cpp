@@ -12,7 +12,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "ddip/remote.hpp"
+#include "ddip/link_protocol.hpp"
 
 namespace ddip {
 

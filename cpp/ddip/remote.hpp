@@ -29,45 +29,10 @@
 #include <vector>
 
 #include "ddip/channel.hpp"
+#include "ddip/link_protocol.hpp"
 #include "ddip/supervisor.hpp"
 
 namespace ddip {
-
-// kSpawn's payload: the workers a host starts, by their slot in the kernel's group. Their env
-// holds what the kernel adds; the rest is the host's own environment.
-std::string encode_spawn(const std::vector<std::pair<int, SpawnSpec>>& workers);
-std::vector<std::pair<int, SpawnSpec>> decode_spawn(const std::string& payload);
-// kExit's payload.
-std::string encode_exit(const ExitStatus& status, const std::string& stderr_tail);
-std::pair<ExitStatus, std::string> decode_exit(const std::string& payload);
-// kSignal's payload.
-std::string encode_signal(int sig, bool whole_group);
-std::pair<int, bool> decode_signal(const std::string& payload);
-// A host's heartbeat ack (kHeartbeatAck for kHostRank): the slots its agent vouches for. One
-// heartbeat and one ack per host and second, whatever its rank count.
-inline constexpr int32_t kHostRank = -1;
-std::string encode_slots(const std::vector<int>& slots);
-std::vector<int> decode_slots(const std::string& payload);
-
-// What a launcher writes to the agent's stdin: one line, never on a command line or in an
-// environment where a process listing could show it.
-struct LinkTicket {
-  std::string address;  // the kernel's listener
-  uint16_t port = 0;
-  uint32_t host = 0;  // this host's index in the group
-  std::string key;    // raw bytes
-  // The kernel's heartbeat timeout: the agent gives up on a kernel silent this long (0: the
-  // agent's own default).
-  uint32_t timeout_ms = 0;
-  // The agent stays for further tickets on the same stdin (end of file there ends it).
-  bool standing = false;
-  // Fork the workers from the host's rank template: 0 no (cold), 1 when it is ready, 2 waiting
-  // for it while it imports (the ranks will use what it preloads).
-  uint32_t warm = 0;
-  std::string encode() const;
-  // Throws std::invalid_argument for anything else.
-  static LinkTicket decode(const std::string& line);
-};
 
 // The agent's authenticated link to the kernel named by the ticket. Tried again with a growing
 // pause until `connect_timeout` when the connection fails or the kernel's listener refuses it
