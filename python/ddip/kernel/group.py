@@ -29,6 +29,7 @@ from ..hosts import keeper as _keeper
 from ..hosts import placement as _hosts
 from ..hosts.placement import cpu_count, omp_threads
 from ..labels import LabelledOutput
+from .. import messages as _msg
 from ..messages import picklable
 from . import debugger as _debugger
 from . import heal as _heal
@@ -392,13 +393,10 @@ class Group:
         _positive_timeout(timeout)
         if not isinstance(values, bool):
             raise TypeError(f"values must be True or False, got {values!r}")
-        op = {"op": "run", "code": code, "values": values}
-        if cell is not None:
-            if not (isinstance(cell, tuple) and len(cell) == 2 and isinstance(cell[0], str)
-                    and isinstance(cell[1], int) and cell[1] >= 1):
-                raise TypeError(f"cell must be (file name, first line >= 1), got {cell!r}")
-            op["cell"] = cell
-        req = self.send_request(op, ranks, "code")
+        if cell is not None and not (isinstance(cell, tuple) and len(cell) == 2 and isinstance(cell[0], str)
+                                     and isinstance(cell[1], int) and cell[1] >= 1):
+            raise TypeError(f"cell must be (file name, first line >= 1), got {cell!r}")
+        req = self.send_request(_msg.Run(code, values, cell), ranks, "code")
         results = collect(self, req, Callbacks(on_output, on_display), timeout, interrupt=True)
         with self._noting_failure():
             raise_failures(results, "code", req.heal.report if req.heal else None, req.collectives)
@@ -417,7 +415,7 @@ class Group:
         if not callable(fn):
             raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
         what = f"{getattr(fn, '__name__', 'function')}()"
-        req = self.send_request({"op": "apply", "fn": fn, "args": args, "kwargs": kwargs}, ranks, what)
+        req = self.send_request(_msg.Apply(fn, args, kwargs), ranks, what)
         return Pending(self, req)
 
     def push(self, mapping: dict | None = None, /, ranks: Iterable[int] | None = None, **values):
@@ -432,7 +430,7 @@ class Group:
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
         try:
-            req = self.send_request({"op": "push", "ns": ns}, ranks, "push")
+            req = self.send_request(_msg.Push(ns), ranks, "push")
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             culprits = [k for k, v in ns.items() if not picklable(v)]
             if not culprits:
@@ -454,7 +452,7 @@ class Group:
             raise ValueError(f"pull needs variable names, got {bad!r}")
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be a rank number, got {rank!r}")
-        req = self.send_request({"op": "pull", "names": name_list}, [rank], "pull")
+        req = self.send_request(_msg.Pull(tuple(name_list)), [rank], "pull")
         results = collect(self, req, Callbacks(), None)
         raise_failures(results, "pull")
         values = results[0].value
@@ -542,7 +540,7 @@ class Group:
             rank = self._root_cause_rank()
         elif isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be a rank number, got {rank!r}")
-        req = self.send_request({"op": "debug"}, [rank], f"debugger on rank {rank}")
+        req = self.send_request(_msg.Debug(), [rank], f"debugger on rank {rank}")
         result = collect(self, req, Callbacks(on_output=LabelledOutput()), None)[0]
         if result.error is not None:
             raise_failures([result], f"the debugger on rank {rank}")
@@ -609,7 +607,8 @@ class Group:
         return _heal.Healer(self)
 
     def send_request(self, msg, ranks, what):
-        """Sends `msg` to `ranks` as one Request (collect() waits for it)."""
+        """Sends `msg` (a request record of ddip.messages) to `ranks` as one Request (collect()
+        waits for it)."""
         rt = self._check_open()
         return rt.send(self._slots(ranks), msg, what)
 
