@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from ..launch.oneshot import TorchDDPCtx
+from ..rank.oneshot import TorchDDPCtx
 
 __all__ = ["ctx", "FastaiCtx", "prepare_rank", "setup_group"]
 

@@ -23,7 +23,13 @@ import socket
 import sys
 
 from .. import _core
-from ..rank.template import DEFAULT_MODULES, enabled
+from ..rank.template import DEFAULT_MODULES, command as template_command, enabled
+
+
+def command(python: str | None = None) -> list[str]:
+    """The agent's argv, the one place it is written (`python -m ddip.remote`, the public path
+    every launcher runs on the other host and tools look for; `python`: that host's interpreter)."""
+    return [python or sys.executable, "-m", "ddip.remote"]
 
 
 def main() -> int:
@@ -54,6 +60,5 @@ def host_spec():
         # Sized as the usual group's ranks there (2 per host): a fork that differs resizes.
         env["OMP_NUM_THREADS"] = str(_core.plan.omp_threads(_core.plan.cpu_count(), 2))
     env.update({"PYTHONUNBUFFERED": "1", "DDIP_TEMPLATE_MODULES": ",".join(DEFAULT_MODULES)})
-    argv = [sys.executable, "-c", "import ddip.template; ddip.template.main()"]
-    return argv, [f"{k}={v}" for k, v in env.items()], os.getcwd()
+    return template_command(), [f"{k}={v}" for k, v in env.items()], os.getcwd()
 

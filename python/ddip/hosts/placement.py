@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from .. import _core
+from .agent import command as agent_command
 from .keeper import release_hosts
 
 _plan = _core.plan
@@ -99,10 +100,6 @@ def with_gpus(hosts, gpus) -> str:
     text = _plan.hosts_with_gpus(hosts, gpus.strip())
     _plan.parse_hosts(text)  # each host's GPUs checked now (a GPU listed twice, say)
     return text
-
-
-def agent_command(python: str) -> list[str]:
-    return [python, "-m", "ddip.remote"]
 
 
 def launcher_argv(launcher: str | None, host: str, python: str, env=None) -> list[str]:

@@ -31,6 +31,7 @@ from ..hosts.placement import cpu_count, omp_threads
 from ..labels import LabelledOutput
 from .. import messages as _msg
 from ..messages import picklable
+from ..rank import command as rank_command
 from . import debugger as _debugger
 from . import heal as _heal
 from .collectives import CollectivePicture, Stacks
@@ -198,8 +199,7 @@ class Group:
         else:
             self.master_port = self._fixed_port or layout.master_port()
         size = len(self.rank_ids)
-        specs = [([sys.executable if layout is None or not layout.remote(slot) else layout.python,
-                   "-c", "import ddip.worker; ddip.worker.main()"],
+        specs = [(rank_command(layout.python if layout is not None and layout.remote(slot) else None),
                   self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
         # Wait for a template still importing torch only where the ranks will use it: for
         # torch.distributed, when the notebook itself uses torch, or when warm=True asked for it.

@@ -18,7 +18,7 @@ import time
 
 from .. import _core
 from ..hosts.placement import omp_threads
-from ..rank.template import DEFAULT_MODULES, enabled
+from ..rank.template import DEFAULT_MODULES, command, enabled
 
 # How long a group waits for a template that is still importing, at most: cold ranks would
 # import the same modules from scratch on the same cores, so waiting is rarely slower.
@@ -163,8 +163,7 @@ def _start(modules) -> None:
         env["OMP_NUM_THREADS"] = str(_usual_rank_threads())
     env.update({"PYTHONUNBUFFERED": "1", "DDIP_TEMPLATE_MODULES": ",".join(modules),
                 "DDIP_SYS_PATH": os.pathsep.join(p for p in sys.path if p)})
-    argv = [sys.executable, "-c", "import ddip.template; ddip.template.main()"]
-    _handle.start(argv, [f"{k}={v}" for k, v in env.items()], os.getcwd())
+    _handle.start(command(), [f"{k}={v}" for k, v in env.items()], os.getcwd())
     _modules = modules
     _started_at = time.monotonic()
 

@@ -5,6 +5,9 @@ Python (program).
 
 `from ddip.launch import ranch` keeps working, as it did when this was one module."""
 
+from .. import _lazy
 from .oneshot import TorchDDPCtx, import_star, ranch, torchddp_launch
 
 __all__ = ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star"]
+
+__getattr__ = _lazy.submodules(__name__)  # ddip.launch.<module> reached after `import ddip`

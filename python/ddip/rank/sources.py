@@ -5,6 +5,9 @@ cloudpickle sends a function defined in the notebook by value and names its code
 has the lines (IPython keeps each cell's in linecache): `take` collects them, for the launched
 function and the notebook's functions it calls, and `give`, in the child, names each code after
 its notebook cell again and puts those lines in the child's linecache, as IPython does for a cell.
+
+Here, on a rank's side, because the child runs `give` (ddip.rank.oneshot); the launch
+(ddip.launch.oneshot) calls `take` in the notebook. Both halves read functions alike.
 """
 
 from __future__ import annotations

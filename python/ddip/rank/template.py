@@ -3,8 +3,8 @@ ddip's worker, and torch by default) without touching CUDA, then forks ranks on 
 forked child `_become_rank()` applies the rank's environment, argv and random state, then runs the
 rank's `-c` code (the ddip worker), exactly as a cold `python -c ...` would.
 
-Started as `python -c "import ddip.template; ddip.template.main()"` by the kernel's handle
-(ddip.kernel.template) or by a host's agent (ddip.hosts.agent). See docs/warm.md.
+Started with `command()` (`python -c "import ddip.template; ddip.template.main()"`) by the
+kernel's handle (ddip.kernel.template) or by a host's agent (ddip.hosts.agent). See docs/warm.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ DEFAULT_MODULES = ("torch", "torch._dynamo") if importlib.util.find_spec("torch"
 
 forked = False  # True in a rank forked from a template (for tests and `%makedip -v`)
 serving = False  # True in the template once it waits for fork requests
+
+
+def command(python: str | None = None) -> list[str]:
+    """The template process's argv, the one place it is written: the public path ddip.template,
+    which tools (and tests) look for in a process's command line."""
+    return [python or sys.executable, "-c", "import ddip.template; ddip.template.main()"]
 
 
 def enabled() -> bool:
@@ -58,7 +64,7 @@ def _threads() -> list[str]:
 
 
 def main() -> None:
-    """The template process: `python -c "import ddip.template; ddip.template.main()"`."""
+    """The template process (its command line: `command()`)."""
     global serving
     began = time.monotonic()
     server = _core.ForkServer(os.environ["DDIP_TEMPLATE_SOCKET"])
