@@ -160,6 +160,39 @@ def test_need_names_must_exist_and_bad_input_starts_nothing():
     assert children_of(os.getpid()) == before
 
 
+# Where the ranks run and with what, wrong in the same way for Group and for ranch (hosts in
+# names that need no network: the host list's rules fail before any name is resolved).
+SAME_BAD_INPUT = [
+    dict(env={"A": 1}),
+    dict(env=["A=1"]),
+    dict(gpus="zero"),
+    dict(gpus=[0]),  # with CUDA_VISIBLE_DEVICES='' in the notebook: on any machine, no GPU is visible
+    dict(warm="yes"),
+    dict(launcher="ssh"),
+    dict(bind="127.0.0.1"),
+    dict(hosts="localhost:1,here:x"),
+    dict(hosts={"localhost": 1, "here": 0}),
+    dict(hosts="localhost:1,here:1", gpus=[0]),
+    dict(hosts="localhost:1,here:1", python=5),
+    dict(hosts="localhost:1,here:1", launcher="telnet {host}"),
+]
+
+
+@pytest.mark.parametrize("bad", SAME_BAD_INPUT, ids=[repr(b) for b in SAME_BAD_INPUT])
+def test_group_and_ranch_say_the_same_of_the_same_bad_launch(bad, monkeypatch):
+    # One launch spec (ddip.kernel.spec.RanksSpec) checks both: the same words, nothing started,
+    # the notebook's environment untouched.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    before, env_before = children_of(os.getpid()), dict(os.environ)
+    with pytest.raises(ValueError) as group:
+        ddip.Group(**bad, n=None if "hosts" in bad or "gpus" in bad else 2)
+    with pytest.raises(ValueError) as launch:
+        ddip.ranch(None if "hosts" in bad else 2, rank_env, **bad)
+    assert str(group.value) == str(launch.value)
+    assert str(group.value)  # a message, not an empty error
+    assert children_of(os.getpid()) == before and dict(os.environ) == env_before
+
+
 class RecordingCtx:
     """Enters and exits around fn in every rank; prints what it saw."""
 

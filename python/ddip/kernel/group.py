@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import keyword
 import os
 import pickle
@@ -26,7 +25,6 @@ from .. import _core, gpus as _gpus
 from ..errors import GroupClosedError, HealReport, RemoteError
 from ..hosts import allocation as _allocation
 from ..hosts import keeper as _keeper
-from ..hosts import placement as _hosts
 from ..hosts.placement import cpu_count, omp_threads
 from ..labels import LabelledOutput
 from .. import messages as _msg
@@ -42,6 +40,7 @@ from .request import (Callbacks, Pending, RankResult, collect, positive_timeout 
                       raise_failures)
 from .request import SLICE_S as _SLICE_S
 from .runtime import BACKGROUND_KEEP_BYTES, Runtime  # noqa: F401
+from .spec import RanksSpec, check_env, resolve_backend  # noqa: F401  (resolve_backend: the magics')
 
 _open_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()
 
@@ -59,22 +58,6 @@ def parse_gpus(gpus) -> list[str]:
     """'all', '0,3', 2, [3, 2], UUIDs -> the CUDA_VISIBLE_DEVICES entries for the ranks, in
     order, checked against what the notebook can see (see ddip.gpus)."""
     return [s.entry for s in _gpus.resolve(gpus)]
-
-
-def resolve_backend(backend, gpus) -> str | None:
-    if backend in (None, "none", "None", False):
-        return None
-    if backend == "auto":
-        if importlib.util.find_spec("torch") is None:
-            return None
-        return "nccl" if gpus else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not one of 'gloo', 'nccl', 'auto' or None")
-    if backend == "nccl" and not gpus:
-        raise ValueError("backend='nccl' needs GPUs: pass gpus=[...], or use backend='gloo' for CPU ranks")
-    if importlib.util.find_spec("torch") is None:
-        raise ValueError(f"backend={backend!r} needs PyTorch, which is not installed here")
-    return backend
 
 
 class Group:
@@ -113,13 +96,24 @@ class Group:
 
     def _set_up(self, n, gpus, backend, timeout, env, world_size, rank_ids, master_addr, master_port,
                 heartbeat_timeout, warm, hosts, launcher, python, bind, env_of_launchers):
-        # Everything is checked before anything starts: bad input changes nothing.
-        self._layout, gpus, n, rank_ids, world_size, master_addr = _lay_out_hosts(
-            hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind, env_of_launchers)
+        # Everything is checked before anything starts: bad input changes nothing. Where the
+        # ranks run and with what is the launch spec's to check (ranch's too); their count is ours.
         rank_ids = None if rank_ids is None else list(rank_ids)
-        _check_sizes(n, gpus, env, rank_ids)
-        self._env = dict(env or {})
-        gpu_ids = None if gpus is None else _select_gpus(gpus, self._env)
+        _check_counts(n, gpus, rank_ids)
+
+        def counts_from_hosts(_parsed):
+            if n is not None or rank_ids is not None or world_size is not None:
+                raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
+                                 "leave out n=, rank_ids= and world_size=")
+
+        spec = RanksSpec.checked(hosts=hosts, gpus=gpus, env=env, warm=warm, backend=backend, launcher=launcher,
+                                 python=python, bind=bind, launcher_env=env_of_launchers,
+                                 check_hosts=counts_from_hosts)
+        self._layout, self._env, gpu_ids = spec.layout, spec.env, spec.gpus
+        if spec.layout is not None:
+            # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
+            n, rank_ids, world_size = spec.layout.size, spec.layout.rank_ids, spec.layout.world_size
+            master_addr = spec.layout.master_addr
         if n is None and gpu_ids is None:
             raise ValueError("give n= (the number of CPU processes) or gpus= ('all' or a list of GPU ids)")
         size = n if n is not None else (len(rank_ids) if rank_ids is not None else len(gpu_ids))
@@ -127,8 +121,7 @@ class Group:
         if timeout is None:
             raise ValueError("timeout must be a positive number of seconds, got None")
         _positive_timeout(heartbeat_timeout, "heartbeat_timeout")
-        self.backend = resolve_backend(backend, gpu_ids if self._layout is None else
-                                       [g for h in self._layout.hosts for g in (h.gpus or [])])
+        self.backend = spec.backend
         self.gpus = gpu_ids
         self.rank_ids = rank_ids if rank_ids is not None else list(range(size))
         if len(self.rank_ids) != size:
@@ -140,7 +133,7 @@ class Group:
         self.heartbeat_timeout = heartbeat_timeout
         self._master_addr = master_addr
         self._fixed_port = master_port
-        self._warm = warm  # None/True: fork ranks from the kernel's rank template; False: cold
+        self._warm = spec.warm  # None/True: fork ranks from the kernel's rank template; False: cold
         self._rt: Runtime | None = None  # the current start's runtime; None once closed
         self._generation = 0  # counts starts; a Pending belongs to one
         self._broken = None  # why the last runtime stopped on its own, if it did
@@ -633,26 +626,6 @@ def _close_all():
             pass
 
 
-def _lay_out_hosts(hosts, gpus, n, rank_ids, world_size, master_addr, launcher, python, bind, env=None):
-    """hosts= (see ddip.hosts): ranks on several hosts, reached by `launcher` (ssh, slurm or a
-    template) running `python` there, connecting back to this machine's address `bind`. Returns
-    (layout or None, gpus, n, rank_ids, world_size, master_addr) as the group takes them."""
-    layout = None
-    if gpus is not None and (hosts is not None or _hosts.host_qualified(gpus)):
-        # hosts='node1,node2' with gpus='0,1' (every host) or gpus='node1:0,1 node2:2,3'.
-        hosts, gpus = _hosts.with_gpus(hosts, gpus), None
-    if hosts is not None:
-        if n is not None or rank_ids is not None or world_size is not None:
-            raise ValueError("with hosts=, the ranks per host (and their GPUs) come from hosts: "
-                             "leave out n=, rank_ids= and world_size=")
-        layout = _hosts.layout(hosts, launcher, python, bind, env)
-        # All of the host list's ranks, or (ranch) all but those the notebook plays itself.
-        return layout, gpus, layout.size, layout.rank_ids, layout.world_size, layout.master_addr
-    if launcher is not None or python is not None or bind is not None:
-        raise ValueError("launcher=, python= and bind= are for groups across hosts: give hosts= too")
-    return layout, gpus, n, rank_ids, world_size, master_addr
-
-
 def _check_slurm_group(slurm, n, gpus, hosts, launcher, rank_ids, world_size, timeout, env):
     """What can be checked before Slurm is asked (the nodes and GPUs come with the job)."""
     if not isinstance(slurm, (str, _allocation.SlurmAllocation)):
@@ -666,25 +639,15 @@ def _check_slurm_group(slurm, n, gpus, hosts, launcher, rank_ids, world_size, ti
     _positive_timeout(timeout)
     if timeout is None:
         raise ValueError("timeout must be a positive number of seconds, got None")
-    _check_sizes(None, None, env, None)
+    check_env(env)
 
 
-def _check_sizes(n, gpus, env, rank_ids):
+def _check_counts(n, gpus, rank_ids):
     if n is not None and gpus is not None:
         raise ValueError("give n= (CPU processes) or gpus= (one rank per GPU), not both")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"n must be a positive number of processes, got {n!r}")
-    if env is not None and not (isinstance(env, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise ValueError("env must be a dict of strings to strings, e.g. env={'OMP_NUM_THREADS': '1'}")
     if rank_ids is not None:
         if not rank_ids or len(set(rank_ids)) != len(rank_ids) or not all(
                 isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rank_ids):
             raise ValueError(f"rank_ids must be distinct ranks (integers >= 0), got {rank_ids!r}")
-
-
-def _select_gpus(gpus, env: dict) -> list:
-    # The user's own CUDA_VISIBLE_DEVICES (in env=) is the list that positions refer to.
-    visible_env = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-    who = "the group's env=" if "CUDA_VISIBLE_DEVICES" in env else "the notebook"
-    return [s.entry for s in _gpus.select(gpus, visible_env, _gpus.physical_gpus(), who)]

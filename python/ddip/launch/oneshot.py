@@ -21,12 +21,11 @@ import time
 import traceback as _traceback
 from typing import Callable
 
-from .. import gpus as _gpus
 from ..errors import FailureKind, RankFailure, RemoteError, root_cause_first
-from ..hosts import placement as _hosts
 from ..kernel import debugger as _debugger
 from ..kernel.displays import RankDisplays, notebook_env
 from ..kernel.group import Group, free_port
+from ..kernel.spec import RanksSpec
 from ..labels import LabelledOutput
 from ..messages import dumps
 from ..repeats import Repeats
@@ -104,7 +103,7 @@ def torchddp_launch(nprocs: int, fn: Callable, *args, **kwargs):
                                        "python", "bind", "env", "collapse") if k in kwargs}
     gpus = kwargs.pop("gpus", None)
     if opts.get("hosts") is not None:
-        # Across hosts the GPUs belong to the host list (the launch refuses them: see _lay_out).
+        # Across hosts the GPUs belong to the host list (the launch refuses them: see _hosts_rule).
         opts["gpus"] = gpus
         gpus = None
     return _ranch(nprocs, fn, args, kwargs, ctx=TorchDDPCtx(gpus=gpus), gather=False,
@@ -164,9 +163,10 @@ def _check_picklable(what, obj):
                         f"{type(exc).__name__}: {exc})") from exc
 
 
-def _select_gpus(nprocs, gpus, ctx):
+def _select_gpus(nprocs, ranks: RanksSpec, gpus, ctx):
+    """One GPU per rank, from gpus= (checked by the launch spec) or the ctx's."""
     ctx_sel = getattr(ctx, "selected", None) if isinstance(ctx, TorchDDPCtx) else None
-    sel = _gpus.resolve(gpus) if gpus is not None else ctx_sel
+    sel = ranks.selected if gpus is not None else ctx_sel
     if gpus is not None and ctx_sel is not None and [s.entry for s in sel] != [s.entry for s in ctx_sel]:
         raise ValueError(f"gpus={gpus!r} and the ctx's gpus={ctx.gpus} differ; give the GPUs once")
     if sel is not None and len(sel) != nprocs:
@@ -175,52 +175,34 @@ def _select_gpus(nprocs, gpus, ctx):
     return sel
 
 
-def _check_env(env):
-    if env is not None and not (isinstance(env, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise ValueError("env must be a dict of strings to strings, e.g. env={'GLOO_SOCKET_IFNAME': 'eth0'}")
-    return dict(env or {})
+def _hosts_rule(nprocs, caller_rank, ctx):
+    """ranch's own rules for a host list (the launch spec runs them before resolving its names):
+    nprocs counts the notebook, which plays caller_rank on this machine."""
 
+    def check(parsed):
+        if isinstance(ctx, TorchDDPCtx) and ctx.gpus:
+            raise ValueError("across hosts, GPUs are given in hosts= (each host's own ids: "
+                             "hosts='localhost[0,1] node2[0,1]'), not in TorchDDPCtx(gpus=...)")
+        if isinstance(ctx, TorchDDPCtx) and any(h.gpus for h in parsed):
+            raise ValueError("TorchDDPCtx across hosts runs on CPU with gloo: with GPU lists in hosts=, set up "
+                             "torch.distributed in fn yourself (each rank's GPU is device LOCAL_RANK)")
+        slot_host = [h for h in parsed for _ in range(h.ranks)]
+        total = len(slot_host)
+        if nprocs is not None and nprocs != total:
+            raise ValueError(f"nprocs={nprocs!r}, but hosts= lists {total} ranks "
+                             f"({' '.join(f'{h.name}:{h.ranks}' for h in parsed)}); "
+                             f"give nprocs={total} or None (the notebook's rank is one of them)")
+        if caller_rank is not None:
+            if isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < total:
+                raise ValueError(f"caller_rank must be None or a rank from 0 to {total - 1}, got {caller_rank!r}")
+            host = slot_host[caller_rank]
+            if not host.local:
+                raise ValueError(f"the notebook is rank {caller_rank} (caller_rank) and runs on this machine, but "
+                                 f"hosts= puts rank {caller_rank} on {host.name}: list this machine first, its "
+                                 f"count including the notebook (hosts='localhost:1,{host.name}:...'), or pass "
+                                 f"caller_rank=None to run every rank as a child process")
 
-def _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx):
-    """hosts= as Group takes it, laid out with the notebook playing `caller_rank` on this machine.
-    Returns (layout, nprocs)."""
-    if gpus is not None and (hosts is not None or _hosts.host_qualified(gpus)):
-        # As Group: hosts='node1,node2' with gpus='0,1' (every host), or gpus='node1:0,1 node2:2,3'.
-        hosts = _hosts.with_gpus(hosts, gpus)
-    if hosts is None:
-        if launcher is not None or python is not None or bind is not None:
-            raise ValueError("launcher=, python= and bind= are for launches across hosts: give hosts= too")
-        return None, nprocs
-    if isinstance(ctx, TorchDDPCtx) and ctx.gpus:
-        raise ValueError("across hosts, GPUs are given in hosts= (each host's own ids: "
-                         "hosts='localhost[0,1] node2[0,1]'), not in TorchDDPCtx(gpus=...)")
-    # What the host list says is checked before the network is asked anything (laying it out
-    # resolves the other hosts' names): a list in the wrong order gets the same answer whether
-    # or not its names resolve from here.
-    parsed = hosts.hosts if isinstance(hosts, _hosts.Layout) else _hosts.parse_hosts(hosts)
-    if isinstance(ctx, TorchDDPCtx) and any(h.gpus for h in parsed):
-        raise ValueError("TorchDDPCtx across hosts runs on CPU with gloo: with GPU lists in hosts=, set up "
-                         "torch.distributed in fn yourself (each rank's GPU is device LOCAL_RANK)")
-    slot_host = [h for h in parsed for _ in range(h.ranks)]
-    total = len(slot_host)
-    if nprocs is not None and nprocs != total:
-        raise ValueError(f"nprocs={nprocs!r}, but hosts= lists {total} ranks "
-                         f"({' '.join(f'{h.name}:{h.ranks}' for h in parsed)}); "
-                         f"give nprocs={total} or None (the notebook's rank is one of them)")
-    if caller_rank is not None:
-        if isinstance(caller_rank, bool) or not isinstance(caller_rank, int) or not 0 <= caller_rank < total:
-            raise ValueError(f"caller_rank must be None or a rank from 0 to {total - 1}, got {caller_rank!r}")
-        host = slot_host[caller_rank]
-        if not host.local:
-            raise ValueError(f"the notebook is rank {caller_rank} (caller_rank) and runs on this machine, but "
-                             f"hosts= puts rank {caller_rank} on {host.name}: list this machine first, its "
-                             f"count including the notebook (hosts='localhost:1,{host.name}:...'), or pass "
-                             f"caller_rank=None to run every rank as a child process")
-    layout = _hosts.layout(hosts, launcher, python, bind)
-    if caller_rank is not None:
-        layout.played_here = (caller_rank,)
-    return layout, total
+    return check
 
 
 def _ranch(nprocs, fn, args, kwargs, collapse=True, **options):
@@ -236,13 +218,19 @@ def _spec(nprocs, fn, args, kwargs, *, caller_rank=0, gather=True, ctx=None, nee
           env=None) -> LaunchSpec:
     """ranch()'s arguments, checked, as the launch's spec."""
     # Everything is checked, and everything that travels is pickled, before anything starts.
-    child_env = _check_env(env)
-    layout, nprocs = _lay_out(nprocs, caller_rank, hosts, launcher, python, bind, gpus, ctx)
+    # Where the ranks run and with what: the launch spec's rules, Group's too (backend: ctx's).
+    ranks = RanksSpec.checked(hosts=hosts, gpus=gpus, env=env, warm=warm, launcher=launcher, python=python,
+                              bind=bind, check_hosts=_hosts_rule(nprocs, caller_rank, ctx))
+    layout = ranks.layout
+    if layout is not None:
+        nprocs = layout.world_size
+        if caller_rank is not None:
+            layout.played_here = (caller_rank,)
     needed = _check(nprocs, fn, caller_rank, ctx, need, imports, caller_globals or {})
-    selected = _select_gpus(nprocs, gpus, ctx) if layout is None else None
+    selected = _select_gpus(nprocs, ranks, gpus, ctx) if layout is None else None
     spec = LaunchSpec(fn=fn, args=args, kwargs=kwargs, ctx=ctx, nprocs=nprocs, caller_rank=caller_rank,
                       gather=gather, needed=needed, imports=imports, selected=selected, layout=layout,
-                      warm=warm, env=child_env)
+                      warm=ranks.warm, env=ranks.env)
     if spec.child_ranks:
         _check_picklable("fn, its arguments or ctx", (fn, args, kwargs, ctx))
         for name, value in needed.items():

@@ -2,7 +2,9 @@
 
 Made once, after every argument was checked and before anything starts (oneshot._spec), and
 read, never changed, by the launch that runs it, as torch elastic keeps its `WorkerSpec` apart
-from the agent that runs it.
+from the agent that runs it. Where the ranks run and with what (hosts, GPUs, env, warm) is checked
+by ddip.kernel.spec.RanksSpec, the rules Group's arguments go through too, so the same bad input
+reads the same from both.
 """
 
 from __future__ import annotations
