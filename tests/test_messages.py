@@ -120,3 +120,52 @@ def test_cpu_tensors_go_out_of_band_as_their_bytes():
     assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
     view = torch.arange(10)[2:5]  # a view of a bigger storage: pickled by torch itself, intact
     assert M.loads_framed(*_reply(view)).tolist() == [2, 3, 4]
+
+
+# -- the protocol's records -------------------------------------------------------------------------
+
+def _records():
+    err = M.ErrorInfo("ValueError", "bad", ["Traceback ...", "ValueError: bad"], ValueError("bad"))
+    return [M.Run("x = 1"), M.Run("1", values=False, cell=("/tmp/cell.py", 3), silent=True),
+            M.Apply(divmod, (7, 2), {"k": 1}), M.Push({"a": np.arange(3)}), M.Pull(("a", "b")), M.Debug(),
+            M.Done(), M.Done([1, 2], None, ({"text/plain": "[1, 2]"}, {}), 4), M.Done(error=err),
+            M.PromptAnswer("next"), M.PromptAnswer(stop=True)]
+
+
+@pytest.mark.parametrize("record", _records(), ids=lambda r: type(r).__name__)
+def test_every_record_round_trips_through_a_frame(record):
+    payload, fds = _reply(record)
+    back = M.loads_framed(payload, fds)
+    assert type(back) is type(record)
+    for name in type(record).__dataclass_fields__:
+        a, b = getattr(back, name), getattr(record, name)
+        if isinstance(b, dict) and "a" in b:
+            assert (a["a"] == b["a"]).all()
+        elif isinstance(b, M.ErrorInfo):
+            assert (a.ename, a.evalue, a.traceback, repr(a.exception)) == (b.ename, b.evalue, b.traceback,
+                                                                          repr(b.exception))
+        else:
+            assert a == b, name
+
+
+def test_records_are_typed_and_fixed():
+    run = M.Run("pass")
+    with pytest.raises(AttributeError):
+        run.code = "import os"  # frozen: a request is what was sent
+    assert not hasattr(run, "__dict__")  # __slots__: no field but its own
+    assert set(M.REQUESTS) == {M.Run, M.Apply, M.Push, M.Pull, M.Debug}
+
+
+def test_a_record_pickles_by_reference_as_its_fields():
+    # The class by name (importable in both processes), then the fields' tuple: no state dict.
+    data = M.dumps(M.Run("pass"))
+    assert b"ddip.messages" in data and b"Run" in data and b"__dict__" not in data
+    assert len(data) < 80
+
+
+def test_a_reply_buffer_travels_out_of_band_inside_a_record():
+    big = np.arange(M.OOB_THRESHOLD, dtype=np.uint8)
+    payload, fds = _reply(M.Done(value=big))
+    assert len(fds) == 1 and len(payload) < M.OOB_THRESHOLD
+    back = M.loads_framed(payload, fds)
+    assert (back.value == big).all()

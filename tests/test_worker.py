@@ -58,3 +58,20 @@ def test_an_exception_the_notebook_cannot_rebuild_is_still_reported(group2):
         group2.run(code)
     assert [(f.ename, f.evalue) for f in e.value.failures] == [("Picky", "1-2")] * 2
     assert [r.value for r in group2.run("5")] == [5, 5]
+
+
+def test_the_worker_has_a_method_for_every_request_kind(group2):
+    from ddip import messages as M
+
+    res = group2.run("from ddip.rank import worker as _w\nsorted(t.__name__ for t in _w.current().handlers)", ranks=[0])
+    assert res[0].value == sorted(t.__name__ for t in M.REQUESTS)
+
+
+def test_a_request_of_no_known_kind_is_answered_with_an_error(group2):
+    from ddip import messages as M
+    from ddip.kernel.request import Callbacks, collect
+
+    req = group2.send_request(M.PromptAnswer("n"), [0], "a stray record")  # not a request
+    (result,) = collect(group2, req, Callbacks(), None)
+    assert result.error.ename == "ValueError" and "unknown request PromptAnswer" in result.error.evalue
+    assert [r.value for r in group2.run("6")] == [6, 6]  # the rank serves on

@@ -1,4 +1,9 @@
-"""What travels in frame payloads: cloudpickle, pickle protocol 5.
+"""What travels in frame payloads: cloudpickle, pickle protocol 5, and the typed records of the
+kernel-rank protocol.
+
+A request is one record per kind (Run, Apply, Push, Pull, Debug); a rank answers each with one
+Done. A debugger prompt's answer is a PromptAnswer. The records pickle by reference (this module
+is imported by both sides), as the class and its fields' tuple.
 
 Functions, lambdas and classes defined in the notebook's __main__ are pickled by value
 (cloudpickle's rule for __main__), so they work in ranks without being importable there.
@@ -15,11 +20,14 @@ from __future__ import annotations
 import fcntl
 import io
 import mmap
+import operator
 import os
 import pickle
 import struct
 import sys
 import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -29,8 +37,116 @@ PROTOCOL = 5
 OOB_THRESHOLD = 1 << 20  # smaller buffers stay in the pickle: a segment costs more than a copy
 
 
+def _by_fields(cls):
+    """A record pickles as (class, its fields in order): the smallest pickle, and the fastest to
+    make and to load (no state dict; cloudpickle names the class by reference)."""
+    names = tuple(cls.__dataclass_fields__)
+    if not names:
+        cls.__reduce__ = lambda self: (cls, ())
+    elif len(names) == 1:
+        get = operator.attrgetter(names[0])
+        cls.__reduce__ = lambda self: (cls, (get(self),))
+    else:
+        get = operator.attrgetter(*names)  # a tuple of the fields, in C
+        cls.__reduce__ = lambda self: (cls, get(self))
+    return cls
+
+
+# -- requests: the kernel's Group (and heal) sends one to some ranks ---------------------------
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Runs `code` in the rank's __main__ as a notebook cell (IPython's features)."""
+
+    code: str
+    values: bool = True  # False (%%dip): only the last expression's display form comes back
+    cell: tuple[str, int] | None = None  # (file name, first line): JupyterLab's debugger's name for it
+    silent: bool = False  # IPython's silent run: no history, no display hook, no execution count
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class Apply:
+    """Calls fn(*args, **kwargs) in the rank; its return value comes back."""
+
+    fn: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class Push:
+    """Copies `ns` (name -> value) into the rank's namespace."""
+
+    ns: dict
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """The values of `names` in the rank's namespace, as a list."""
+
+    names: tuple[str, ...]
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class Debug:
+    """pdb, post-mortem, on the rank's last exception; prompts are asked in the notebook."""
+
+
+REQUESTS = (Run, Apply, Push, Pull, Debug)
+
+
+# -- replies: a rank's answer to a request ----------------------------------------------------
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """What a rank's code raised, formatted there (IPython's traceback, the user's frames only);
+    `exception` is the exception itself when the notebook can rebuild it, else None."""
+
+    ename: str
+    evalue: str
+    traceback: list[str] = field(default_factory=list)  # IPython's structured traceback, lines
+    exception: BaseException | None = None
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A rank's reply to one request: the value (or the error), and for a Run the last
+    expression's display form ((MIME bundle, metadata), as IPython's Out) and the execution
+    count it ran as."""
+
+    value: Any = None
+    error: ErrorInfo | None = None
+    format: tuple | None = None
+    execution_count: int | None = None
+
+
+@_by_fields
+@dataclass(frozen=True, slots=True)
+class PromptAnswer:
+    """The notebook's answer to a rank's debugger prompt: the line typed (None: nobody can be
+    asked, the rank goes on), or stop (the request was interrupted: the debugger quits)."""
+
+    line: str | None = None
+    stop: bool = False
+
+
+_RECORDS = frozenset((*REQUESTS, ErrorInfo, Done, PromptAnswer))
+
+
 class _Pickler(cloudpickle.CloudPickler):
     def reducer_override(self, obj):
+        t = type(obj)
+        if t in _RECORDS or (t is type and obj in _RECORDS):
+            return NotImplemented  # every request and reply: by reference, without the checks below
         if _is_get_ipython(obj):
             # A notebook function calling get_ipython() means the shell it runs in, not the
             # kernel's (which can't be pickled): send IPython's function by reference.

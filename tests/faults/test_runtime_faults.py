@@ -14,7 +14,7 @@ import pytest
 
 import ddip
 from ddip import _core
-from ddip.messages import dumps_framed, loads
+from ddip.messages import Run, dumps_framed, loads
 from conftest import PY, alive, wait_until
 
 
@@ -26,7 +26,7 @@ def run_script(code: str, timeout: float = 120, **kwargs) -> subprocess.Complete
 
 def send_run(coord, seq: int, code: str, slot: int = 0):
     """A `run` request sent straight to the coordinator, so the test reads the events itself."""
-    payload, _ = dumps_framed({"op": "run", "code": code}, None, None)
+    payload, _ = dumps_framed(Run(code), None, None)
     coord.send([slot], _core.REQUEST, seq, payload)
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 
 from ..labels import LabelledOutput, rank_label
+from ..messages import PromptAnswer
 
 PROMPT = "ddip_prompt"  # the key of a rank's prompt among its display messages
 # One prompt at a time in this process: ranch's children are asked from its collecting thread
@@ -92,7 +93,7 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
     rank = rt.rank_ids[slot]
     show(rank, prompt.get("output"))
     if req.interrupted_at is not None:
-        rt.answer(slot, req, {"stop": True})
+        rt.answer(slot, req, PromptAnswer(stop=True))
         return
     try:
         with PROMPT_LOCK:
@@ -106,7 +107,7 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
     except (NotImplementedError, OSError):  # a frontend without input, or stdin captured
         _cannot_ask(rank, "this frontend can't take input (a Jupyter client needs allow_stdin)")
         line = None
-    rt.answer(slot, req, {"line": line})
+    rt.answer(slot, req, PromptAnswer(line))
 
 
 def root_cause_rank(error, nothing: str, give: str) -> int:

@@ -14,6 +14,7 @@ import time
 from .. import _core
 from ..rank import heal as _heal
 from . import request as _request
+from ..messages import Apply
 from ..errors import FailureKind, GroupClosedError, HealError, HealReport, RankDeadError, RankError
 
 # After a heal tore the failed rank's process group down, how long its peers get to leave the
@@ -302,7 +303,7 @@ class Healer:
 
     def _internal_send(self, ranks, fn, *args):
         group = self.group
-        return group.send_request({"op": "apply", "fn": fn, "args": args, "kwargs": {}}, ranks, WHAT)
+        return group.send_request(Apply(fn, args), ranks, WHAT)
 
     def _internal_call(self, ranks, fn, *args) -> list:
         group = self.group

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ..errors import (FailureKind, GroupClosedError, HealReport, RankFailure, RemoteError, root_cause_first,
                       unresponsive_cause)
-from ..messages import loads, loads_framed
+from ..messages import Done, loads, loads_framed
 from .. import _core
 from .collectives import CollectivePicture
 from . import debugger as _debugger
@@ -482,14 +482,14 @@ def _name_the_interrupt(req: Request, error: RankFailure):
         error.traceback[-1] = error.traceback[-1].replace(old, error.evalue)
 
 
-def _fill(result: RankResult, reply: dict):
-    result.value = reply.get("value")
-    result.format = reply.get("format")
-    result.execution_count = reply.get("execution_count")
-    err = reply.get("error")
-    if err:
-        result.error = RankFailure(rank=result.rank, ename=err["ename"], evalue=err["evalue"],
-                                   traceback=err.get("traceback") or [], exception=err.get("exception"))
+def _fill(result: RankResult, reply: Done):
+    result.value = reply.value
+    result.format = reply.format
+    result.execution_count = reply.execution_count
+    err = reply.error
+    if err is not None:
+        result.error = RankFailure(rank=result.rank, ename=err.ename, evalue=err.evalue,
+                                   traceback=list(err.traceback), exception=err.exception)
 
 
 def raise_failures(results: list[RankResult], what: str, heal: HealReport | None = None, collectives=None):

@@ -271,10 +271,10 @@ class Runtime:
             for stream, data in items:
                 out(rank, stream, data.decode(errors="replace"))
 
-    def send(self, slots: list[int], msg: dict, what: str) -> Request:
-        """Sends `msg` to `slots` as one request; raises (sending nothing) when one of them is
-        dead, stopped or busy (RankDeadError, RankUnresponsiveError, RankBusyError), or `msg`
-        can't be pickled."""
+    def send(self, slots: list[int], msg, what: str) -> Request:
+        """Sends `msg` (a request record of ddip.messages) to `slots` as one request; raises
+        (sending nothing) when one of them is dead, stopped or busy (RankDeadError,
+        RankUnresponsiveError, RankBusyError), or `msg` can't be pickled."""
         self.pump(0)
         self.show_background()
         with self.mu:
@@ -304,8 +304,8 @@ class Runtime:
                 self.state[s] = "busy"
         return request
 
-    def answer(self, slot: int, req: Request, msg: dict) -> bool:
-        """Sends `msg` to one rank while it runs `req` (a debugger prompt's answer: the rank
+    def answer(self, slot: int, req: Request, msg) -> bool:
+        """Sends `msg` to one rank while it runs `req` (a debugger prompt's PromptAnswer: the rank
         waits for it with the request's own sequence number). False when it no longer runs it."""
         with self.mu:
             coord = self.coord

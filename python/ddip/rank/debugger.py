@@ -4,7 +4,7 @@ rank's own frames, with its prompt answered in the notebook.
 pdb reads its commands from and writes its output to a `PromptRelay`. At each prompt the relay
 hands what pdb printed since the last one, and the prompt, to `ask` (the worker's loop sends them
 to the kernel with the request being run and waits for the line typed there; see
-ddip.rank.worker.ask_kernel), so the kernel shows pdb's output and the prompt in that order,
+ddip.rank.worker.Worker.ask_kernel), so the kernel shows pdb's output and the prompt in that order,
 labelled with the rank, whichever ranks the cell shows.
 
 Two ways in: `post_mortem()` on the rank's last exception (sys.last_traceback, kept as IPython
