@@ -31,10 +31,16 @@ import sys
 import tempfile
 import time
 
+import json
+from pathlib import Path
+
 import psutil
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
 
 import netns_hosts
 from conftest import alive, wait_until
+from test_magics import Kernel
 
 DAEMONS = {"munged": "/usr/sbin/munged", "slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
 TOOLS = ("mungekey", "srun", "salloc", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
@@ -343,3 +349,62 @@ ReturnToService=2
         if self.network is not None:
             self.network.close()  # what a namespace still holds is ended by pid; then it is deleted
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SlurmKernel(Kernel):
+    """A real ipykernel beside a Cluster, with ddip's magics loaded: on the "login node" (Slurm's
+    config and programs, no allocation: a notebook that asks Slurm for nodes itself), or, with
+    salloc=N, as `salloc -N N`'s command (a notebook started inside an allocation, with salloc's
+    whole environment)."""
+
+    @classmethod
+    def start(cls, cluster: Cluster, root: Path, salloc: int | None = None) -> "SlurmKernel":
+        name = "ddip-login" if salloc is None else "ddip-salloc"
+        spec = root / "kernels" / name
+        spec.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        if salloc is None:
+            bin_dir = os.path.dirname(sys.executable)
+            env = {**cluster.env, "PATH": f"{bin_dir}:{cluster.env.get('PATH', '')}", "GLOO_SOCKET_IFNAME": "ddip0"}
+            assert not any(k.startswith("SLURM_JOB") for k in env)
+        else:
+            argv = ["salloc", f"-N{salloc}", "--job-name=ddip-notebook", *argv]
+            env = cluster.job_env()
+        (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": name, "language": "python"}))
+        km = KernelManager(kernel_name=name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(root / "kernels")]))
+        km.start_kernel(cwd=str(root), env=env)
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=90)
+        except BaseException:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+            raise
+        k = cls(km, kc)
+        assert k.run("import os, ddip\n%load_ext ddip").ok
+        return k
+
+    def value(self, expr: str):
+        """`expr`'s value in the kernel, through JSON."""
+        cell = self.run(f"import json; print(json.dumps({expr}))")
+        assert cell.ok, cell.outputs
+        return json.loads(cell.stream().strip().splitlines()[-1])
+
+    def cell(self, code: str, on_message=None, timeout: float = 180) -> tuple[dict, list]:
+        """Runs `code`; (the execute reply, every iopub message as (kind, content)) with
+        on_message(kind, content) called as each arrives."""
+        seen = []
+
+        def collect(kind, content):
+            seen.append((kind, content))
+            if on_message is not None:
+                on_message(kind, content)
+        return self.execute(code, timeout, collect, seen), seen
+
+    def stop(self):
+        """Shuts the kernel down as a notebook does (inside salloc, salloc then ends and gives
+        the nodes back)."""
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=False)

@@ -15,7 +15,6 @@ Needs root, network namespaces and Debian's Slurm and munge; skipped otherwise.
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import sys
@@ -24,12 +23,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from jupyter_client import KernelManager
-from jupyter_client.kernelspec import KernelSpecManager
 
 from conftest import wait_until
-from slurm_cluster import Cluster, missing
-from test_magics import Kernel
+from slurm_cluster import Cluster, SlurmKernel, missing
 
 import ddip
 from ddip.hosts.allocation import SlurmRequestError, ranks_per_node
@@ -53,58 +49,9 @@ def cluster():
     assert c.left == [], f"left running after the cluster stopped: {c.left}"
 
 
-class LoginKernel(Kernel):
-    """A real ipykernel on the "login node": Slurm's config and programs, no allocation."""
-
-    @classmethod
-    def start(cls, cluster, root: Path) -> "LoginKernel":
-        spec = root / "kernels" / "ddip-login"
-        spec.mkdir(parents=True, exist_ok=True)
-        (spec / "kernel.json").write_text(json.dumps({
-            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "ddip on a login node", "language": "python"}))
-        km = KernelManager(kernel_name="ddip-login",
-                           kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(root / "kernels")]))
-        env = {**cluster.env, "PATH": f"{BIN}:{cluster.env.get('PATH', '')}", "GLOO_SOCKET_IFNAME": "ddip0"}
-        assert not any(k.startswith("SLURM_JOB") for k in env)
-        km.start_kernel(cwd=str(root), env=env)
-        kc = km.client()
-        kc.start_channels()
-        try:
-            kc.wait_for_ready(timeout=90)
-        except BaseException:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
-            raise
-        k = cls(km, kc)
-        assert k.run("%load_ext ddip").ok
-        return k
-
-    def value(self, expr: str):
-        cell = self.run(f"import json; print(json.dumps({expr}))")
-        assert cell.ok, cell.outputs
-        return json.loads(cell.stream().strip().splitlines()[-1])
-
-    def cell(self, code: str, on_message=None, timeout: float = 180) -> tuple[dict, list]:
-        """Runs `code`; (the execute reply, every iopub message as (kind, content)) with
-        on_message(kind, content) called as each arrives."""
-        seen = []
-
-        def collect(kind, content):
-            seen.append((kind, content))
-            if on_message is not None:
-                on_message(kind, content)
-        return self.execute(code, timeout, collect, seen), seen
-
-    def stop(self):
-        self.kc.stop_channels()
-        if self.km.is_alive():
-            self.km.shutdown_kernel(now=False)
-
-
 @pytest.fixture
 def kernel(cluster, tmp_path):
-    k = LoginKernel.start(cluster, tmp_path)
+    k = SlurmKernel.start(cluster, tmp_path)
     try:
         yield k
     finally:

@@ -15,21 +15,15 @@ outlive it. Needs root, network namespaces and Debian's Slurm and munge; skipped
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
-from pathlib import Path
 
 import pytest
-from jupyter_client import KernelManager
-from jupyter_client.kernelspec import KernelSpecManager
 
 import ddip
 
 from conftest import wait_until
-from slurm_cluster import Cluster, missing
-from test_magics import Kernel
+from slurm_cluster import Cluster, SlurmKernel, missing
 
 _why_not = missing(netns=True)
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
@@ -47,43 +41,6 @@ def cluster():
     assert c.left == [], f"left running after the cluster stopped: {c.left}"
 
 
-class SallocKernel(Kernel):
-    """A real ipykernel whose process is `salloc -N n ... python -m ipykernel_launcher`: a
-    notebook started inside an allocation."""
-
-    @classmethod
-    def start(cls, cluster, nodes: int, root: Path) -> "SallocKernel":
-        spec = root / "kernels" / "ddip-salloc"
-        spec.mkdir(parents=True)
-        (spec / "kernel.json").write_text(json.dumps({
-            "argv": ["salloc", f"-N{nodes}", "--job-name=ddip-notebook", sys.executable, "-m",
-                     "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "ddip in salloc", "language": "python"}))
-        km = KernelManager(kernel_name="ddip-salloc",
-                           kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(root / "kernels")]))
-        km.start_kernel(cwd=str(root), env=cluster.job_env())
-        kc = km.client()
-        kc.start_channels()
-        try:
-            kc.wait_for_ready(timeout=90)
-        except BaseException:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
-            raise
-        return cls(km, kc)
-
-    def value(self, code: str):
-        """The JSON a cell printed last, after running `code` (which must not fail)."""
-        cell = self.run(code)
-        assert cell.ok, cell.outputs
-        return json.loads(cell.stream().strip().splitlines()[-1])
-
-    def stop(self):
-        """Shuts the kernel down as a notebook does; salloc then ends and gives the nodes back."""
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=False)
-
-
 # Where a rank runs: the node's address (the source address toward the first node), the node
 # Slurm says it is on, its network namespace, and a gloo all_reduce of the ranks across nodes.
 WHERE = """
@@ -99,12 +56,11 @@ where = (int(os.environ["RANK"]), _s.getsockname()[0], os.environ.get("SLURMD_NO
 
 def test_a_kernel_inside_salloc_makes_a_group_across_the_allocations_nodes(cluster, tmp_path):
     nodes = sorted(cluster.nodes)
-    k = SallocKernel.start(cluster, NODES, tmp_path)
+    k = SlurmKernel.start(cluster, tmp_path, salloc=NODES)
     try:
-        job = k.value("import json, os, ddip; print(json.dumps(os.environ['SLURM_JOB_ID']))")
+        job = k.value("os.environ['SLURM_JOB_ID']")
         cluster.jobs.append(job)  # cancelled at close() should the kernel not give it back
-        assert k.value("print(json.dumps(ddip.hosts.slurm_hosts()))") == nodes
-        assert k.run("%load_ext ddip").ok
+        assert k.value("ddip.hosts.slurm_hosts()") == nodes
         cell = k.run('hosts = ",".join(f"{h}:1" for h in ddip.hosts.slurm_hosts())\n'
                      "%makedip --hosts $hosts --launcher slurm --backend gloo", timeout=180)
         assert cell.ok, cell.outputs
@@ -113,8 +69,7 @@ def test_a_kernel_inside_salloc_makes_a_group_across_the_allocations_nodes(clust
         assert len(steps) == NODES and all(s.startswith(f"{job}.") and s.endswith(" ddip") for s in steps), steps
         cell = k.run("%%dip\n" + WHERE)
         assert cell.ok, cell.outputs
-        where = k.value("print(json.dumps([r.value for r in get_ipython().magics_manager.registry["
-                        "'DipMagics'].group.run('where')]))")
+        where = k.value("[r.value for r in get_ipython().magics_manager.registry['DipMagics'].group.run('where')]")
         total = NODES * (NODES + 1) // 2
         assert [(w[0], w[1], w[2], w[3], w[5]) for w in where] == [
             (r, node, node, job, total) for r, node in enumerate(nodes)], where
@@ -123,7 +78,7 @@ def test_a_kernel_inside_salloc_makes_a_group_across_the_allocations_nodes(clust
         assert {w[4] for w in where} != {os.readlink("/proc/self/ns/net")}
 
         assert k.run("%makedip -k").ok
-        assert k.value("print(json.dumps(ddip.hosts.release()))") == NODES
+        assert k.value("ddip.hosts.release()") == NODES
         assert wait_until(lambda: cluster.steps(job) == [], 15), f"job steps left: {cluster.steps(job)}"
     finally:
         k.stop()
