@@ -75,3 +75,96 @@ def test_a_request_of_no_known_kind_is_answered_with_an_error(group2):
     (result,) = collect(group2, req, Callbacks(), None)
     assert result.error.ename == "ValueError" and "unknown request PromptAnswer" in result.error.evalue
     assert [r.value for r in group2.run("6")] == [6, 6]  # the rank serves on
+
+
+# -- the lean request path (ddip/rank/plain_cells.py) -------------------------------------------
+
+def _served(g) -> int:
+    """How many cells rank 0 has run without run_cell (this cell itself takes run_cell: its last
+    statement is an expression)."""
+    return g.run("from ddip.rank import worker as _w\n_w.current().plain.served", ranks=[0])[0].value
+
+
+@pytest.mark.parametrize("code, plain", [
+    ("pass", True), ("x = 1", True), ("for i in range(3):\n    y = i", True), ("import os", True),
+    ("def f():\n    return 1", True), ("x = 1\nx", False), ("1", False), ("print('p')", False),
+    ("%time z = 1", False), ("!true", False), ("  x = 2", False), ("x = 2;", True),
+    ("import asyncio\nr = await asyncio.sleep(0)", False), ("", False), ("x = 1\nreturn 1", False),
+])
+def test_plain_python_skips_run_cell_and_the_rest_takes_it(group2, code, plain):
+    before = _served(group2)
+    try:
+        group2.run(code, ranks=[0])
+    except ddip.RemoteError:
+        assert code.endswith("return 1")  # compiles only statement by statement: run_cell's error
+    assert _served(group2) - before == (1 if plain else 0)
+
+
+def test_a_debugger_cell_name_or_a_pre_run_cell_handler_takes_run_cell(group2):
+    before = _served(group2)
+    group2.run("x = 3", ranks=[0], cell=("/tmp/ddip-cell-1.py", 2))
+    assert _served(group2) == before
+    group2.run("_seen = []\n_h = lambda info: _seen.append(info.raw_cell)\n"
+               "get_ipython().events.register('pre_run_cell', _h)", ranks=[0])
+    try:
+        before = _served(group2)
+        group2.run("x = 4", ranks=[0])
+        assert _served(group2) == before
+        assert group2.run("'x = 4' in _seen", ranks=[0])[0].value is True  # the handler saw it
+    finally:
+        group2.run("get_ipython().events.unregister('pre_run_cell', _h)", ranks=[0])
+    before = _served(group2)
+    group2.run("x = 5", ranks=[0])
+    assert _served(group2) == before + 1
+
+
+
+def test_the_shells_settings_are_followed_as_they_change(group2):
+    # An input transformer: the cell is no longer what IPython runs, so run_cell runs it.
+    group2.run("get_ipython().input_transformers_post.append(lambda lines: [l.replace('41', '42') for l in lines])",
+               ranks=[0])
+    try:
+        group2.run("v = 41", ranks=[0])
+        assert group2.run("v", ranks=[0])[0].value == 42
+    finally:
+        group2.run("get_ipython().input_transformers_post.pop()", ranks=[0])
+    group2.run("v = 41", ranks=[0])
+    assert group2.run("v", ranks=[0])[0].value == 41
+    # %config InteractiveShell.ast_node_interactivity: an assignment's value is shown.
+    group2.run("get_ipython().ast_node_interactivity = 'last_expr_or_assign'", ranks=[0])
+    try:
+        assert group2.run("w = 5", ranks=[0])[0].value == 5
+    finally:
+        group2.run("get_ipython().ast_node_interactivity = 'last_expr'", ranks=[0])
+    assert group2.run("w = 6", ranks=[0])[0].value is None
+
+CELLS = ["x = 1", "x", "pass", "y = x + 1", "y", "def f(a):\n    return 1 / a", "z = f(0)", "f(0)",
+         "for i in range(2):\n    print(i)", "import sys\nsys.stderr.write('e\\n')\nw = 3",
+         "raise ValueError('v')", "q = 0\n1/0\nq = 1", "x = (", "%time t = 1", "t",
+         "class C:\n    pass", "c = C()", "import inspect\nsrc = inspect.getsource(f)", "src",
+         "get_ipython().execution_count", "In[1:], _i, _ii, _iii, _i3", "sorted(Out)", "_, __",
+         "import warnings\nwarnings.warn('w')\nw2 = 1", "warnings.warn('w')\nw2 = 2", "def g():\n    yield 1\nlist(g())", "x = 1\nreturn 1",
+         "import asyncio\nr = await asyncio.sleep(0, 'a')", "r"]
+
+
+def test_the_lean_path_and_run_cell_give_the_same_counts_values_output_and_errors():
+    with ddip.Group(n=1, backend=None) as lean, ddip.Group(n=1, backend=None, env={"DDIP_LEAN": "0"}) as full:
+        seen = {}
+        for name, g in (("lean", lean), ("full", full)):
+            got = []
+            for code in CELLS:
+                try:
+                    (r,) = g.run(code)
+                except ddip.RemoteError as exc:
+                    (r,) = exc.results
+                err = r.error and (r.error.ename, r.error.evalue, r.error.traceback)
+                out = "" if code.startswith("%time") else r.stdout
+                got.append((code, r.execution_count, repr(r.value), r.format, out, r.stderr, err))
+            with pytest.raises(TimeoutError) as e:  # Ctrl-C in a plain cell: KeyboardInterrupt, as before
+                g.run("import time\nfor _ in range(10000):\n    time.sleep(0.01)", timeout=1)
+            got.append(("interrupted", e.value.results[0].error.ename, e.value.results[0].execution_count))
+            seen[name] = got
+        for a, b in zip(seen["lean"], seen["full"]):
+            assert a == b
+        assert lean.run("from ddip.rank import worker as _w\n_w.current().plain.served")[0].value > 8
+        assert full.run("from ddip.rank import worker as _w\n_w.current().plain")[0].value is None

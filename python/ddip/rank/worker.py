@@ -43,6 +43,7 @@ from ddip.rank import collectives as _collectives  # noqa: E402
 from ddip.rank import dap as _dap  # noqa: E402
 from ddip.rank import debugger as _debugger  # noqa: E402
 from ddip.rank import heal as _heal  # noqa: E402
+from ddip.rank import plain_cells as _plain_cells  # noqa: E402
 from ddip.rank.displays import DisplayFrames, install_notebook_progress  # noqa: E402
 from ddip.messages import (Apply, Debug, Done, ErrorInfo, Pull, Push, RemoteValue, Run, dumps,  # noqa: E402
                            dumps_framed, loads, loads_framed, memfd_with)
@@ -178,6 +179,8 @@ class Worker:
         self.stopping = False  # a shutdown came while a debugger's prompt waited for its answer
         self.prompt_lock = threading.Lock()  # one debugger prompt at a time
         self.displays = DisplayFrames(self.send_display)
+        # Cells that need none of IPython's machinery skip run_cell (None: DDIP_LEAN=0, all take it)
+        self.plain = _plain_cells.PlainCells(shell) if _plain_cells.enabled() else None
         self.handlers = {Run: self.run, Apply: self.apply, Push: self.push, Pull: self.pull, Debug: self.debug}
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -284,9 +287,13 @@ class Worker:
         shell = self.shell
         shell.ddip_format = None
         shell.ddip_error = None
-        # cell: (file name, first line), the cell JupyterLab's debugger sets breakpoints in
-        with _dap.cell_named(shell, *req.cell, req.code) if req.cell else contextlib.nullcontext():
-            result = shell.run_cell(req.code, store_history=True, silent=req.silent)
+        result = None
+        if self.plain is not None and req.cell is None:
+            result = self.plain.run(req.code, req.silent)
+        if result is None:
+            # cell: (file name, first line), the cell JupyterLab's debugger sets breakpoints in
+            with _dap.cell_named(shell, *req.cell, req.code) if req.cell else contextlib.nullcontext():
+                result = shell.run_cell(req.code, store_history=True, silent=req.silent)
         failed = result.error_before_exec is not None or result.error_in_exec is not None
         error = None
         if failed:
