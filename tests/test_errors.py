@@ -182,3 +182,12 @@ def test_one_rule_puts_the_root_cause_first_whatever_the_order_failures_arrive_i
                             "RankDied: killed by SIGKILL")
     with pytest.raises(ValueError):
         F(0, kind="exploded")  # a kind outside the model is refused, not carried as a string
+
+
+def test_a_failure_on_ranks_is_a_rank_failed_error_and_remote_error_its_earlier_name(group2):
+    # "remote" means another host in ddip's words; a rank's failure has its own name, and code
+    # that catches the earlier one (ipyparallel's) keeps working.
+    assert ddip.RemoteError is ddip.RankFailedError
+    with pytest.raises(ddip.RemoteError) as caught:
+        group2.run("raise KeyError('here')", ranks=[1])
+    assert type(caught.value).__name__ == "RankFailedError" and caught.value.ranks == [1]

@@ -563,7 +563,9 @@ def test_local_and_everywhere(k):
     assert k.run("%%dip\n'only_here' in globals()").plain[0].endswith(": False")
     cell = k.run("%%dip everywhere\nboth = 2\nprint('ran')")
     assert cell.stream() == "ran\nran\n"  # the notebook's, then rank 0's
-    assert k.run("%%dip --to remote\nboth").plain[0].endswith(": 2")
+    assert k.run("%%dip ranks\nboth").plain[0].endswith(": 2")
+    assert k.run("%%dip --to remote\nboth").plain[0].endswith(": 2")  # `remote`: the earlier name of `ranks`
+    assert k.run("%%dip remote --to ranks\nboth").ok  # the same place, by either name
     assert k.run("both").ok
     assert k.run("%%dip --to both\nboth += 1").ok
     assert k.run("print(both)").stream() == "3\n"

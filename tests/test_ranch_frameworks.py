@@ -454,7 +454,7 @@ def test_in_a_kernel_a_child_failing_during_the_notebooks_import_leaves_the_kern
     """), on_output=open_the_gate_once_told)
     assert opened, cell.outputs
     [error] = cell.of_type("error")
-    assert error["ename"] == "RemoteError" and "root cause on rank 1: ValueError" in error["evalue"], error
+    assert error["ename"] == "RankFailedError" and "root cause on rank 1: ValueError" in error["evalue"], error
     check = kernel.run(textwrap.dedent(f"""\
         import torch
         def fn():

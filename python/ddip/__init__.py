@@ -17,14 +17,16 @@ from . import _lazy
 # Each public name -> the module it lives in.
 _HOMES = {
     **dict.fromkeys(["FailureKind", "GroupClosedError", "HealError", "HealReport", "RankBusyError", "RankDeadError",
-                     "RankError", "RankFailure", "RankUnresponsiveError", "RemoteError", "StartError"], "errors"),
+                     "RankError", "RankFailedError", "RankFailure", "RankUnresponsiveError", "RemoteError",
+                     "StartError"], "errors"),
     **dict.fromkeys(["Group", "RankResult"], "kernel.group"),
     "prewarm": "kernel.template",
     **dict.fromkeys(["ranch", "torchddp_launch"], "launch.oneshot"),
     **dict.fromkeys(["TorchDDPCtx", "import_star"], "rank.oneshot"),
 }
 
-__all__ = ["Group", "RankResult", "RemoteError", "RankFailure", "FailureKind", "StartError", "HealError", "HealReport"]
+__all__ = ["Group", "RankResult", "RankFailedError", "RemoteError", "RankFailure", "FailureKind", "StartError"]
+__all__ += ["HealError", "HealReport"]
 __all__ += ["RankError", "RankDeadError", "RankBusyError", "RankUnresponsiveError", "GroupClosedError"]
 __all__ += ["ranch", "torchddp_launch", "TorchDDPCtx", "import_star", "prewarm"]
 __version__ = "0.1.0"
@@ -32,7 +34,7 @@ __version__ = "0.1.0"
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each on first use
     from . import errors, gpus, hosts, kernel, launch, rank, template, torchdist, worker  # noqa: F401
     from .errors import (FailureKind, GroupClosedError, HealError, HealReport, RankBusyError, RankDeadError,
-                         RankError, RankFailure, RankUnresponsiveError, RemoteError, StartError)
+                         RankError, RankFailedError, RankFailure, RankUnresponsiveError, RemoteError, StartError)
     from .kernel.group import Group, RankResult
     from .kernel.template import prewarm
     from .launch.oneshot import ranch, torchddp_launch

@@ -1,7 +1,7 @@
 """Attributes of ddip's packages imported on first use (PEP 562's module `__getattr__`).
 
 `import ddip` loads no more than the package's own `__init__`: a rank, a host's agent and the
-template each import only their own side (tests/test_layout.py checks which ddip modules a real
+rank template each import only their own side (tests/test_layout.py checks which ddip modules a real
 rank has loaded), and `ddip.Group`, `ddip.kernel.group` or `ddip.hosts.release` still work after a
 plain `import ddip`, importing what they name when first read.
 """

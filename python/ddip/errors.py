@@ -56,7 +56,7 @@ class RankFailure:
     stderr_tail: str = ""  # for a dead rank: the last lines it wrote to stderr
     exit_code: int | None = None
     exit_signal: int | None = None
-    exception: BaseException | None = None  # the remote exception object, when it could be pickled
+    exception: BaseException | None = None  # the exception object the rank raised, when it could be pickled
     kind: FailureKind = FailureKind.RAISED
     at: float | None = None  # time.monotonic() when the kernel heard of it: orders the root cause
 
@@ -71,7 +71,7 @@ class RankFailure:
         return self.kind in (FailureKind.DIED, FailureKind.LOST)
 
     def describe(self) -> str:
-        """Plain text: the headline and the remote traceback (or stderr tail)."""
+        """Plain text: the headline and the rank's traceback (or stderr tail)."""
         head = f"rank {self.rank}: {self.ename}: {self.evalue}" if self.evalue else f"rank {self.rank}: {self.ename}"
         body = strip_ansi("\n".join(self.traceback)).strip("\n")
         if self.died and self.stderr_tail:
@@ -188,11 +188,15 @@ class HealError(RuntimeError):
         self.report = report
 
 
-class RemoteError(Exception):
-    """One or more ranks failed. `failures` lists them, root cause (earliest) first. `heal` is
-    the HealReport when the failure broke a collective and ddip healed the group (or tried).
-    Its text shows identical tracebacks once, with the ranks that raised them ("ranks 0-126:
-    ValueError ..." beside "rank 127: KeyError ..."); describe(collapse=False) shows each rank's."""
+class RankFailedError(Exception):
+    """One or more ranks failed (torch elastic's ChildFailedError, for ranks). `failures` lists
+    them, root cause (earliest) first. `heal` is the HealReport when the failure broke a
+    collective and ddip healed the group (or tried). Its text shows identical tracebacks once,
+    with the ranks that raised them ("ranks 0-126: ValueError ..." beside "rank 127: KeyError
+    ..."); describe(collapse=False) shows each rank's.
+
+    `RemoteError` is the same class under its earlier name (ipyparallel's), kept for code that
+    catches it; in ddip's words "remote" means another host, and a rank is a rank."""
 
     def __init__(self, failures: list[RankFailure], results=None, what: str = "code",
                  heal: HealReport | None = None, collectives=None):
@@ -226,6 +230,9 @@ class RemoteError(Exception):
     def ranks(self) -> list[int]:
         """The failing ranks, in rank order (`failures` is in root-cause order)."""
         return sorted(f.rank for f in self.failures)
+
+
+RemoteError = RankFailedError  # the earlier name, public: `except ddip.RemoteError` keeps working
 
 
 class StartError(RuntimeError):

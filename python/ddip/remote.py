@@ -1,5 +1,5 @@
 """`python -m ddip.remote`, kept as a public path: it is the command line every launcher (ssh,
-srun, a template) runs on another host (cpp/ddip/plan.cpp). The agent is ddip.hosts.agent."""
+srun, a launcher command) runs on another host (cpp/ddip/plan.cpp). The agent is ddip.hosts.agent."""
 
 import sys
 

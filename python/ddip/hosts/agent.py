@@ -1,5 +1,5 @@
 """A host's agent (`python -m ddip.remote`, which runs this module's main), started there by a
-launcher (ssh, srun, a template; see ddip.hosts.placement).
+launcher (ssh, srun, a launcher command; see ddip.hosts.placement).
 
 It reads a ticket line from stdin (the kernel's address, this host's index and the group's key),
 connects back to the kernel, proves it knows the key and checks that the kernel does too, then
@@ -23,7 +23,7 @@ import socket
 import sys
 
 from .. import _core
-from ..rank.template import DEFAULT_MODULES, command as template_command, enabled
+from ..rank.template import DEFAULT_MODULES, command as rank_template_command, enabled
 
 
 def command(python: str | None = None) -> list[str]:
@@ -60,5 +60,5 @@ def host_spec():
         # Sized as the usual group's ranks there (2 per host): a fork that differs resizes.
         env["OMP_NUM_THREADS"] = str(_core.plan.omp_threads(_core.plan.cpu_count(), 2))
     env.update({"PYTHONUNBUFFERED": "1", "DDIP_TEMPLATE_MODULES": ",".join(DEFAULT_MODULES)})
-    return template_command(), [f"{k}={v}" for k, v in env.items()], os.getcwd()
+    return rank_template_command(), [f"{k}={v}" for k, v in env.items()], os.getcwd()
 

@@ -1,6 +1,6 @@
 """Other hosts' standing agents, kept for the kernel's life: groups across hosts lease each
 host's agent (a launcher + `python -m ddip.remote`, and that host's rank template) from the one
-`_core.AgentKeeper`, so the template outlives the group; `release_hosts()` lets them all go."""
+`_core.AgentKeeper`, so the rank template outlives the group; `release_hosts()` lets them all go."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..rank.template import enabled
 
 _lock = threading.Lock()
 
-_keeper = None  # _core.AgentKeeper: each host's launcher + agent (and its template), kernel-long
+_keeper = None  # _core.AgentKeeper: each host's launcher + agent (and its rank template), kernel-long
 
 
 def agent_keeper():
@@ -25,7 +25,7 @@ def agent_keeper():
 
 
 def remote_warm(warm, uses_torch: bool) -> int:
-    """The tickets' `warm` for a group's other hosts: 0 cold, 1 fork when the host's template is
+    """The tickets' `warm` for a group's other hosts: 0 cold, 1 fork when the host's rank template is
     ready, 2 wait for it while it imports (the ranks will use torch)."""
     if warm is False or not enabled():
         return 0

@@ -13,7 +13,7 @@ key, and starts that host's ranks.
 
 Launchers: "ssh" (the default; ``ssh -o BatchMode=yes HOST ...`` with the user's ssh config and
 keys; words after "ssh" are passed to ssh, e.g. "ssh -F ./ssh_config -p 2222"), "slurm" (``srun``
-inside an allocation; words after "slurm" are passed to srun), or a template with {host} and
+inside an allocation; words after "slurm" are passed to srun), or a launcher command with {host} and
 {command}, run by /bin/sh, e.g. "docker exec -i {host} {command}". The key reaches the remote
 side on the launcher's stdin, never on a command line.
 
@@ -207,7 +207,8 @@ def layout(hosts, launcher=None, python=None, bind=None, env=None) -> Layout:
             raise ValueError("a laid-out host list already says its launcher, python and bind")
         return hosts
     if launcher is not None and not isinstance(launcher, str):
-        raise ValueError(f"launcher must be 'ssh', 'slurm' or a template string, got {launcher!r}")
+        raise ValueError(f"launcher must be 'ssh', 'slurm' or a launcher command with {{host}} and {{command}}, "
+                         f"got {launcher!r}")
     if hosts is None and launcher is not None and launcher.split()[:1] in (["slurm"], ["srun"]):
         raise ValueError("launcher='slurm' needs hosts= too (the ranks per node), e.g. hosts=ddip.hosts."
                          "slurm_hosts() as {name: 4 for name in ...}")

@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 
-from ..errors import RemoteError
+from ..errors import RankFailedError
 from . import request as _request
 from .dap_session import REPLY_S, RankSession
 BASE_ID = 1 << 48  # above every id the kernel's debugpy hands out: small counters, and id() of objects
@@ -190,7 +190,7 @@ class VisualDebugger:
 
         try:
             ports = group.apply(_rank_dap.listen, ranks=missing)
-        except RemoteError as exc:
+        except RankFailedError as exc:
             raise RuntimeError(f"JupyterLab's debugger could not start debugpy in the ranks: {exc}") from None
         for rank, port in zip(missing, ports):
             try:

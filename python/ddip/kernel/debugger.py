@@ -111,7 +111,7 @@ def ask(rt, req, slot: int, prompt: dict) -> None:
 
 
 def root_cause_rank(error, nothing: str, give: str) -> int:
-    """The rank to debug after `error` (a RemoteError, or None: nothing failed): its root cause,
+    """The rank to debug after `error` (a RankFailedError, or None: nothing failed): its root cause,
     when that rank's code raised. LookupError otherwise, its message ending in how to `give` a
     rank (`give` has "{rank}": debug(rank={rank}), %dipdebug -r {rank}), naming a rank whose code
     did raise, if one did (never a dead one); `nothing` says what has not failed."""

@@ -22,7 +22,7 @@ import weakref
 from typing import Callable, Iterable, Sequence
 
 from .. import _core, gpus as _gpus
-from ..errors import GroupClosedError, HealReport, RemoteError
+from ..errors import GroupClosedError, HealReport, RankFailedError
 from ..hosts import allocation as _allocation
 from ..hosts import keeper as _keeper
 from ..hosts.placement import cpu_count, omp_threads
@@ -137,7 +137,7 @@ class Group:
         self._rt: Runtime | None = None  # the current start's runtime; None once closed
         self._generation = 0  # counts starts; a Pending belongs to one
         self._broken = None  # why the last runtime stopped on its own, if it did
-        self.last_error: RemoteError | None = None  # the last run/apply failure: debug()'s default
+        self.last_error: RankFailedError | None = None  # the last run/apply failure: debug()'s default
         self._start()
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -194,10 +194,10 @@ class Group:
         size = len(self.rank_ids)
         specs = [(rank_command(layout.python if layout is not None and layout.remote(slot) else None),
                   self._worker_env(slot, self.master_port), os.getcwd()) for slot in range(size)]
-        # Wait for a template still importing torch only where the ranks will use it: for
+        # Wait for a rank template still importing torch only where the ranks will use it: for
         # torch.distributed, when the notebook itself uses torch, or when warm=True asked for it.
         uses_torch = self._warm is True or self.backend is not None or "torch" in sys.modules
-        # Ranks here fork from the kernel's template; ranks on another host from that host's own,
+        # Ranks here fork from the kernel's rank template; ranks on another host from that host's own,
         # kept by its standing agent (docs/warm.md, "Other hosts").
         here = [spec for slot, spec in enumerate(specs) if layout is None or not layout.remote(slot)]
         tmpl = _template.choose(here, self._warm, self.timeout, wait=uses_torch) if here else None
@@ -380,7 +380,7 @@ class Group:
         of the last expression (RankResult.format), never the object itself. cell=(file name,
         first line): compile `code` as that file, from that line on (a notebook cell's file, as
         JupyterLab's debugger names it: ddip.kernel.dap).
-        Raises RemoteError (with every failing rank's traceback) if any rank raised."""
+        Raises RankFailedError (with every failing rank's traceback) if any rank raised."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a string, got {type(code).__name__}")
         _positive_timeout(timeout)
@@ -509,7 +509,7 @@ class Group:
         collective broken by an earlier failure are released first (their peers' process groups
         are torn down). A dead rank is replaced: a new process in its slot (same rank, GPU and
         environment, forked from the warm rank template when the group's ranks were; on another
-        host, by that host's agent from its own template), with an empty namespace, joins the
+        host, by that host's agent from its own rank template), with an empty namespace, joins the
         rebuilt group. copy_from=R then copies survivor R's variables into it (every one that
         pickles, or `names`); the report says which were skipped. Raises HealError when it
         can't (refused before anything changed: bad input, a rank lost with its host's link, a
@@ -550,7 +550,7 @@ class Group:
     def _noting_failure(self):
         try:
             yield
-        except RemoteError as exc:
+        except RankFailedError as exc:
             self.last_error = exc
             raise
 

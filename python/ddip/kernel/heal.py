@@ -2,7 +2,7 @@
 left waiting in a collective, and rebuilding the default group on every rank (`Group.heal()`, or
 by itself after a rank raised while its peers waited for it). Group.heal() also replaces a dead
 rank: a new process in its slot (Coordinator.respawn; on another host, started there by that
-host's agent from its own template) that joins the rebuilt group as it starts, optionally with a
+host's agent from its own rank template) that joins the rebuilt group as it starts, optionally with a
 copy of a survivor's variables (copy_from). The rank side is ddip/rank/heal.py."""
 
 from __future__ import annotations

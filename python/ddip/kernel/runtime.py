@@ -189,7 +189,7 @@ class Runtime:
     def respawn(self, slot: int, env: dict[str, str], template_for=None) -> int:
         """Starts a dead slot's rank again: its spec as it was started, with `env` on top, forked
         from template_for(spec) (the group's rank template, or None: cold) when the group's ranks
-        were forked from one; on another host, by that host's agent from its own template. The
+        were forked from one; on another host, by that host's agent from its own rank template. The
         slot is "starting" (and no longer dead) until its hello. Returns the new pid (-1 on
         another host: its hello says); raises (changing nothing) when it can't."""
         with self.mu:
@@ -199,7 +199,7 @@ class Runtime:
         argv, old_env, cwd = self.specs[slot]
         merged = [kv for kv in old_env if kv.split("=", 1)[0] not in env] + [f"{k}={v}" for k, v in env.items()]
         spec = (argv, merged, cwd)
-        here = self.hosts[slot] is None  # another host's rank forks from that host's template
+        here = self.hosts[slot] is None  # another host's rank forks from that host's rank template
         tmpl = template_for(spec) if here and self.template is not None and template_for is not None else None
         pid = coord.respawn(slot, spec, tmpl)
         with self.mu:

@@ -21,7 +21,7 @@ import time
 import traceback as _traceback
 from typing import Callable
 
-from ..errors import FailureKind, RankFailure, RemoteError, root_cause_first
+from ..errors import FailureKind, RankFailedError, RankFailure, root_cause_first
 from ..kernel import debugger as _debugger
 from ..kernel.displays import RankDisplays, notebook_env
 from ..kernel.group import Group, free_port
@@ -86,7 +86,7 @@ def ranch(nprocs: int | None, fn: Callable, *args, caller_rank: int | None = 0, 
     process groups fn created there (HF Trainer, Accelerator() and Lightning leave theirs),
     accelerate's and Lightning's process-wide state, the current CUDA device (docs/launch.md).
 
-    Raises RemoteError naming the first failing rank (the root cause), then the others."""
+    Raises RankFailedError naming the first failing rank (the root cause), then the others."""
     return _ranch(nprocs, fn, args, kwargs, caller_rank=caller_rank, gather=gather, ctx=ctx,
                   need=need, imports=imports, gpus=gpus, caller_globals=sys._getframe(1).f_globals,
                   warm=warm, hosts=hosts, launcher=launcher, python=python, bind=bind, env=env,
@@ -290,8 +290,8 @@ class _Launch:
         if spec.imports.strip():
             try:
                 self.group.run(spec.imports, on_output=self._output(), on_display=self._on_display)
-            except RemoteError as exc:
-                raise RemoteError(exc.failures, exc.results, "ranch's imports= code") from None
+            except RankFailedError as exc:
+                raise RankFailedError(exc.failures, exc.results, "ranch's imports= code") from None
             finally:
                 self._output_ended()
         if spec.needed:
@@ -455,7 +455,7 @@ class _Launch:
         collector.join()
 
     def _finish(self, results, own):
-        """Every rank's value in rank order (gather) or the caller's; or RemoteError, the root
+        """Every rank's value in rank order (gather) or the caller's; or RankFailedError, the root
         cause first. own: the notebook's ("ok", value) or ("error", exc, traceback), or None."""
         spec = self.spec
         failures = [self._child_failure(r) for r in results if r.error is not None]
@@ -471,7 +471,7 @@ class _Launch:
                 where = spec.remote_host(f.rank)
                 if where is not None:  # a rank on another host is named with its host
                     f.evalue = f"{f.evalue} (on {where})" if f.evalue else f"(on {where})"
-            err = RemoteError(failures, results, "ranch")
+            err = RankFailedError(failures, results, "ranch")
             if root.rank == spec.caller_rank and own is not None and own[0] == "error":
                 raise err from own[1]
             raise err

@@ -9,7 +9,7 @@ import time
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import GroupClosedError, RankDeadError, RankError, RemoteError
+from ..errors import GroupClosedError, RankDeadError, RankError, RankFailedError
 from ..kernel import dap as _dap
 from ..kernel.group import Group
 from . import render
@@ -19,7 +19,7 @@ from .lifecycle import HEAL, RESTART
 from .session import Session
 from .tabs import RankTabs, tabbed
 
-_WHERE = {"remote": "remote", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
+_WHERE = {"ranks": "ranks", "local": "local", "everywhere": "everywhere", "both": "everywhere"}
 LINE_FORM = "as a line magic %dip takes --push VAR ...; to run code on the ranks, start the cell with %%dip"
 
 
@@ -40,7 +40,7 @@ class CellMagics(Magics):
                    "as %%dipush does")
     @line_cell_magic
     def dip(self, line="", cell=None):
-        """Run a cell on the group's ranks (remote), in the notebook (local), or both (everywhere).
+        """Run a cell on the group's ranks (ranks), in the notebook (local), or both (everywhere).
         As a line magic, %dip --push VAR ... copies notebook variables to every rank."""
         fn = self.dip
         if cell is None and "--push" not in without_comment(line):
@@ -63,11 +63,11 @@ class CellMagics(Magics):
         shown = self._shown(fn, args, group, ranks)
         if where == "everywhere":
             self._run_local(cell)
-        self._run_remote(group, cell, shown, args.timeout, ranks, collapse=not args.raw, tabs=args.tabs)
+        self._run_on_ranks(group, cell, shown, args.timeout, ranks, collapse=not args.raw, tabs=args.tabs)
 
     @staticmethod
     def _where(fn, args) -> str:
-        where = args.where or "remote"
+        where = _WHERE[args.where or "ranks"]
         if args.to is not None:
             to = _WHERE[args.to]
             if args.where is not None and to != where:
@@ -110,7 +110,7 @@ class CellMagics(Magics):
             # The notebook's own traceback has been shown; fail the cell without adding to it.
             raise render.CellError("the cell failed in the notebook; it did not run on the ranks")
 
-    def _run_remote(self, group: Group, cell: str, shown: list[int], timeout, ranks=None, collapse=True,
+    def _run_on_ranks(self, group: Group, cell: str, shown: list[int], timeout, ranks=None, collapse=True,
                     tabs=False):
         out = tabbed(shown, collapse) if tabs and shown else render.RankOutput(shown, collapse)
         error = None
@@ -119,7 +119,7 @@ class CellMagics(Magics):
             # the rank, so a CUDA tensor never starts CUDA here and nothing big is copied back.
             results = group.run(cell, on_output=out.on_output, on_display=out.on_display, timeout=timeout,
                                 values=False, ranks=ranks, cell=_dap.cell_for(self.shell, group, cell, ranks))
-        except RemoteError as exc:
+        except RankFailedError as exc:
             results, error = exc.results or [], exc
         except KeyboardInterrupt as exc:
             # Group.run has already interrupted every rank and waited for them; no need for a

@@ -6,7 +6,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import RemoteError
+from ..errors import RankFailedError
 from . import render
 from .flags import parse, usage_error
 from .session import Session
@@ -28,7 +28,7 @@ def push(session: Session, names: list[str]):
         raise UsageError(f"not defined in the notebook: {', '.join(missing)}; nothing was pushed")
     try:
         group.push({n: ns[n] for n in names})
-    except RemoteError as exc:
+    except RankFailedError as exc:
         raise render.CellError(exc.headline, render.brief_entries(exc.failures)) from None
 
 
@@ -61,6 +61,6 @@ class DataMagics(Magics):
             raise usage_error(fn, f"-r {rank}: the group's ranks are {', '.join(map(str, group.rank_ids))}")
         try:
             values = group.pull(_names(args.names), rank=rank)
-        except RemoteError as exc:
+        except RankFailedError as exc:
             raise render.CellError(exc.headline, render.brief_entries(exc.failures)) from None
         self.shell.user_ns.update(zip(args.names, values))

@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import GroupClosedError, RankError, RemoteError
+from ..errors import GroupClosedError, RankError, RankFailedError
 from ..kernel.debugger import root_cause_rank
 from . import render
 from .flags import parse, rank_list, usage_error
@@ -86,7 +86,7 @@ class DebugMagics(Magics):
             group.debug(rank)
         except LookupError as exc:
             raise UsageError(f"%dipdebug: {exc}".replace("debug(rank=...)", "%dipdebug -r N")) from None
-        except RemoteError as exc:  # interrupted at its prompt, or died while debugged
+        except RankFailedError as exc:  # interrupted at its prompt, or died while debugged
             raise render.CellError(exc.headline, render.failure_entries(exc.failures)) from None
         except KeyboardInterrupt as exc:
             raise render.CellError.of("KeyboardInterrupt", str(exc) or "interrupted") from None

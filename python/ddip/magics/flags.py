@@ -38,18 +38,25 @@ hosts_flags = flag_group(
                   "same GPUs on each; -g 'node1:0,1 node2:2,3' alone names each host's); localhost runs here"),
     argument("--launcher", metavar="LAUNCHER",
              help="how --hosts are reached: ssh (default; 'ssh -F cfg' adds ssh options), slurm "
-                  "(srun in an allocation), or a template with {host} and {command}"),
+                  "(srun in an allocation), or a launcher command with {host} and {command}"),
     argument("--python", metavar="PATH", help="the Python to run on the hosts (default: this one's path)"),
     argument("--bind", metavar="ADDRESS",
              help="this machine's address the hosts connect back to (default: the one that routes "
                   "to the first remote host)"),
 )
 
+def _ranks_by_earlier_name(value: str) -> str:
+    # `%%dip remote` said `ranks` before "remote" came to mean another host only: still taken.
+    return "ranks" if value == "remote" else value
+
+
 # Where a cell runs and whose output shows: %%dip, and every cell while %autodip is on.
 cell_flags = flag_group(
-    argument("where", nargs="?", choices=["remote", "local", "everywhere"],
-             help="remote: the group (default); local: the notebook only; everywhere: the notebook, then the group"),
-    argument("--to", choices=["remote", "local", "both"], help="the same as `where` (both = everywhere)"),
+    argument("where", nargs="?", choices=["ranks", "local", "everywhere"], type=_ranks_by_earlier_name,
+             help="ranks: the group's (default; 'remote', its earlier name, too); local: the notebook only; "
+                  "everywhere: the notebook, then the ranks"),
+    argument("--to", choices=["ranks", "local", "both"], type=_ranks_by_earlier_name,
+             help="the same as `where` (both = everywhere)"),
     argument("-S", "--see", metavar="all|none|RANKS", help="whose output to show: all, none or ranks like 0,2 (0)"),
     argument("-q", "--quiet", action="store_true", help="show no rank's output (errors still show)"),
     argument("--raw", action="store_true",

@@ -16,7 +16,7 @@ from ..hosts import allocation as _allocation
 from ..hosts import placement as _hosts
 from ..kernel import template as _template
 from ..kernel.displays import notebook_env
-from ..errors import HealError, RemoteError, StartError
+from ..errors import HealError, RankFailedError, StartError
 from ..kernel.group import Group, parse_gpus, resolve_backend
 from . import render
 from .flags import hosts_flags, parse, positive_seconds, rank_list, size_flags, unquote, usage_error
@@ -362,7 +362,7 @@ class DipMagics(Magics):
             # No group half set up: the ranks would run without the app the user asked for.
             group.close()
             self.session.group = None
-            if isinstance(exc, RemoteError):
+            if isinstance(exc, RankFailedError):
                 first, ranks = exc.failures[0], exc.ranks
                 text = (f"-a {app}: the app's setup failed on rank{'s' if len(ranks) > 1 else ''} "
                         f"{', '.join(map(str, ranks))} ({first.ename}: {first.evalue}); the group was stopped. "

@@ -59,7 +59,7 @@ class DipRunMagics(Magics):
                    "or node1,node2 with -g 0,1; localhost runs here; the cell travels with the launch")
     @argument("--launcher", default=None, metavar="LAUNCHER",
               help="how --hosts are reached: ssh (default; 'ssh -F cfg' adds ssh options), slurm, or a "
-                   "template with {host} and {command}")
+                   "launcher command with {host} and {command}")
     @argument("--ddip", default=None, metavar="PATH",
               help="the ddip program on the other hosts (default: this one's path)")
     @cell_magic

@@ -19,7 +19,7 @@ class Session:
         self.autodip_args: str | None = None  # the %%dip flags while %autodip is on, else None
         self.last_results = None  # RankResults of the last %%dip cell, for inspection
         self.running_local = False  # a %%dip local body must not be rewritten by %autodip
-        self.last_error = None  # the RemoteError of the last failed %%dip cell: %dipdebug's default
+        self.last_error = None  # the RankFailedError of the last failed %%dip cell: %dipdebug's default
         self.new_error = None  # the same, until the end of the cell it failed (%dippdb's cue)
         self.auto_debug = False  # %dippdb on
 
@@ -34,7 +34,7 @@ class Session:
         return self.group
 
     def note_failure(self, error):
-        """A %%dip cell failed on its ranks with `error` (a RemoteError)."""
+        """A %%dip cell failed on its ranks with `error` (a RankFailedError)."""
         self.last_error = self.new_error = error
 
     def autodip_state(self) -> str:

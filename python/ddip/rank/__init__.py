@@ -4,7 +4,7 @@ are forked from. Nothing here imports the kernel's side (ddip.kernel), the hosts
 the launches' (ddip.launch), so a rank loads none of them (tests/test_layout.py).
 
 `command()` is a rank's command line, the one place it is written: the kernel's Group and every
-host's agent start ranks with it, and a template's fork runs its `-c` code."""
+host's agent start ranks with it, and a rank template's fork runs its `-c` code."""
 
 from __future__ import annotations
 
