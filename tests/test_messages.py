@@ -169,3 +169,15 @@ def test_a_reply_buffer_travels_out_of_band_inside_a_record():
     assert len(fds) == 1 and len(payload) < M.OOB_THRESHOLD
     back = M.loads_framed(payload, fds)
     assert (back.value == big).all()
+
+
+def test_a_cell_request_and_an_empty_reply_take_plain_pickle_the_rest_cloudpickle():
+    for record in (M.Run("x = 1"), M.Run("1", cell=("/tmp/c.py", 2)), M.Done(execution_count=3)):
+        assert M.dumps(record) == pickle.dumps(record, M.PROTOCOL)
+    # A str subclass made in the notebook's __main__ must travel by value, as cloudpickle sends it.
+    ns = {"__name__": "__main__"}
+    exec("class Code(str):\n    pass\n", ns)
+    data = M.dumps(M.Run(ns["Code"]("x = 2")))
+    assert data != pickle.dumps(M.Run("x = 2"), M.PROTOCOL) and b"Code" in data
+    exec("def triple(x):\n    return 3 * x\n", ns)
+    assert pickle.loads(M.dumps(M.Done(value=ns["triple"], execution_count=2))).value(2) == 6  # by value

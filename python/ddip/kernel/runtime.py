@@ -262,6 +262,8 @@ class Runtime:
                     q.clear()
                     self.background_bytes[slot] = 0
                     self.background_dropped[slot] = 0
+        if not pending:
+            return
         out = LabelledOutput()
         for slot, items, dropped in pending:
             rank = self.rank_ids[slot]
