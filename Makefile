@@ -132,21 +132,15 @@ cpp-test-all:
 # report follows the suite's), and the machine's two cores are both busy. The install tests run
 # at the lowest priority: the suite's timings (interrupts, heartbeats) see the machine they
 # would see alone, and the compiling takes the cores it leaves idle.
-# The tests of several nodes (separate `ddip run`s joining one job, Slurm clusters in network
-# namespaces) mostly wait on daemons, rendezvous and links: they run as a third stream beside
-# the suite, at its priority, so that `make test` stays under 15 minutes on 2 cores.
-NODE_TESTS := tests/test_run_nodes.py tests/test_run_torchrun.py tests/test_slurm.py \
-  tests/test_slurm_nodes.py tests/test_slurm_node_lost.py tests/test_slurm_alloc.py
+# The suite itself runs on two pytest-xdist workers, a whole file at a time (the Slurm files as one),
+# longest first (tests/conftest.py): most of its time is spent waiting on kernels, ranks, daemons
+# and links, and one worker alone took make test past 15 minutes on 2 cores.
 py-test: setup $(STAMPS)/release-deps
 	@nice -n 19 $(VPY) -m pytest -q -p no:cacheprovider --timeout=300 --durations=10 tests/test_install.py \
 	  > .install-tests.log 2>&1 & install=$$!; \
-	$(VPY) -m pytest -q -p no:cacheprovider --timeout=300 --durations=10 $(NODE_TESTS) \
-	  > .node-tests.log 2>&1 & nodes=$$!; \
-	$(VPY) -m pytest -q --timeout=300 --durations=25 --ignore=tests/test_install.py \
-	  $(foreach t,$(NODE_TESTS),--ignore=$(t)) tests; rc=$$?; \
-	wait $$nodes; nrc=$$?; echo "== the tests of several nodes (ran alongside)"; cat .node-tests.log; \
+	$(VPY) -m pytest -q -n 2 --dist loadscope --timeout=300 --durations=25 --ignore=tests/test_install.py tests; rc=$$?; \
 	wait $$install; irc=$$?; echo "== tests/test_install.py (ran alongside)"; cat .install-tests.log; \
-	rm -f .install-tests.log .node-tests.log; [ $$rc = 0 ] && [ $$nrc = 0 ] && [ $$irc = 0 ]
+	rm -f .install-tests.log; [ $$rc = 0 ] && [ $$irc = 0 ]
 
 # The GPU suite (skipped without an NVIDIA GPU) and GPU selection's unit tests.
 .PHONY: test-gpu

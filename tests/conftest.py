@@ -51,6 +51,45 @@ def alive(pid: int) -> bool:
 
 
 
+# `make test` runs the suite on two pytest-xdist workers (Makefile, py-test). A unit of work is a
+# whole file, so its module fixtures (kernels, groups, namespace hosts) are made once, and the
+# Slurm files are one unit together: one test cluster at a time. Units are handed out in the order
+# below, longest first, so that neither worker is left with a long file at the end (longest
+# processing time first); files not listed follow in name order. Run without xdist, the order is
+# pytest's own. (xdist's own grouping, --dist loadgroup, renames node ids, which pytest 9 ignores.)
+SLURM_FILES = {"test_slurm", "test_slurm_nodes", "test_slurm_node_lost", "test_slurm_alloc"}
+LONGEST_FIRST = ["test_run_nodes", "slurm", "test_browser", "test_magics", "test_heal", "test_multihost",
+                 "test_docs", "test_run", "test_group", "test_debugger", "test_collectives",
+                 "test_run_torchrun", "test_examples", "test_frameworks", "test_cell_messages",
+                 "test_panel", "test_replace_rank", "test_template", "test_launch", "test_stragglers"]
+
+
+def _unit(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return "slurm" if name in SLURM_FILES else name
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # the collection's order (LONGEST_FIRST) is the plan
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # only in xdist's workers, which all sort alike
+        return
+    first = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (first.get(_unit(item.nodeid), len(first)), _unit(item.nodeid)))  # stable
+
+
 @pytest.fixture(scope="module")
 def group2():
     with ddip.Group(n=2, backend=None) as g:
@@ -100,3 +139,4 @@ class Tee(io.TextIOBase):
         if all(w in self.text for w in self.wanted):
             self.seen.set()
         return len(s)
+
