@@ -35,8 +35,6 @@ are removed at the end.
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 import statistics
 import sys
@@ -50,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent / "tests"))  # netns_hosts: the hosts the tests use
 
 import netns_hosts  # noqa: E402
+from common import Leftovers, close_group, ipp_ssh_cluster  # noqa: E402
 
 MIB = 1 << 20
 PUSH_MIB = 64
@@ -122,45 +121,6 @@ def _median_by(runs: list[_Push], key):
     return statistics.median(key(r) for r in runs)
 
 
-# -- clean-up -------------------------------------------------------------------------------
-
-
-class _Leftovers:
-    """Processes still there GRACE_S after their tool's own stop, killed by pid, per tool."""
-
-    def __init__(self, hosts: netns_hosts.Hosts, baseline: dict[str, list[int]], before: set[int]):
-        self.hosts = hosts
-        self.baseline = {p for pids in baseline.values() for p in pids}  # the hosts' sshd
-        self.before = before  # this process's descendants that are not the tools' (sshd, template)
-        self.killed: dict[str, list[str]] = {}
-
-    def sweep(self, tool: str):
-        procs = {}
-        for name in self.hosts.ns:
-            for pid in self.hosts.pids(name):
-                if pid not in self.baseline and pid != os.getpid():
-                    try:
-                        procs[pid] = psutil.Process(pid)
-                    except psutil.NoSuchProcess:
-                        pass
-        for p in psutil.Process().children(recursive=True):
-            if p.pid not in self.before:
-                procs.setdefault(p.pid, p)
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=GRACE_S) if procs else ([], [])
-        names = []
-        for p in alive:
-            try:
-                names.append(" ".join(p.cmdline()[:3]) or p.name())
-                p.kill()  # psutil checks the pid still names the same process (start time) first
-            except psutil.NoSuchProcess:
-                pass
-        if alive:
-            _, still = psutil.wait_procs(alive, timeout=GRACE_S)
-            if still:
-                raise RuntimeError(f"processes {[p.pid for p in still]} survived SIGKILL")
-        self.killed.setdefault(tool, []).extend(names)
-
-
 # -- ddip -----------------------------------------------------------------------------------
 
 
@@ -178,20 +138,6 @@ def _local_group(n: int, backend):
     return ddip.Group(n=n, backend=backend, timeout=START_TIMEOUT_S)
 
 
-def _closed(g):
-    """Closes g and waits for its ranks to be gone (the sweeps kill what is left)."""
-    pids = [pid for pid in g.pids if pid is not None]  # psutil.Process(None) would be this process
-    g.close()
-    psutil.wait_procs([p for p in map(_proc, pids) if p], timeout=GRACE_S)
-
-
-def _proc(pid):
-    try:
-        return psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return None
-
-
 def _ready(make) -> float:
     t0 = time.perf_counter()
     g = make()
@@ -200,7 +146,7 @@ def _ready(make) -> float:
         if g.size != len([r for r in g.run("1") if r.value == 1]):
             raise RuntimeError("a rank of a ready group did not answer")
     finally:
-        _closed(g)
+        close_group(g)
     return took
 
 
@@ -250,18 +196,10 @@ class _Ipp:
         self.cluster = self.client = self.view = None
 
     def start(self) -> float:
-        import ipyparallel
-        from traitlets.config import Config
-
         h = self.hosts
-        c = Config()
-        c.SSHEngineSetLauncher.engines = {h.addr["A"]: self.per_host, h.addr["B"]: self.per_host}
-        c.SSHEngineSetLauncher.remote_python = sys.executable
-        c.SSHEngineSetLauncher.ssh_args = ["-F", h.ssh_config]
-        c.SSHEngineSetLauncher.scp_args = ["-O", "-F", h.ssh_config]  # the hosts' sshd has no sftp
         t0 = time.perf_counter()
-        self.cluster = ipyparallel.Cluster(engines="ssh", n=2 * self.per_host, profile_dir=self.profile_dir,
-                                           controller_ip=h.me, log_level=logging.ERROR, config=c)
+        self.cluster = ipp_ssh_cluster({h.addr["A"]: self.per_host, h.addr["B"]: self.per_host}, h.ssh_config,
+                                       h.me, self.profile_dir)
         self.client = self.cluster.start_and_connect_sync()
         self.view = self.client[:]
         took = time.perf_counter() - t0
@@ -377,8 +315,7 @@ def main() -> str:
     profile_dir = tempfile.mkdtemp(prefix="ddip-bench-multihost-ipyparallel-")
     res: dict[str, object] = {}
     with netns_hosts.Hosts() as hosts:
-        left = _Leftovers(hosts, {n: hosts.pids(n) for n in hosts.ns},
-                          {p.pid for p in psutil.Process().children(recursive=True)})
+        left = Leftovers(hosts)
         try:
             _bench_ddip(hosts, arr, res, left)
             _bench_ipp(hosts, arr, res, left, profile_dir)
@@ -401,7 +338,7 @@ def _bench_ddip(hosts, arr, res, left):
     try:
         res["rt"] = _round_trips(lambda: g.run("pass"))
     finally:
-        _closed(g)
+        close_group(g)
     _log(f"ddip: push {PUSH_MIB} MiB to 2 x {PER_HOST_PUSH}, pull from a rank on B")
     t0 = time.perf_counter()
     g = _ddip_group(hosts, PER_HOST_PUSH, None)
@@ -409,7 +346,7 @@ def _bench_ddip(hosts, arr, res, left):
     try:
         res["push"], res["pull"], res["push_first_rss"] = _ddip_transfers(g, arr, hosts, pull_rank=PER_HOST_PUSH)
     finally:
-        _closed(g)
+        close_group(g)
     import ddip
 
     ddip.hosts.release()  # the hosts' standing agents and templates stay for later groups until let go
@@ -445,14 +382,14 @@ def _bench_one_host(arr, res, left):
     try:
         res["one_rt"] = _round_trips(lambda: g.run("pass"))
     finally:
-        _closed(g)
+        close_group(g)
     t0 = time.perf_counter()
     g = _local_group(n8, None)
     res["one_ready8"] = time.perf_counter() - t0
     try:
         res["one_push"], res["one_pull"], res["one_push_first_rss"] = _ddip_transfers(g, arr, None, pull_rank=n8 - 1)
     finally:
-        _closed(g)
+        close_group(g)
     left.sweep("ddip, one host")
 
 

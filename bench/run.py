@@ -2,8 +2,10 @@
 bench/results/latest.md. A module that fails is reported and the others still run; the exit
 code is then 1.
 
-    .venv/bin/python bench/run.py            every module (what `make bench` runs)
+    .venv/bin/python bench/run.py            every module but the long ones (what `make bench` runs)
     .venv/bin/python bench/run.py group      only bench_group.py
+    .venv/bin/python bench/run.py scale      a long module (LONG = True in it) runs when named,
+    DDIP_BENCH_LONG=1 make bench             or with every module when DDIP_BENCH_LONG=1
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def bench_modules(only: list[str]) -> list[str]:
     return names
 
 
+def is_long(name: str) -> bool:
+    """A module that says LONG = True (many minutes: bench_scale's 128 ranks) runs only when named, or
+    with the others when DDIP_BENCH_LONG=1. Read from its source, so leaving it out imports nothing."""
+    return any(line.strip().startswith("LONG = True") for line in (HERE / f"{name}.py").read_text().splitlines())
+
+
 def main(argv: list[str]) -> int:
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
@@ -68,6 +76,12 @@ def main(argv: list[str]) -> int:
     print(header, flush=True)
     sections, failed = [header], []
     for name in names:
+        if not argv and is_long(name) and os.environ.get("DDIP_BENCH_LONG") != "1":
+            section = (f"## {name}: left out (long)\n\nRun it with `.venv/bin/python bench/run.py "
+                       f"{name.removeprefix('bench_')}`, or with every module: `DDIP_BENCH_LONG=1 make bench`.\n")
+            print(section, flush=True)
+            sections.append(section)
+            continue
         print(f"== {name}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
