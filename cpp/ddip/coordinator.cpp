@@ -57,13 +57,14 @@ Coordinator::Coordinator(CoordinatorOptions options)
     lo.handshake_timeout = options_.handshake_timeout;
     lo.keeper = options_.agent_keeper;
     lo.warm = options_.remote_warm;
+    lo.reply_window = options_.reply_window;
     // The agent gives up on a silent kernel as soon as the kernel gives up on a silent host; a
     // kernel that never does (0) still gets the agent's 10 s.
     if (options_.heartbeat_timeout.count() > 0)
       lo.kernel_silence = milliseconds(std::max<long long>(
           options_.heartbeat_timeout.count(), 3 * options_.heartbeat_interval.count()));
-    links_ = std::make_unique<HostLinks>(loop_, supervisor_, pool_, std::move(lo),
-                                         options_.workers, link_callbacks());
+    links_ = std::make_unique<HostLinks>(loop_, supervisor_, pool_, std::move(lo), options_.workers,
+                                         link_callbacks());
     for (auto& h : options_.hosts)
       for (int slot : h.slots) slots_[static_cast<size_t>(slot)].remote = true;
   }
@@ -173,10 +174,10 @@ pid_t Coordinator::start_again(size_t slot, std::optional<SpawnSpec> spec,
     throw std::logic_error("the group is closing: " + which + " can't be started again");
   if (s.remote) return start_again_there(slot, std::move(spec));
   if (!s.exited)
-    throw std::logic_error(which + " (pid " + std::to_string(pids_[slot]) + ") " +
-                           (s.exit_pending ? "exited but has not been reaped yet"
-                                           : "is still running") +
-                           ": only a worker that exited can be started again");
+    throw std::logic_error(
+        which + " (pid " + std::to_string(pids_[slot]) + ") " +
+        (s.exit_pending ? "exited but has not been reaped yet" : "is still running") +
+        ": only a worker that exited can be started again");
   std::optional<SpawnSpec> before;
   if (spec) before = std::exchange(options_.workers[slot], std::move(*spec));
   try {
@@ -221,6 +222,8 @@ size_t Coordinator::rejected_connections() const { return links_ ? links_->rejec
 
 std::string Coordinator::last_rejection() const { return links_ ? links_->last_rejection() : ""; }
 
+uint64_t Coordinator::host_reply_frames() const { return links_ ? links_->reply_frames() : 0; }
+
 void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segments) {
   send(std::vector<int>{slot}, std::move(frame), segments);
 }
@@ -232,9 +235,15 @@ void Coordinator::send(const std::vector<int>& slots, Frame frame,
       throw std::out_of_range("no worker slot " + std::to_string(slot));
   if (segments.size() > kMaxFdsPerFrame)
     throw std::invalid_argument("too many shared-memory segments in one frame");
-  // Each worker's frame holds its own fds and its own reference to every segment.
+  // Workers on other hosts get one frame per host (HostLinks): it holds one reference to each
+  // segment, and ships each once per host.
+  std::vector<int> here, there;
+  for (int slot : slots) (links_ && links_->remote(slot) ? there : here).push_back(slot);
+  if (!there.empty())
+    for (uint64_t id : segments) pool_.retain(id);
+  // Each local worker's frame holds its own fds and its own reference to every segment.
   std::vector<Frame> frames;
-  for (int slot : slots) {
+  for (int slot : here) {
     Frame f = frame;
     f.rank = slot;
     if (!segments.empty()) {
@@ -243,26 +252,22 @@ void Coordinator::send(const std::vector<int>& slots, Frame frame,
       for (uint64_t id : segments) {
         f.fds->push_back(pool_.dup_fd(id));
         pool_.retain(id);
-        f.fd_bytes.push_back(pool_.length(id));  // a TCP link sends only the bytes put there
       }
     }
     frames.push_back(std::move(f));
   }
   // One command for all: one wake-up of the IO thread per request, not one per rank.
-  loop_.post([this, slots, frames = std::move(frames), segments]() mutable {
-    for (size_t k = 0; k < slots.size(); ++k) {
-      int slot = slots[k];
-      Slot& s = slots_[slot];
-      if (s.remote) {
-        links_->send(slot, std::move(frames[k]), segments);
-        continue;
-      }
+  loop_.post([this, here = std::move(here), there = std::move(there), frames = std::move(frames),
+              frame = std::move(frame), segments]() mutable {
+    if (!there.empty()) links_->send(there, frame, segments);
+    for (size_t k = 0; k < here.size(); ++k) {
+      Slot& s = slots_[here[k]];
       if (s.exited) {
         for (uint64_t id : segments) pool_.release(id);
         continue;
       }
       s.segments.insert(segments.begin(), segments.end());
-      send_now(slot, std::move(frames[k]));
+      send_now(here[k], std::move(frames[k]));
     }
   });
 }
@@ -343,7 +348,8 @@ void Coordinator::loop() {
     schedule_tick();
     while (true) {
       std::optional<Clock::time_point> wake_at = streams_->next_due();
-      if (stop_ != Stop::kRunning) wake_at = wake_at ? std::min(*wake_at, stop_deadline_) : stop_deadline_;
+      if (stop_ != Stop::kRunning)
+        wake_at = wake_at ? std::min(*wake_at, stop_deadline_) : stop_deadline_;
       loop_.run_once(wake_at);
       auto now = Clock::now();
       check_responsive(now);
@@ -645,6 +651,13 @@ HostLinks::Callbacks Coordinator::link_callbacks() {
   cb.frame = [this](int slot, Frame f) { deliver(static_cast<size_t>(slot), std::move(f)); };
   cb.output = [this](int slot, int stream, std::string text) {
     streams_->output(static_cast<size_t>(slot), stream, std::move(text));
+  };
+  cb.replies = [this](std::vector<int> slots, Frame f) {
+    // Each worker's output came on the link before its reply: what is held of it goes first.
+    for (int slot : slots) streams_->catch_up(static_cast<size_t>(slot), false);
+    Event e = Event::of_frame(slots.front(), std::move(f));
+    if (slots.size() > 1) e.slots = std::move(slots);
+    events_.push(std::move(e));
   };
   cb.hello = [this](int slot) {
     slots_[static_cast<size_t>(slot)].said_hello = true;

@@ -68,6 +68,9 @@ struct CoordinatorOptions {
   AgentKeeper* agent_keeper = nullptr;
   // With agent_keeper: fork the workers there from the host's rank template (LinkOptions::warm).
   uint32_t remote_warm = 0;
+  // How long a host's agent holds its workers' replies to a request for the rest of them, to
+  // send them as one frame (LinkOptions::reply_window; 0: ReplyGather::kWindow).
+  std::chrono::milliseconds reply_window{0};
 };
 
 class Coordinator {
@@ -88,12 +91,18 @@ class Coordinator {
   // Connections closed because they failed to authenticate, and why the last one was.
   size_t rejected_connections() const;
   std::string last_rejection() const;
+  // Frames that brought replies from other hosts: one per host and request where their agents
+  // gather them (HostLinks::reply_frames).
+  uint64_t host_reply_frames() const;
 
   // Queue a frame to one worker; frames to a worker that has not connected yet wait for it.
   // `segments` (ids from pool().put) travel with it as fds; the worker holds a reference to each
   // until it sends a release for it, or exits.
   void send(int slot, Frame frame, const std::vector<uint64_t>& segments = {});
-  // The same frame to several workers (its payload shared), in one command to the IO thread.
+  // The same frame to several workers (its payload shared), in one command to the IO thread;
+  // those on another host get one frame per host, which its agent writes to each of them, and
+  // their replies to a request (kDone) may come back gathered: one event for several workers
+  // that replied alike (Event::slots).
   void send(const std::vector<int>& slots, Frame frame, const std::vector<uint64_t>& segments = {});
   SegmentPool& pool() { return pool_; }
   // Signal one worker (its process group when whole_group), or every worker when slot < 0.
@@ -142,8 +151,8 @@ class Coordinator {
   std::unique_ptr<RuntimeDir> dir_;
   std::string socket_path_;
   std::vector<pid_t> pids_;
-  EventQueue events_;   // thread-safe: filled by the IO thread, taken by the owner
-  SegmentPool pool_;    // thread-safe
+  EventQueue events_;  // thread-safe: filled by the IO thread, taken by the owner
+  SegmentPool pool_;   // thread-safe
 
   // Shared between the IO thread and callers.
   mutable std::mutex mu_;

@@ -34,6 +34,9 @@ struct Event {
   long long age_ms = 0;
   std::string text;
   Frame frame;
+  // A reply (kFrame, kDone) that a host's agent gathered: every worker that sent this payload,
+  // `slot` first; empty for one worker's own. Each of them has its output before it, as for one.
+  std::vector<int> slots;
   ExitStatus status;
 
   static Event output(int slot, int stream, std::string text);

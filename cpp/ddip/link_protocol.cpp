@@ -1,5 +1,6 @@
 #include "ddip/link_protocol.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -148,10 +149,138 @@ std::vector<int> decode_slots(const std::string& payload) {
   return slots;
 }
 
+std::string encode_fan_out(uint16_t kind, const std::vector<int>& slots,
+                           const std::string& payload) {
+  detail::Writer w;
+  w.u32(kind);
+  w.u32(static_cast<uint32_t>(slots.size()));
+  for (int s : slots) w.i32(s);
+  w.str(payload);
+  return w.take();
+}
+
+FanOut decode_fan_out(const std::string& payload) {
+  detail::Reader r(payload);
+  FanOut out;
+  uint32_t kind = r.u32();
+  if (kind > 0xffff) throw std::runtime_error("corrupt link message");
+  out.kind = static_cast<uint16_t>(kind);
+  uint32_t n = r.u32();
+  if (n > payload.size() / sizeof(int32_t)) throw std::runtime_error("corrupt link message");
+  for (uint32_t i = 0; i < n; ++i) out.slots.push_back(r.i32());
+  out.payload = r.str();
+  return out;
+}
+
+std::string encode_replies(const std::vector<GatheredReply>& replies) {
+  detail::Writer w;
+  w.u32(static_cast<uint32_t>(replies.size()));
+  for (const auto& reply : replies) {
+    w.u32(static_cast<uint32_t>(reply.slots.size()));
+    for (int s : reply.slots) w.i32(s);
+    w.str(reply.payload);
+  }
+  return w.take();
+}
+
+std::vector<GatheredReply> decode_replies(const std::string& payload) {
+  detail::Reader r(payload);
+  uint32_t n = r.u32();
+  if (n > payload.size() / sizeof(int32_t)) throw std::runtime_error("corrupt link message");
+  std::vector<GatheredReply> out(n);
+  for (auto& reply : out) {
+    uint32_t k = r.u32();
+    if (k == 0 || k > payload.size() / sizeof(int32_t))
+      throw std::runtime_error("corrupt link message");
+    for (uint32_t i = 0; i < k; ++i) reply.slots.push_back(r.i32());
+    reply.payload = r.str();
+  }
+  return out;
+}
+
+void ReplyGather::expect(uint64_t seq, const std::vector<int>& slots) {
+  Gather& g = gathers_[seq];
+  for (int s : slots) {
+    // A worker expected for an older request that never replied (it was interrupted and the
+    // kernel moved on) replies to this one now.
+    if (auto it = expected_.find(s); it != expected_.end() && it->second != seq) {
+      auto old = gathers_.find(it->second);
+      if (old != gathers_.end()) old->second.waiting.erase(s);
+    }
+    expected_[s] = seq;
+    g.waiting.insert(s);
+  }
+}
+
+bool ReplyGather::add(int slot, uint64_t seq, const std::shared_ptr<const std::string>& payload,
+                      Clock::time_point now) {
+  auto e = expected_.find(slot);
+  if (e == expected_.end() || e->second != seq) return false;
+  auto it = gathers_.find(seq);
+  if (it == gathers_.end()) return false;
+  expected_.erase(e);
+  Gather& g = it->second;
+  g.waiting.erase(slot);
+  if (g.held.empty()) g.first = now;
+  g.held.emplace_back(slot, payload ? payload : std::make_shared<const std::string>());
+  return true;
+}
+
+void ReplyGather::gone(int slot) {
+  auto e = expected_.find(slot);
+  if (e == expected_.end()) return;
+  auto it = gathers_.find(e->second);
+  if (it != gathers_.end()) it->second.waiting.erase(slot);
+  expected_.erase(e);
+}
+
+bool ReplyGather::holds(int slot) const {
+  for (const auto& [seq, g] : gathers_)
+    for (const auto& [s, payload] : g.held)
+      if (s == slot) return true;
+  return false;
+}
+
+Frame ReplyGather::frame(uint64_t seq, Gather& g) {
+  // Byte-equal payloads (every rank's None after `pass`) become one entry: the kernel unpickles
+  // each distinct reply once. Entries in the order their first reply came.
+  std::vector<GatheredReply> replies;
+  for (auto& [slot, payload] : g.held) {
+    auto same = std::find_if(replies.begin(), replies.end(),
+                             [&](const GatheredReply& r) { return r.payload == *payload; });
+    if (same != replies.end()) {
+      same->slots.push_back(slot);
+      continue;
+    }
+    replies.push_back(GatheredReply{{slot}, *payload});
+  }
+  g.held.clear();
+  return Frame::make(kReplies, kHostRank, seq, encode_replies(replies));
+}
+
+std::vector<Frame> ReplyGather::take(Clock::time_point now, bool all) {
+  std::vector<Frame> out;
+  for (auto it = gathers_.begin(); it != gathers_.end();) {
+    Gather& g = it->second;
+    bool complete = g.waiting.empty();
+    if (!g.held.empty() && (all || complete || now >= g.first + window_))
+      out.push_back(frame(it->first, g));
+    it = complete && g.held.empty() ? gathers_.erase(it) : std::next(it);
+  }
+  return out;
+}
+
+std::optional<ReplyGather::Clock::time_point> ReplyGather::next_due() const {
+  std::optional<Clock::time_point> due;
+  for (const auto& [seq, g] : gathers_)
+    if (!g.held.empty() && (!due || g.first + window_ < *due)) due = g.first + window_;
+  return due;
+}
+
 std::string LinkTicket::encode() const {
   return "ddip-link " + address + " " + std::to_string(port) + " " + std::to_string(host) + " " +
          to_hex(key) + " " + std::to_string(timeout_ms) + " " + (standing ? "1" : "0") + " " +
-         std::to_string(warm) + "\n";
+         std::to_string(warm) + " " + std::to_string(reply_window_ms) + "\n";
 }
 
 LinkTicket LinkTicket::decode(const std::string& line) {
@@ -175,6 +304,9 @@ LinkTicket LinkTicket::decode(const std::string& line) {
     t.standing = standing == 1;
     t.warm = warm >= 0 && warm <= 2 ? static_cast<uint32_t>(warm) : 0;
   }
+  long long window = 0;
+  if (in >> window && window > 0 && window <= 0xffffffffLL)
+    t.reply_window_ms = static_cast<uint32_t>(window);
   if (t.key.size() < 16) throw std::invalid_argument("the link key is too short");
   return t;
 }

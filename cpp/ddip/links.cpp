@@ -95,6 +95,7 @@ void HostLinks::start() {
     l.host = options_.hosts[h];
     LinkTicket ticket{tcp_->address(), tcp_->port(), static_cast<uint32_t>(h), key_};
     ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
+    ticket.reply_window_ms = static_cast<uint32_t>(options_.reply_window.count());
     if (options_.keeper) {
       lease_agent(h);
       continue;
@@ -109,9 +110,11 @@ void HostLinks::start() {
     l.err = std::move(c.stderr_pipe());
     loop_.watch(c.pidfd(), EPOLLIN, [this, h](uint32_t) { on_launcher_exit(h); });
     if (l.out)
-      loop_.watch(l.out.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStdout); });
+      loop_.watch(l.out.get(), EPOLLIN,
+                  [this, h](uint32_t) { on_launcher(h, RankOutput::kStdout); });
     if (l.err)
-      loop_.watch(l.err.get(), EPOLLIN, [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
+      loop_.watch(l.err.get(), EPOLLIN,
+                  [this, h](uint32_t) { on_launcher(h, RankOutput::kStderr); });
   }
 }
 
@@ -123,6 +126,7 @@ void HostLinks::lease_agent(size_t h) {
   ticket.timeout_ms = static_cast<uint32_t>(options_.kernel_silence.count());
   ticket.standing = true;
   ticket.warm = options_.warm;
+  ticket.reply_window_ms = static_cast<uint32_t>(options_.reply_window.count());
   l.standing = true;
   l.lease = options_.keeper->lease(l.host.launcher, [this, h] {
     try {
@@ -406,6 +410,31 @@ void HostLinks::send(int slot, Frame f, std::vector<uint64_t> segments) {
   for (uint64_t id : segments) pool_.release(id);
 }
 
+void HostLinks::send(const std::vector<int>& slots, const Frame& f,
+                     const std::vector<uint64_t>& segments) {
+  std::map<size_t, std::vector<int>> by_link;
+  for (int slot : slots) {
+    const Slot& s = slots_.at(slot);
+    if (!s.gone) by_link[s.link].push_back(slot);
+  }
+  for (auto& [link, targets] : by_link) {
+    if (!links_[link].conn || targets.size() == 1) {
+      for (int slot : targets) {
+        for (uint64_t id : segments) pool_.retain(id);  // send() takes one
+        Frame g = f;
+        g.rank = slot;
+        send(slot, std::move(g), segments);
+      }
+      continue;
+    }
+    for (uint64_t id : segments) ship(link, id);
+    Frame g = Frame::make(kFanOut, kHostRank, f.seq, encode_fan_out(f.kind, targets, f.data()));
+    g.refs = segments;  // the agent fills in its own copies
+    send_link(link, std::move(g));
+  }
+  for (uint64_t id : segments) pool_.release(id);
+}
+
 void HostLinks::ship(size_t link, uint64_t id) {
   Link& l = links_[link];
   if (!l.shipped.insert(id).second) return;  // that host has it already
@@ -484,6 +513,7 @@ void HostLinks::on_frame(size_t link, Frame f) {
     }
     return;
   }
+  if (f.kind == kReplies && f.rank == kHostRank) return on_replies(l, link, f);
   int slot = f.rank;
   if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
     return lose_link(link, "it sent a frame for rank slot " + std::to_string(slot) +
@@ -504,11 +534,36 @@ void HostLinks::on_frame(size_t link, Frame f) {
     s.waiting.clear();
     return cb_.exited(slot, exit.first, std::move(exit.second));
   }
+  if (f.kind == kDone) ++reply_frames_;
   if (f.kind == kHello && !s.said_hello) {
     s.said_hello = true;
     cb_.hello(slot);
   }
   cb_.frame(slot, std::move(f));
+}
+
+void HostLinks::on_replies(Link& l, size_t link, const Frame& f) {
+  std::vector<GatheredReply> replies;
+  try {
+    replies = decode_replies(f.data());
+  } catch (const std::exception& e) {
+    return lose_link(link, e.what());
+  }
+  for (const auto& reply : replies)
+    for (int slot : reply.slots)
+      if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
+        return lose_link(link, "it sent a reply for rank slot " + std::to_string(slot) +
+                                   ", which is not on that host");
+  ++reply_frames_;
+  for (auto& reply : replies) {
+    std::vector<int> live;
+    for (int slot : reply.slots)
+      if (!slots_[slot].gone) live.push_back(slot);
+    if (live.empty()) continue;
+    Frame done = Frame::make(kDone, live.front(), f.seq);
+    done.payload = std::make_shared<const std::string>(std::move(reply.payload));
+    cb_.replies(std::move(live), std::move(done));
+  }
 }
 
 void HostLinks::lose_slot(int slot, const std::string& why) {
@@ -608,7 +663,8 @@ void HostLinks::on_launcher_exit(size_t link) {
   if (l.ever_connected) {
     if (!l.conn) {
       auto closing = launcher_grace_.find(link);
-      if (closing == launcher_grace_.end()) return;  // the link ended first and spoke for its workers
+      if (closing == launcher_grace_.end())
+        return;  // the link ended first and spoke for its workers
       // The agent closed its link as its launcher went (above): the launcher's end is the cause.
       loop_.cancel(closing->second);
       launcher_grace_.erase(closing);

@@ -7,6 +7,7 @@
 // authenticated. Everything runs on the coordinator's loop thread, except the rejection counters.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -53,6 +54,9 @@ struct LinkOptions {
   AgentKeeper* keeper = nullptr;
   // With a keeper: the ticket's `warm` (remote.hpp): fork the workers from the host's template.
   uint32_t warm = 0;
+  // How long each host's agent holds its workers' replies to a request for the rest of them
+  // (LinkTicket::reply_window_ms; 0: the agent's default).
+  std::chrono::milliseconds reply_window{0};
 };
 
 class HostLinks {
@@ -63,6 +67,9 @@ class HostLinks {
     std::function<void(int slot, ExitStatus, std::string stderr_tail)> exited;
     std::function<void(int slot, const std::string& why)> lost;
     std::function<void(int slot)> hello;  // its first hello, before that frame itself
+    // One reply (a kDone frame, rank: the first of them) of several workers there, gathered by
+    // its agent (kReplies): those still there, in the order the agent gave.
+    std::function<void(std::vector<int> slots, Frame)> replies;
   };
   // Listens on the bind address at once (throws if it can't); nothing is started yet.
   // `workers`: every slot's spec (only the remote ones are read).
@@ -85,6 +92,13 @@ class HostLinks {
   // frames refer to it by id, and once the command that sent them is done the host is told to
   // drop its copy (kForget).
   void send(int slot, Frame f, std::vector<uint64_t> segments);
+  // `f` to several workers: one frame per host whose link is up (kFanOut where it is for more
+  // than one of its workers, each segment shipped once as above), each worker's own frame (as
+  // send()) otherwise. Takes one reference to each of `segments`.
+  void send(const std::vector<int>& slots, const Frame& f, const std::vector<uint64_t>& segments);
+  // Frames that carried replies from hosts (a worker's kDone, or a host's kReplies): one per
+  // host and request when their agents gather them. For tests and benchmarks.
+  uint64_t reply_frames() const { return reply_frames_; }
   void signal(int slot, int sig, bool whole_group);
   // Asks the host's agent to start the worker of `slot` again (a heal that replaces a dead
   // rank): another kSpawn on the live link, for that slot only, with `spec` (none: the spec it
@@ -191,6 +205,8 @@ class HostLinks {
   void send_link(size_t link, Frame f);
   void ship(size_t link, uint64_t segment);
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // for what it posts to the loop
+  std::atomic<uint64_t> reply_frames_{0};
+  void on_replies(Link& l, size_t link, const Frame& f);
   void lose_link(size_t link, const std::string& why);
   void lose_slot(int slot, const std::string& why);
   void on_launcher(size_t link, int stream);

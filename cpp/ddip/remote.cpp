@@ -74,7 +74,8 @@ class HostSegments {
         return "the kernel referred to segment " + std::to_string(f.refs[i]) +
                ", which it never sent";
       int fd = ::fcntl(it->second.get(), F_DUPFD_CLOEXEC, 0);
-      if (fd < 0) return std::string("could not keep a segment for a worker: ") + std::strerror(errno);
+      if (fd < 0)
+        return std::string("could not keep a segment for a worker: ") + std::strerror(errno);
       (*f.fds)[i] = Fd(fd);
     }
     f.refs.clear();
@@ -309,6 +310,10 @@ class HostAgent::Relay {
   std::vector<int> global_;   // local worker index -> the kernel's slot
   std::map<int, int> local_;  // the kernel's slot -> local worker index
   detail::HostSegments segments_;
+  ReplyGather gather_{options_.ticket.reply_window_ms > 0
+                          ? std::chrono::milliseconds(options_.ticket.reply_window_ms)
+                          : ReplyGather::kWindow};
+  EventLoop::TimerId gather_timer_ = 0;
   std::vector<bool> exited_;
   size_t alive_ = 0;
   bool link_lost_ = false, failed_ = false, kernel_closed_ = false;
@@ -325,6 +330,10 @@ class HostAgent::Relay {
   bool serving() const;
   void ack_host_heartbeat(const Frame& f);
   void to_worker(int l, Frame f);
+  void fan_out(Frame f);
+  // Gathered replies that are due (`all`: every one held), and the timer for the next.
+  void send_replies(bool all = false);
+  void before_worker(int slot);  // its held reply goes before anything else of the worker's
   bool vouched(int l) const;
   void on_link_end(Connection::End how, const std::string& why);
   void watch_kernel();
@@ -353,7 +362,9 @@ bool HostAgent::Relay::serving() const {
 
 int HostAgent::Relay::run() {
   while (serving()) loop_.run_once();
-  // What is still queued for the kernel (the last exits) is written before the link closes.
+  // What is still queued for the kernel (replies held, the last exits) is written before the
+  // link closes.
+  send_replies(true);
   auto flush_until = Clock::now() + options_.kernel_timeout;
   while (!link_lost_ && link_->channel().wants_write() && Clock::now() < flush_until)
     loop_.run_once(flush_until);
@@ -391,6 +402,7 @@ void HostAgent::Relay::on_frame(Frame f) {
   }
   if (f.kind == kHeartbeat && f.rank == kHostRank) return ack_host_heartbeat(f);
   if (f.kind == kSpawn) return start_again(f);
+  if (f.kind == kFanOut) return fan_out(std::move(f));
   auto it = local_.find(f.rank);
   if (it == local_.end()) return;  // not one of ours: nothing to do with it
   to_worker(it->second, std::move(f));
@@ -500,6 +512,55 @@ void HostAgent::Relay::to_worker(int l, Frame f) {
   }
 }
 
+// One frame for several workers here: written to each (one command to the workers' IO thread,
+// the payload and the buffers shared); a request's replies are gathered (ReplyGather).
+void HostAgent::Relay::fan_out(Frame f) {
+  FanOut out;
+  try {
+    out = decode_fan_out(f.data());
+  } catch (const std::exception& e) {
+    return lose(std::string("the kernel's frame for several workers: ") + e.what());
+  }
+  if (out.kind == kHeartbeat || out.kind == kSignal || out.kind == kSpawn || out.kind == kFanOut)
+    return lose("the kernel fanned out a frame of kind " + std::to_string(out.kind) +
+                ", which goes to one worker or the host only");
+  std::vector<int> locals, replying;
+  for (int slot : out.slots) {
+    auto it = local_.find(slot);
+    if (it == local_.end()) continue;  // not one of ours: nothing to do with it
+    if (exited_[it->second]) continue;
+    locals.push_back(it->second);
+    replying.push_back(slot);
+  }
+  if (locals.empty()) return;
+  Frame inner = Frame::make(out.kind, 0, f.seq);
+  inner.payload = std::make_shared<const std::string>(std::move(out.payload));
+  inner.fds = std::move(f.fds);
+  if (out.kind == kRequest && replying.size() > 1) gather_.expect(f.seq, replying);
+  try {
+    coord_->send(locals, std::move(inner));
+  } catch (const std::exception&) {
+    // The group is stopping: its workers' exits are on their way to the kernel.
+  }
+}
+
+void HostAgent::Relay::send_replies(bool all) {
+  for (Frame& f : gather_.take(Clock::now(), all)) send(std::move(f));
+  if (gather_timer_) {
+    loop_.cancel(gather_timer_);
+    gather_timer_ = 0;
+  }
+  if (auto due = gather_.next_due())
+    gather_timer_ = loop_.at(*due, [this] {
+      gather_timer_ = 0;
+      send_replies();
+    });
+}
+
+void HostAgent::Relay::before_worker(int slot) {
+  if (gather_.holds(slot)) send_replies(true);
+}
+
 void HostAgent::Relay::on_link_end(Connection::End how, const std::string& why) {
   kernel_closed_ = how == Connection::End::kClosed;
   if (how == Connection::End::kClosed)
@@ -525,25 +586,36 @@ void HostAgent::Relay::on_worker_events() {
     if (!e) break;
     on_worker_event(*e);
   }
+  send_replies();  // those that this batch of events completed
 }
 
 void HostAgent::Relay::on_worker_event(Event& e) {
   int slot = e.slot >= 0 ? global_[e.slot] : -1;
   switch (e.kind) {
     case Event::kOutput:
+      before_worker(slot);
       send(Frame::make(kOutput, slot, static_cast<uint64_t>(e.stream), std::move(e.text)));
       break;
     case Event::kFrame:
     case Event::kTruncated:
+      // A reply with buffers goes by itself, with its fds (a frame carries at most 16).
+      if (e.kind == Event::kFrame && e.frame.kind == kDone &&
+          (!e.frame.fds || e.frame.fds->empty()) &&
+          gather_.add(slot, e.frame.seq, e.frame.payload, Clock::now()))
+        break;
+      before_worker(slot);
       e.frame.rank = slot;
       send(std::move(e.frame));
       break;
     case Event::kExited:
       exited_[e.slot] = true;
       --alive_;
+      before_worker(slot);
+      gather_.gone(slot);
       send(Frame::make(kExit, slot, 0, encode_exit(e.status, e.text)));
       break;
     case Event::kFailed:
+      send_replies(true);
       for (size_t i = 0; i < global_.size(); ++i)
         if (!exited_[i])
           send(Frame::make(kExit, global_[i], 0, encode_exit(ExitStatus{0, 0, true}, e.text)));

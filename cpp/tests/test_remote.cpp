@@ -9,10 +9,11 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
-#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -196,8 +197,10 @@ TEST(Remote, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
     auto deadline = std::chrono::steady_clock::now() + 10s;
     while (got.size() < 2 && std::chrono::steady_clock::now() < deadline) {
       auto e = c.next_event(100ms);
-      if (e && e->kind == Event::kFrame && e->frame.kind == kDone && e->frame.seq == seq)
+      if (e && e->kind == Event::kFrame && e->frame.kind == kDone && e->frame.seq == seq) {
         got[e->slot] = e->frame.data();
+        for (int slot : e->slots) got[slot] = e->frame.data();  // gathered by the host's agent
+      }
     }
     return got;
   };
@@ -208,6 +211,69 @@ TEST(Remote, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
   c.send(std::vector<int>{2, 1}, Frame::make(kRequest, 0, 4, "segment"), {id});
   c.pool().release(id);
   EXPECT_EQ(replies(4), (std::map<int, std::string>{{1, "later bytes"}, {2, "later bytes"}}));
+  c.close();
+}
+
+// Four workers on one host: a request to all of them is one frame on the link, and their replies
+// one frame back, alike ones as one event naming them all, each worker's output before it.
+TEST(Remote, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFrame) {
+  CoordinatorOptions o = options();
+  for (int s = 3; s < 5; ++s) o.workers.push_back(worker(s));
+  o.hosts[0].slots = {1, 2, 3, 4};
+  o.reply_window = 60s;  // every reply is held until the host's last: one frame, however slow
+  Coordinator c(std::move(o));
+  std::set<int> hellos;
+  for (auto until = std::chrono::steady_clock::now() + 20s;
+       hellos.size() < 5 && std::chrono::steady_clock::now() < until;)
+    if (auto e = c.next_event(100ms); e && e->kind == Event::kFrame && e->frame.kind == kHello)
+      hellos.insert(e->slot);
+  ASSERT_EQ(hellos, (std::set<int>{0, 1, 2, 3, 4}));
+  // Every event of request `seq` until each of `slots` has replied.
+  struct Replies {
+    std::map<int, std::string> reply;      // by worker
+    std::vector<std::vector<int>> events;  // each reply event's workers
+    std::map<int, std::string> out;        // each worker's stdout before its reply
+    bool output_after_reply = false;
+  };
+  auto replies = [&c](uint64_t seq, std::set<int> slots) {
+    Replies r;
+    auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (r.reply.size() < slots.size() && std::chrono::steady_clock::now() < deadline) {
+      auto e = c.next_event(100ms);
+      if (!e) continue;
+      if (e->kind == Event::kOutput && e->stream == 1) {
+        r.out[e->slot] += e->text;
+        if (r.reply.count(e->slot)) r.output_after_reply = true;
+      }
+      if (e->kind != Event::kFrame || e->frame.kind != kDone || e->frame.seq != seq) continue;
+      std::vector<int> who = e->slots.empty() ? std::vector<int>{e->slot} : e->slots;
+      EXPECT_EQ(who.front(), e->slot);
+      for (int slot : who) r.reply[slot] = e->frame.data();
+      r.events.push_back(who);
+    }
+    return r;
+  };
+  uint64_t before = c.host_reply_frames();
+  c.send(std::vector<int>{1, 2, 3, 4}, Frame::make(kRequest, 0, 5, "env:DDIP_TEST_AGENT"));
+  Replies same = replies(5, {1, 2, 3, 4});
+  EXPECT_EQ(same.reply, (std::map<int, std::string>{{1, "1"}, {2, "1"}, {3, "1"}, {4, "1"}}));
+  ASSERT_EQ(same.events.size(), 1u) << "four alike replies are one event";
+  EXPECT_EQ(std::set<int>(same.events[0].begin(), same.events[0].end()),
+            (std::set<int>{1, 2, 3, 4}));
+  EXPECT_EQ(c.host_reply_frames() - before, 1u) << "one frame brought the host's four replies";
+  // Replies that differ (each worker's pid) are entries of their own, each with its output first.
+  before = c.host_reply_frames();
+  c.send(std::vector<int>{2, 3, 4}, Frame::make(kRequest, 0, 6, "echo:hi"));
+  Replies differ = replies(6, {2, 3, 4});
+  EXPECT_EQ(differ.reply.size(), 3u);
+  EXPECT_EQ(differ.events.size(), 3u);
+  for (int slot : {2, 3, 4}) EXPECT_EQ(differ.out[slot], "hi\n") << "worker " << slot;
+  EXPECT_FALSE(differ.output_after_reply);
+  EXPECT_EQ(c.host_reply_frames() - before, 1u);
+  // One worker's reply goes by itself, as before.
+  c.send(3, Frame::make(kRequest, 3, 7, "env:DDIP_TEST_SLOT"));
+  Replies one = replies(7, {3});
+  EXPECT_EQ(one.reply, (std::map<int, std::string>{{3, "3"}}));
   c.close();
 }
 

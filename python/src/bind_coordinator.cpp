@@ -8,6 +8,7 @@
 
 #include "ddip/coordinator.hpp"
 #include "ddip/keeper.hpp"
+#include "ddip/link_protocol.hpp"
 #include "slices.hpp"
 
 namespace nb = nanobind;
@@ -27,7 +28,8 @@ std::string from_bytes(const nb::bytes& b) { return std::string(b.c_str(), b.siz
 // An event as Python sees it: a named object whose kind is classified here, once. Kinds:
 //   "output"        stream ("stdout" / "stderr"), data: the text
 //   "hello"         data: the worker's hello payload
-//   "done"          seq, data, fds (Python's to close): a reply
+//   "done"          seq, data, fds (Python's to close): a reply; slots: every worker that sent
+//                   it byte for byte when a host's agent gathered it (slot is the first), else ()
 //   "truncated"     seq: a reply whose fds could not all be received (this process is out of them)
 //   "display", "message", "stacks", "collectives"   seq, data
 //   "exited"        code, signal, why ("exit code 3", "killed by SIGKILL": the runtime's words),
@@ -44,6 +46,7 @@ struct PyEvent {
   nb::object stream = nb::none();
   nb::object data = nb::bytes("", 0);
   nb::object fds = nb::tuple();  // the empty tuple is shared
+  nb::object slots = nb::tuple();
   int code = 0;
   int signal = 0;
   nb::object why = nb::none();
@@ -113,6 +116,7 @@ std::optional<PyEvent> classify(ddip::Event& e) {
       }
       if (truncated) return std::nullopt;  // a display or message whose buffers were lost
       p.data = to_bytes(e.frame.data());
+      if (!e.slots.empty()) p.slots = nb::tuple(nb::cast(e.slots));
       if (e.frame.kind == ddip::kDone && e.frame.fds) {
         nb::list fds;
         for (auto& fd : *e.frame.fds) fds.append(fd.release());
@@ -153,23 +157,25 @@ std::optional<PyEvent> classify(ddip::Event& e) {
 }  // namespace
 
 void init_coordinator(nb::module_& m) {
-  nb::class_<PyEvent>(m, "Event",
-                      "What a group's runtime reports: kind (output, hello, done, truncated, "
-                      "display, message, stacks, collectives, exited, lost, unresponsive, "
-                      "responsive, disconnected, failed), the worker's slot, and the fields of that kind.")
+  m.attr("REPLY_WINDOW_MS") = ddip::ReplyGather::kWindow.count();
+  nb::class_<PyEvent>(
+      m, "Event",
+      "What a group's runtime reports: kind (output, hello, done, truncated, "
+      "display, message, stacks, collectives, exited, lost, unresponsive, "
+      "responsive, disconnected, failed), the worker's slot, and the fields of that kind.")
       .def_ro("kind", &PyEvent::kind)
       .def_ro("slot", &PyEvent::slot)
       .def_ro("seq", &PyEvent::seq)
       .def_ro("stream", &PyEvent::stream)
       .def_ro("data", &PyEvent::data)
       .def_ro("fds", &PyEvent::fds)
+      .def_ro("slots", &PyEvent::slots)
       .def_ro("code", &PyEvent::code)
       .def_ro("signal", &PyEvent::signal)
       .def_ro("why", &PyEvent::why)
       .def_ro("age", &PyEvent::age)
       .def("__repr__", [](const PyEvent& e) {
-        return nb::str("<Event {} slot={} seq={} {!r}>")
-            .format(e.kind, e.slot, e.seq, e.data);
+        return nb::str("<Event {} slot={} seq={} {!r}>").format(e.kind, e.slot, e.seq, e.data);
       });
   nb::class_<ddip::Coordinator>(m, "Coordinator",
                                 "Kernel side of a group: spawns workers, owns every fd on one "
@@ -180,7 +186,7 @@ void init_coordinator(nb::module_& m) {
              int partial_line_ms, int heartbeat_timeout_ms, int pool_idle_ms,
              ddip::RankTemplate* rank_template, const std::vector<HostSpec>& hosts,
              const std::string& bind_address, int bind_port, ddip::AgentKeeper* agent_keeper,
-             int remote_warm) {
+             int remote_warm, int reply_window_ms) {
             ddip::CoordinatorOptions o;
             for (const auto& [argv, env, cwd] : workers) {
               ddip::SpawnSpec s;
@@ -211,6 +217,8 @@ void init_coordinator(nb::module_& m) {
                   "remote_warm must be 0 (cold), 1 (when ready) or 2 (wait)");
             o.agent_keeper = agent_keeper;  // kept alive by this object (keep_alive below)
             o.remote_warm = static_cast<uint32_t>(remote_warm);
+            if (reply_window_ms < 0) throw std::invalid_argument("reply_window_ms must be >= 0");
+            o.reply_window = std::chrono::milliseconds(reply_window_ms);
             nb::gil_scoped_release release;
             new (self) ddip::Coordinator(std::move(o));
           },
@@ -218,7 +226,8 @@ void init_coordinator(nb::module_& m) {
           "heartbeat_timeout_ms"_a = 10000, "pool_idle_ms"_a = 5000,
           nb::arg("rank_template").none() = nb::none(), "hosts"_a = std::vector<HostSpec>{},
           "bind_address"_a = "127.0.0.1", "bind_port"_a = 0,
-          nb::arg("agent_keeper").none() = nb::none(), "remote_warm"_a = 0, nb::keep_alive<1, 11>(),
+          nb::arg("agent_keeper").none() = nb::none(), "remote_warm"_a = 0, "reply_window_ms"_a = 0,
+          nb::keep_alive<1, 11>(),
           "heartbeat_timeout_ms: a worker silent this long is reported unresponsive (0: never); "
           "pool_idle_ms: pooled shared memory unused this long is freed (0: kept); rank_template: "
           "fork workers from this warm template; hosts: (name, launcher argv, launcher env, "
@@ -226,7 +235,9 @@ void init_coordinator(nb::module_& m) {
           "(0: any free port) over authenticated TCP; agent_keeper: lease each host's launcher "
           "from "
           "these standing agents (none: one-shot); remote_warm: fork there from the host's rank "
-          "template (0 no, 1 when ready, 2 waiting for it).")
+          "template (0 no, 1 when ready, 2 waiting for it); reply_window_ms: how long a host's "
+          "agent holds its ranks' replies to a request for the rest of them, to send them as one "
+          "frame (0: REPLY_WINDOW_MS).")
       .def_prop_ro("pids",
                    [](const ddip::Coordinator& c) {
                      auto pids = c.pids();
@@ -236,6 +247,9 @@ void init_coordinator(nb::module_& m) {
       .def_prop_ro("link_address", &ddip::Coordinator::link_address)
       .def_prop_ro("rejected_connections", &ddip::Coordinator::rejected_connections)
       .def_prop_ro("last_rejection", &ddip::Coordinator::last_rejection)
+      .def_prop_ro("host_reply_frames", &ddip::Coordinator::host_reply_frames,
+                   "Frames that brought replies from other hosts (one per host and request where "
+                   "their agents gather them).")
       .def_prop_ro("running", &ddip::Coordinator::running)
       .def(
           "send",
@@ -275,12 +289,14 @@ void init_coordinator(nb::module_& m) {
           "next_event",
           [](ddip::Coordinator& c, double timeout_ms) -> nb::object {
             // Waits in slices (Ctrl-C is never blocked); what is not the notebook's is skipped.
-            auto deadline = std::chrono::steady_clock::now() +
-                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double, std::milli>(std::max(timeout_ms, 0.0)));
+            auto deadline =
+                std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double, std::milli>(std::max(timeout_ms, 0.0)));
             while (true) {
               double left = std::chrono::duration<double, std::milli>(
-                                deadline - std::chrono::steady_clock::now()).count();
+                                deadline - std::chrono::steady_clock::now())
+                                .count();
               auto e = ddip_python::wait_in_slices<ddip::Event>(
                   std::max(left, 0.0),
                   [&](std::chrono::milliseconds slice) { return c.next_event(slice); });

@@ -43,6 +43,9 @@ from .runtime import BACKGROUND_KEEP_BYTES, Runtime  # noqa: F401
 from .spec import RanksSpec, check_env, resolve_backend  # noqa: F401  (resolve_backend: the magics')
 
 _open_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()
+# How long a host's agent holds its ranks' replies to a request for the rest of them, to send
+# them as one frame (the runtime's default; tests lengthen it to count the frames).
+REPLY_WINDOW_MS = _core.REPLY_WINDOW_MS
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -209,7 +212,8 @@ class Group:
                           bind_address=layout.bind)
             if remote["hosts"]:
                 remote.update(agent_keeper=_keeper.agent_keeper(),
-                              remote_warm=_keeper.remote_warm(self._warm, uses_torch))
+                              remote_warm=_keeper.remote_warm(self._warm, uses_torch),
+                              reply_window_ms=REPLY_WINDOW_MS)
         coord = _core.Coordinator(specs, heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
                                   rank_template=tmpl, **remote)
         _template.after_start(tmpl, refusals)

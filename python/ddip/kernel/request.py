@@ -96,6 +96,28 @@ class Request:
         self.prompts = _debugger.Prompts()  # ranks' debuggers waiting at a prompt
 
 
+class SharedReply:
+    """One reply that several ranks sent byte for byte alike, which their host's agent gathered
+    into one (every rank's None after `pass`): unpickled once for all of them. Each rank gets
+    that one object where nothing in it can change in place (a None, a number, a string); else a
+    copy of its own, unpickled again, so that no two ranks' results are one mutable object."""
+
+    __slots__ = ("data", "_reply")
+    _ATOMS = (type(None), bool, int, float, complex, str, bytes)
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self._reply = None
+
+    def take(self):
+        if self._reply is not None:
+            return self._reply
+        reply = loads_framed(self.data, ())
+        if reply.error is None and type(reply.value) in self._ATOMS:
+            self._reply = reply
+        return reply
+
+
 @dataclass
 class Callbacks:
     on_output: Callable | None = None  # (rank, "stdout" | "stderr", text), live
@@ -402,7 +424,8 @@ def _handle(req: Request, item, cb: Callbacks):
         return
     if tag == "done":
         try:
-            _fill(r, loads_framed(item[2], item[3]))
+            data = item[2]
+            _fill(r, data.take() if isinstance(data, SharedReply) else loads_framed(data, item[3]))
         except Exception as exc:
             r.error = RankFailure(
                 rank=r.rank, ename="UnpicklingError",

@@ -20,7 +20,7 @@ from .. import _core
 from ..errors import FailureKind, RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
 from ..labels import LabelledOutput
 from ..messages import dumps, dumps_framed, loads
-from .request import Request, close_fds
+from .request import Request, SharedReply, close_fds
 
 # Events from _core.Coordinator are _core.Event objects whose kind the runtime has classified
 # (python/src/bind_coordinator.cpp): ev.kind, ev.slot, ev.seq, ev.data, ... What a request's
@@ -146,6 +146,8 @@ class Runtime:
             else:
                 self.keep_background(slot, ev.stream, ev.data)
         elif kind in _REPLY_KINDS:
+            if ev.slots:
+                return self.dispatch_shared(ev)
             if req is None or req.seq != ev.seq:
                 close_fds(ev.fds)  # a reply to a request its rank no longer runs (cannot happen)
                 return
@@ -185,6 +187,19 @@ class Runtime:
                 for s in list(r.pending):
                     r.mailbox.append(("broken", s, self.broken))
             self.running = {}
+
+    def dispatch_shared(self, ev):
+        """A reply that several ranks of one host sent alike, gathered by its agent (ev.slots):
+        each of their requests gets it, to be unpickled once for all (request.SharedReply)."""
+        shared = SharedReply(ev.data)
+        for slot in ev.slots:
+            req = self.running.get(slot)
+            if req is None or req.seq != ev.seq:
+                continue  # a reply to a request its rank no longer runs (cannot happen)
+            req.mailbox.append(("done", slot, shared, ()))
+            del self.running[slot]
+            if self.state[slot] == "busy":
+                self.state[slot] = "idle"
 
     def respawn(self, slot: int, env: dict[str, str], template_for=None) -> int:
         """Starts a dead slot's rank again: its spec as it was started, with `env` on top, forked
