@@ -776,8 +776,8 @@ def test_ddip_run_names_a_host_it_cannot_reach(hosts, tmp_path):
     assert all(wait_until(lambda x=x: not alive(x), 10) for x in _rank_pids(out))
 
 
-def test_ddip_run_with_this_machine_and_a_template_host(tmp_path):
-    # A "remote" host reached by a template that runs its ddip run right here: two ranks of
+def test_ddip_run_with_this_machine_and_a_launcher_command_host(tmp_path):
+    # Another "host" reached by a launcher command that runs its ddip run right here: two ranks of
     # this machine's own, one behind the launcher, in one gloo group over loopback.
     p = _ddip_run(["--hosts", "localhost:2,here:1", "--launcher", "exec {command} # {host}",
                    "--master-addr", "127.0.0.1"], RUN_ALL_REDUCE, tmp_path)
@@ -877,8 +877,8 @@ def test_ddip_run_hosts_bad_input_is_a_usage_error(tmp_path):
         (["--hosts=-v:1"], "can't start with '-'"),
         (["--hosts", "-v:1"], "--hosts: needs a value"),  # argparse's rule, as torchrun's
         (["--hosts", "a[0,0]"], "lists a GPU twice"),
-        (["--hosts", "a:1", "--launcher", "telnet"], "must be ssh, slurm or a template"),
-        (["--hosts", "a:1", "--launcher", "ssh {host}"], "needs both {host} and {command}"),
+        (["--hosts", "a:1", "--launcher", "telnet"], "must be ssh, slurm or a launcher command with {host} and"),
+        (["--hosts", "a:1", "--launcher", "ssh {host}"], "has no {command}: a launcher command needs both"),
         (["--launcher", "ssh", "-n", "2"], "requires --hosts"),
     ):
         p = _ddip_run(args, "print('never')", tmp_path)
@@ -900,8 +900,8 @@ def test_a_launcher_that_fails_names_the_host_and_its_output():
     assert "far" in str(err.value) and "exit code 3" in str(err.value) and "no route to far" in str(err.value)
 
 
-def test_local_and_template_hosts_run_one_group():
-    # A "remote" host reached by a template that runs the agent right here, over loopback TCP.
+def test_local_and_launcher_command_hosts_run_one_group():
+    # Another "host" reached by a launcher command that runs its agent right here, over loopback TCP.
     with ddip.Group(hosts="localhost:1,here:2", launcher="exec {command} # {host}", bind="127.0.0.1",
                     backend="gloo") as g:
         r = g.run(ALL_REDUCE)

@@ -1,6 +1,6 @@
-// Standing agents: the launcher (ssh, srun, a template) and the HostAgent it runs on another
-// host, kept for as long as the kernel lives instead of one per group, so that a host's rank
-// template (its warm ranks) outlives each group, like the kernel's own.
+// Standing agents: the launcher (ssh, srun, a launcher command) and the HostAgent it runs on
+// another host, kept for as long as the kernel lives instead of one per group, so that a host's
+// rank template (its warm ranks) outlives each group, like the kernel's own.
 //
 // The AgentKeeper spawns launchers from a thread of its own that lives as long as the object,
 // because PR_SET_PDEATHSIG binds a child to the *thread* that created it: a group's IO thread

@@ -639,7 +639,9 @@ std::vector<std::string> launcher_argv(const std::string& launcher, const std::s
   bool has_command = launcher.find("{command}") != std::string::npos;
   if (has_host || has_command) {
     if (!has_host || !has_command)
-      throw std::invalid_argument("a launcher template needs both {host} and {command}, e.g. "
+      throw std::invalid_argument("the launcher command '" + launcher + "' has no " +
+                                  (has_host ? "{command}" : "{host}") +
+                                  ": a launcher command needs both {host} and {command}, e.g. "
                                   "'docker exec -i {host} {command}'");
     std::string text = launcher;
     for (auto [key, value] : {std::pair<std::string, std::string>{"{host}", shell_quote(host)},
@@ -652,7 +654,9 @@ std::vector<std::string> launcher_argv(const std::string& launcher, const std::s
   }
   auto words = split_words(launcher);
   if (words.empty())
-    throw std::invalid_argument("the launcher is empty; give ssh, slurm or a template");
+    throw std::invalid_argument(
+        "the launcher is empty: give ssh (the default), slurm or a "
+        "launcher command with {host} and {command}");
   std::vector<std::string> extra(words.begin() + 1, words.end());
   std::vector<std::string> argv;
   if (words[0] == "ssh") {
@@ -680,8 +684,10 @@ std::vector<std::string> launcher_argv(const std::string& launcher, const std::s
     argv.insert(argv.end(), command.begin(), command.end());
     return argv;
   }
-  throw std::invalid_argument("the launcher must be ssh, slurm or a template with {host} and "
-                              "{command}, got '" + launcher + "'");
+  throw std::invalid_argument(
+      "the launcher must be ssh, slurm or a launcher command with {host} "
+      "and {command} (e.g. 'docker exec -i {host} {command}'), got '" +
+      launcher + "'");
 }
 
 }  // namespace ddip::plan

@@ -169,9 +169,9 @@ std::string shell_quote(const std::string& word);
 std::vector<std::string> split_words(const std::string& text);
 
 // The command, run on this machine, that starts `command` on `host`: launcher "ssh [ssh options]"
-// (default), "slurm [srun options]", or a template with {host} and {command}, run by /bin/sh.
-// `slurm_cpus`: CPUs of every node (uniform_cpus), or "". ssh gives up on a silent server after
-// about `link_timeout_s`. The user's ssh options come first, so they win over ddip's
+// (default), "slurm [srun options]", or a launcher command with {host} and {command}, run by
+// /bin/sh. `slurm_cpus`: CPUs of every node (uniform_cpus), or "". ssh gives up on a silent
+// server after about `link_timeout_s`. The user's ssh options come first, so they win over ddip's
 // (BatchMode=yes, ServerAlive*): ssh takes an option's first value. Throws std::invalid_argument
 // for a launcher it can't use.
 std::vector<std::string> launcher_argv(const std::string& launcher, const std::string& host,

@@ -61,6 +61,15 @@ std::string gpu_error(const Args& req, const GpuView& v) {
   return "";
 }
 
+std::string launcher_error(const std::string& launcher) {
+  try {
+    launcher_argv(launcher, "a", {"/opt/ddip", "run"});
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST(VisibleGpus, UnsetMeansEveryPhysicalGpu) {
@@ -364,7 +373,7 @@ TEST(Launchers, QuotingAndWords) {
   EXPECT_THROW(split_words("ssh 'open"), std::invalid_argument);
 }
 
-TEST(Launchers, SshSlurmAndTemplates) {
+TEST(Launchers, SshSlurmAndLauncherCommands) {
   std::vector<std::string> cmd = {"/opt/ddip", "run", "--", "python", "it's.py"};
   EXPECT_EQ(launcher_argv("ssh -p 2222", "node2", cmd),
             (std::vector<std::string>{"ssh", "-p", "2222", "-T", "-o", "BatchMode=yes", "-o",
@@ -383,9 +392,18 @@ TEST(Launchers, SshSlurmAndTemplates) {
   // A shorter --link-timeout shortens ssh's patience with a silent host too.
   auto quick = launcher_argv("ssh", "a", cmd, "", 6);
   EXPECT_NE(std::find(quick.begin(), quick.end(), "ServerAliveInterval=2"), quick.end());
-  EXPECT_THROW(launcher_argv("ssh {host}", "a", cmd), std::invalid_argument);
-  EXPECT_THROW(launcher_argv("rsh", "a", cmd), std::invalid_argument);
-  EXPECT_THROW(launcher_argv("", "a", cmd), std::invalid_argument);
+  // Each refusal names the problem and the fix, in the docs' words ("launcher command").
+  EXPECT_EQ(launcher_error("ssh {host}"),
+            "the launcher command 'ssh {host}' has no {command}: a launcher command needs both "
+            "{host} and {command}, e.g. 'docker exec -i {host} {command}'");
+  EXPECT_NE(launcher_error("kubectl exec -i x -- {command}").find("has no {host}"),
+            std::string::npos);
+  EXPECT_EQ(launcher_error("rsh"),
+            "the launcher must be ssh, slurm or a launcher command with {host} and {command} "
+            "(e.g. 'docker exec -i {host} {command}'), got 'rsh'");
+  EXPECT_EQ(launcher_error(""),
+            "the launcher is empty: give ssh (the default), slurm or a launcher command with "
+            "{host} and {command}");
 }
 
 TEST(Hosts, GpusForEveryHostOrPerHost) {

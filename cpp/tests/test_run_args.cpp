@@ -150,7 +150,8 @@ TEST(Hosts, CommandLine) {
             std::string::npos);
   EXPECT_NE(error_of({"run", "--launcher", "ssh", "true"}).find("requires --hosts"),
             std::string::npos);
-  EXPECT_NE(error_of({"run", "--hosts", "a:1", "--launcher", "rsh", "true"}).find("must be ssh"),
+  EXPECT_NE(error_of({"run", "--hosts", "a:1", "--launcher", "rsh", "true"})
+                .find("must be ssh, slurm or a launcher command with {host} and {command}"),
             std::string::npos);
   EXPECT_EQ(error_of({"run", "--master-port", "0", "true"}),
             "--master-port: give a port from 1 to 65535, got '0'");

@@ -309,8 +309,8 @@ void CommandLine::add_host_options() {
       ->type_name("LIST");
   option("--launcher",
          "How --hosts are reached: ssh (default; 'ssh -p 2222' adds ssh options), slurm (srun, "
-         "inside an allocation; 'slurm --mpi=none' adds srun options), or a template with "
-         "{host} and {command}, run by /bin/sh",
+         "inside an allocation; 'slurm --mpi=none' adds srun options), or a launcher command with "
+         "{host} and {command}, run by /bin/sh (e.g. 'docker exec -i {host} {command}')",
          "")
       ->type_name("LAUNCHER");
   option("--ddip",

@@ -1,6 +1,6 @@
 // What two `ddip run`s say to each other: the one started on another host (`ddip run --node`)
-// and the one that started it through a launcher (ssh, srun, a template). Every message is one
-// line, "\x1e" "ddip KIND FIELD...\n", encoded and decoded only here.
+// and the one that started it through a launcher (ssh, srun, a launcher command). Every message is
+// one line, "\x1e" "ddip KIND FIELD...\n", encoded and decoded only here.
 //
 // - To the host (its stdin, the control channel): Ping, Signal, Stop, Kill, Answer, Collect.
 // - From the host (its stderr, between its ranks' labelled lines): RankFailed, NodeDone, Prompt,
