@@ -1,8 +1,8 @@
 """`ddip.ranch(..., hosts=...)` and `%%diprun --hosts` across hosts: the notebook (this test
 process) is rank 0 here, its children run on the two network-namespace hosts of
 tests/test_multihost.py (each with its own sshd), and the cell's script of `%%diprun` travels
-with the launch. Also, without root, a "host" reached by a template that runs its agent right
-here.
+with the launch. Also, without root, a "host" reached by a launcher command that runs its
+agent right here.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def rank_env():
             e.get("DDIP_HOST"), e.get("EXTRA"), os.getpid())
 
 
-def test_ranch_with_this_machine_and_a_template_host():
+def test_ranch_with_this_machine_and_a_launcher_command_host():
     # Two ranks here (the notebook and a child), two behind a launcher that runs the agent here.
     before = children_of(os.getpid())
     res = ddip.ranch(4, rank_env, hosts={"localhost": 2, "here": 2}, launcher=HERE, bind="127.0.0.1",
@@ -200,7 +200,7 @@ def test_ranch_with_this_machine_and_a_template_host():
     assert res[0][7] == os.getpid() and len({r[7] for r in res}) == 4
     assert [r[6] for r in res] == [os.environ.get("EXTRA"), "x", "x", "x"]  # env= is the children's
     assert all(wait_until(lambda p=r[7]: not alive(p), 10) for r in res[1:])
-    # The template host's standing agent stays for the next launch, until the hosts are let go.
+    # That host's standing agent stays for the next launch, until the hosts are let go.
     assert ddip.hosts.release() == 1
     assert children_of(os.getpid()) <= before
 
@@ -232,7 +232,7 @@ def gloo_sum():
     return int(t.item())
 
 
-def test_torchddp_launch_with_a_template_host_and_caller_rank_none():
+def test_torchddp_launch_with_a_launcher_command_host_and_caller_rank_none():
     assert ddip.torchddp_launch(None, gloo_sum, hosts="localhost:1,here:1", launcher=HERE, bind="127.0.0.1") == 3
     # Every rank a child: the host list need not start with this machine. (MASTER_ADDR is then
     # rank 0's host as written: a loopback address that is not this machine's name.)

@@ -683,7 +683,7 @@ def test_forwarded_signal_escalates_to_sigkill_after_the_grace(launcher, tmp_pat
 
 
 def test_forwarded_signal_escalates_on_another_hosts_ddip_run(launcher, tmp_path):
-    # One rank here, one behind a launcher (a template running that host's ddip run right here):
+    # One rank here, one behind a launcher command that runs that host's ddip run right here:
     # both ignore the forwarded SIGTERM and are killed after the grace.
     p = launcher(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
                   "--master-addr", "127.0.0.1", PY, script(tmp_path, IGNORES_SIGNALS)])
@@ -874,7 +874,7 @@ def test_torchelastic_environment(launcher, tmp_path):
 
 
 def test_torchelastic_run_id_is_the_same_on_every_host(launcher, tmp_path):
-    # One rank here, one behind a launcher (a template running that host's ddip run right here).
+    # One rank here, one behind a launcher command that runs that host's ddip run right here.
     code, out, err = run(launcher, ["run", "--hosts", "localhost:1,here:1", "--launcher",
                                     "exec {command} # {host}", "--master-addr", "127.0.0.1", PY,
                                     script(tmp_path, ELASTIC_SCRIPT)], timeout=180)

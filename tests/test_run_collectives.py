@@ -133,7 +133,7 @@ def test_ctrl_c_prints_the_same_and_the_job_stops(terminal, tmp_path):
 
 
 def test_a_remote_ranks_answer_comes_through_its_hosts_ddip_run(terminal, tmp_path):
-    # Rank 1 runs under that host's own `ddip run --node`, reached by a launcher template that
+    # Rank 1 runs under that host's own `ddip run --node`, reached by a launcher command that
     # runs it right here: Collect goes down its control channel, its answer comes back up.
     t = terminal(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
                   "--master-addr", "127.0.0.1", PY, script(tmp_path, SKIPS.format(**ASYNC))])

@@ -259,7 +259,7 @@ def test_diprun_stop_button_at_a_prompt_ends_the_cell(kernel, tmp_path):
 
 
 def test_a_rank_on_another_host_prompts_here_and_gets_its_answer(terminal, tmp_path):
-    # Rank 1 runs under that host's own `ddip run --node`, reached by a launcher template that
+    # Rank 1 runs under that host's own `ddip run --node`, reached by a launcher command that
     # runs it right here: the prompt and the answers travel its control channel.
     t = terminal(["run", "--hosts", "localhost:1,here:1", "--launcher", "exec {command} # {host}",
                   "--master-addr", "127.0.0.1", "--", PY, two_ranks(tmp_path)])
@@ -304,7 +304,7 @@ def test_q_at_a_prompt_ends_that_rank_as_pdb_does_and_the_report_shows_no_record
 def test_diprun_across_hosts_asks_a_remote_ranks_prompt_in_the_notebook(kernel, tmp_path):
     fifo = tmp_path / "rank1-went-on"
     os.mkfifo(fifo)
-    # 127.0.0.2: another "host" (not this machine's name) whose launcher template runs right here.
+    # 127.0.0.2: another "host" (not this machine's name) whose launcher command runs it right here.
     cell = ("%%diprun --hosts localhost:1,127.0.0.2:1 --launcher 'exec {command} # {host}'\n"
             + textwrap.dedent(TWO_RANKS.format(fifo=str(fifo))))
     answers = ["p x", "c"]

@@ -393,7 +393,7 @@ def test_a_node_whose_ranks_end_first_waits_for_the_jobs_end(nodes, tmp_path):
 
 
 def test_max_restarts_with_hosts_counts_on_every_host(nodes, tmp_path):
-    # A second "host" reached by a template that starts its ddip run right here (--node): it is
+    # A second "host" reached by a launcher command that starts its ddip run right here (--node): it is
     # told each attempt's count, so its rank sees restart 1 in the attempt that succeeds.
     rank_py = script(tmp_path, FAILS_FIRST_TIME)
     p = nodes(["--hosts", f"{HOST}:1,127.0.0.2:1", "--launcher", "H={host}; {command}",
