@@ -1,7 +1,7 @@
-// The link protocol: what the kernel's HostLinks (links.hpp) and a host's HostAgent (remote.hpp)
-// say to each other. The ticket a launcher hands the agent, the frame kinds that travel only on
-// a link, and their payloads. Both ends include this header and nothing of each other's, so
-// either side can change how it works without the other's header in its build.
+// The link protocol: what the kernel's HostLinks (links.hpp) and a host's HostAgent
+// (host_agent.hpp) say to each other. The ticket a launcher hands the agent, the frame kinds that
+// travel only on a link, and their payloads. Both ends include this header and nothing of each
+// other's, so either side can change how it works without the other's header in its build.
 //
 // Payloads are little-endian fixed-width integers and length-prefixed strings; a payload that
 // ends early or announces more than it holds is corrupt (std::runtime_error): from an

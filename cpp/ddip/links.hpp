@@ -1,5 +1,5 @@
 // The coordinator's links to other hosts. Each remote host has a launcher here (ssh, srun, a
-// template) that starts a HostAgent there (remote.hpp); the agent connects back over TCP,
+// template) that starts a HostAgent there (host_agent.hpp); the agent connects back over TCP,
 // authenticates (auth.hpp), and from then on one sealed Connection carries the frames of all that
 // host's workers (their slot in the frame's rank field), their output (kOutput) and their exits
 // (kExit). A link that fails, or a launcher that exits before its host connected, is the death of
@@ -32,7 +32,7 @@
 namespace ddip {
 
 // A host other than this one. Its launcher (ssh, srun, a template) is started here with the
-// link's address and key on its stdin and runs a HostAgent there (remote.hpp), which connects
+// link's address and key on its stdin and runs a HostAgent there (host_agent.hpp), which connects
 // back over authenticated TCP and starts the host's workers.
 struct RemoteHost {
   std::string name;  // in messages
@@ -52,7 +52,7 @@ struct LinkOptions {
   // Standing agents, kept for the kernel's life (keeper.hpp): each host's launcher is leased
   // from it instead of started for this group alone (none: one-shot launchers, as `ddip run`).
   AgentKeeper* keeper = nullptr;
-  // With a keeper: the ticket's `warm` (remote.hpp): fork the workers from the host's template.
+  // With a keeper: the ticket's `warm` (host_agent.hpp): fork the workers from the host's template.
   uint32_t warm = 0;
   // How long each host's agent holds its workers' replies to a request for the rest of them
   // (LinkTicket::reply_window_ms; 0: the agent's default).

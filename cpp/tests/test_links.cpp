@@ -18,9 +18,9 @@
 #include <sstream>
 #include <thread>
 
+#include "ddip/host_agent.hpp"
 #include "ddip/link_protocol.hpp"
 #include "ddip/links.hpp"
-#include "ddip/remote.hpp"
 #include "helpers.hpp"
 
 using namespace ddip;
@@ -52,9 +52,9 @@ struct Kernel {
     LinkOptions o;
     RemoteHost h;
     h.name = "far";
-    h.launcher = test::sh("cat > " + (dir / "ticket.part").string() + " && mv " +
-                          (dir / "ticket.part").string() + " " + (dir / "ticket").string() +
-                          "; " + script);
+    h.launcher =
+        test::sh("cat > " + (dir / "ticket.part").string() + " && mv " +
+                 (dir / "ticket.part").string() + " " + (dir / "ticket").string() + "; " + script);
     h.slots = {1, 2};
     o.hosts.push_back(h);
     o.handshake_timeout = 2000ms;
@@ -117,7 +117,8 @@ Channel connect_as_host(const LinkTicket& t, const std::string& key) {
   auto deadline = Clock::now() + 5s;
   Fd sock = connect_tcp(t.address, t.port, 5s);
   HostHandshake hs(key, t.host);
-  write_all(sock.get(), hs.respond(read_exact(sock.get(), KernelHandshake::kChallengeBytes, deadline)),
+  write_all(sock.get(),
+            hs.respond(read_exact(sock.get(), KernelHandshake::kChallengeBytes, deadline)),
             deadline);
   LinkKeys keys = hs.verify(read_exact(sock.get(), KernelHandshake::kProofBytes, deadline));
   Channel ch(std::move(sock));
@@ -192,10 +193,9 @@ TEST(HostLinks, AnAuthenticatedHostGetsItsWorkersAndSpeaksForThem) {
   host->send(Frame::make(kDone, 1, 10, "after its exit: ignored"));
   ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 5; }));
   k.loop.run_once(Clock::now() + 50ms);
-  EXPECT_EQ(k.seen.log,
-            (std::vector<std::string>{"hello:1", "frame:1:" + std::to_string(kHello),
-                                      "out:1:2:to stderr\n", "frame:1:" + std::to_string(kDone),
-                                      "exit:1:3:last line"}));
+  EXPECT_EQ(k.seen.log, (std::vector<std::string>{
+                            "hello:1", "frame:1:" + std::to_string(kHello), "out:1:2:to stderr\n",
+                            "frame:1:" + std::to_string(kDone), "exit:1:3:last line"}));
   EXPECT_EQ(k.links->rejected(), 0u);
 }
 
@@ -235,7 +235,8 @@ TEST(HostLinks, OneHeartbeatPerHostAndItsAckSpeaksForEveryWorkerItVouchesFor) {
   // Vouching for a slot that is not on that host is corruption: the host is lost.
   host->send(Frame::make(kHeartbeatAck, kHostRank, 0, encode_slots({1, 0})));
   ASSERT_TRUE(k.run_until([&] { return k.seen.lost_why.has_value(); }));
-  EXPECT_NE(k.seen.lost_why->find("vouched for rank slot 0, which is not on that host"), std::string::npos)
+  EXPECT_NE(k.seen.lost_why->find("vouched for rank slot 0, which is not on that host"),
+            std::string::npos)
       << *k.seen.lost_why;
 }
 
@@ -497,13 +498,13 @@ TEST(ConnectToKernel, AnAgentThatNeverGetsInSaysWhatTheListenerSaid) {
 TEST(HostLinks, AStartThatFailsWhileStrangersHeldThePortSaysSo) {
   // The agent never got in (its launcher ends): the loss names what the listener closed.
   fs::path go = fs::temp_directory_path() / ("ddip-test-links-go-" + std::to_string(::getpid()));
-  Kernel k("while [ ! -e " + go.string() +
-           " ]; do sleep 0.02; done; echo 'no way in' >&2; exit 1");
+  Kernel k("while [ ! -e " + go.string() + " ]; do sleep 0.02; done; echo 'no way in' >&2; exit 1");
   LinkTicket t = k.ticket();
   testing::internal::CaptureStderr();
   std::vector<Fd> idle;
   for (int i = 0; i < 20; ++i) idle.push_back(stranger(t));
-  ASSERT_TRUE(k.run_until([&] { return k.links->rejected() == 20 - HostLinks::kHandshakesPerPeer - 1; }));
+  ASSERT_TRUE(
+      k.run_until([&] { return k.links->rejected() == 20 - HostLinks::kHandshakesPerPeer - 1; }));
   { std::ofstream(go.string()) << "go"; }
   ASSERT_TRUE(k.run_until([&] { return k.seen.log.size() >= 2; }));
   fs::remove(go);

@@ -12,7 +12,7 @@ namespace nb = nanobind;
 void init_coordinator(nb::module_& m);
 void init_endpoint(nb::module_& m);
 void init_rank_template(nb::module_& m);
-void init_remote(nb::module_& m);
+void init_host_agent(nb::module_& m);
 void init_plan(nb::module_& m);
 void init_keeper(nb::module_& m);
 void init_collectives(nb::module_& m);
@@ -44,13 +44,14 @@ NB_MODULE(_core, m) {
   m.attr("MAX_FDS") = ddip::kMaxFdsPerFrame;
   // C stdio buffers (printf from a C extension) are flushed before a reply and before exit, so
   // that output is in the pipe before "done" says the request's output is complete.
-  m.def("flush_stdio", [] { std::fflush(nullptr); }, "fflush(NULL): flushes every C stdio stream.");
+  m.def(
+      "flush_stdio", [] { std::fflush(nullptr); }, "fflush(NULL): flushes every C stdio stream.");
   m.attr("DISPLAY_MARKER") = nb::bytes(ddip::kDisplayMarker.data(), ddip::kDisplayMarker.size());
   init_rank_template(m);
   init_keeper(m);
   init_coordinator(m);
   init_endpoint(m);
-  init_remote(m);
+  init_host_agent(m);
   init_plan(m);
   init_collectives(m);
   init_output(m);

@@ -19,8 +19,8 @@
 
 #include "ddip/coordinator.hpp"
 #include "ddip/endpoint.hpp"
+#include "ddip/host_agent.hpp"
 #include "ddip/keeper.hpp"
-#include "ddip/remote.hpp"
 #include "ddip/tcp.hpp"
 #include "helpers.hpp"
 
@@ -146,7 +146,7 @@ bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
 }  // namespace
 
-TEST(Remote, WorkersOnAHostSpeakThroughTheLink) {
+TEST(HostAgent, WorkersOnAHostSpeakThroughTheLink) {
   Coordinator c(options());
   EXPECT_EQ(c.pids()[1], -1);
   EXPECT_FALSE(c.link_address().empty());
@@ -166,7 +166,7 @@ TEST(Remote, WorkersOnAHostSpeakThroughTheLink) {
   c.close();
 }
 
-TEST(Remote, BuffersTravelInBandBothWays) {
+TEST(HostAgent, BuffersTravelInBandBothWays) {
   Coordinator c(options());
   uint64_t id = c.pool().put("segment bytes", 13);
   c.send(2, Frame::make(kRequest, 2, 1, "segment"), {id});
@@ -186,7 +186,7 @@ TEST(Remote, BuffersTravelInBandBothWays) {
   c.close();
 }
 
-TEST(Remote, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
+TEST(HostAgent, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
   Coordinator c(options());
   uint64_t id = c.pool().put("shared bytes", 12);
   c.send(std::vector<int>{1, 2}, Frame::make(kRequest, 0, 3, "segment"), {id});
@@ -216,7 +216,7 @@ TEST(Remote, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
 
 // Four workers on one host: a request to all of them is one frame on the link, and their replies
 // one frame back, alike ones as one event naming them all, each worker's output before it.
-TEST(Remote, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFrame) {
+TEST(HostAgent, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFrame) {
   CoordinatorOptions o = options();
   for (int s = 3; s < 5; ++s) o.workers.push_back(worker(s));
   o.hosts[0].slots = {1, 2, 3, 4};
@@ -277,7 +277,7 @@ TEST(Remote, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFrame) 
   c.close();
 }
 
-TEST(Remote, ExitStatusAndStderrTailComeBack) {
+TEST(HostAgent, ExitStatusAndStderrTailComeBack) {
   Coordinator c(options());
   c.send(1, Frame::make(kRequest, 1, 1, "exit:3"));
   auto exited = wait_for(c, Event::kExited, 1);
@@ -290,7 +290,7 @@ TEST(Remote, ExitStatusAndStderrTailComeBack) {
   c.close();
 }
 
-TEST(Remote, SignalsReachTheRemoteWorker) {
+TEST(HostAgent, SignalsReachTheRemoteWorker) {
   Coordinator c(options());
   ASSERT_TRUE(wait_for(c, Event::kFrame, 2, 10s, kHello).last);
   c.signal(2, SIGKILL, true);
@@ -300,7 +300,7 @@ TEST(Remote, SignalsReachTheRemoteWorker) {
   c.close();
 }
 
-TEST(Remote, LauncherThatFailsNamesItsCause) {
+TEST(HostAgent, LauncherThatFailsNamesItsCause) {
   Coordinator c(
       options({"/bin/sh", "-c", "echo 'ssh: connect to host nowhere: refused' >&2; exit 255"}));
   auto lost = wait_for(c, Event::kLost, 1);
@@ -310,7 +310,7 @@ TEST(Remote, LauncherThatFailsNamesItsCause) {
   EXPECT_TRUE(c.close().empty());
 }
 
-TEST(Remote, WrongKeyAndGarbageAreRefusedAndTheGroupGoesOn) {
+TEST(HostAgent, WrongKeyAndGarbageAreRefusedAndTheGroupGoesOn) {
   Coordinator c(options());
   ASSERT_TRUE(wait_for(c, Event::kFrame, 1, 10s, kHello).last);
   std::string addr = c.link_address();
@@ -339,7 +339,7 @@ TEST(Remote, WrongKeyAndGarbageAreRefusedAndTheGroupGoesOn) {
   c.close();
 }
 
-TEST(Remote, AgentDeathIsItsWorkersDeathAndLeavesNoneBehind) {
+TEST(HostAgent, AgentDeathIsItsWorkersDeathAndLeavesNoneBehind) {
   Coordinator c(options());
   c.send(1, Frame::make(kRequest, 1, 1, "echo:x"));
   auto done = wait_for(c, Event::kFrame, 1, 10s, kDone);
@@ -364,7 +364,7 @@ TEST(Remote, AgentDeathIsItsWorkersDeathAndLeavesNoneBehind) {
   c.close();
 }
 
-TEST(Remote, CloseEndsEveryRemoteWorker) {
+TEST(HostAgent, CloseEndsEveryRemoteWorker) {
   pid_t worker;
   {
     Coordinator c(options());
@@ -385,7 +385,7 @@ pid_t remote_pid(Coordinator& c, int slot, uint64_t seq) {
   return done.last ? std::stoi(done.last->frame.data()) : -1;
 }
 
-TEST(Remote, AStandingAgentServesOneGroupAfterAnotherUntilTheKernelLetsItGo) {
+TEST(HostAgent, AStandingAgentServesOneGroupAfterAnotherUntilTheKernelLetsItGo) {
   AgentKeeper keeper(3000ms);
   auto o = options();
   o.agent_keeper = &keeper;
@@ -416,7 +416,7 @@ TEST(Remote, AStandingAgentServesOneGroupAfterAnotherUntilTheKernelLetsItGo) {
   EXPECT_TRUE(keeper.launchers().empty());
 }
 
-TEST(Remote, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilent) {
+TEST(HostAgent, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilent) {
   AgentKeeper keeper(3000ms, 100ms);
   auto o = options();
   o.agent_keeper = &keeper;
@@ -447,7 +447,7 @@ TEST(Remote, AnIdleStandingAgentStaysWhileTheKeeperSpeaksAndGoesWhenItFallsSilen
       << silent.why();
 }
 
-TEST(Remote, AKeptAgentThatDiesBeforeTheNextGroupsTicketIsReplacedByANewOne) {
+TEST(HostAgent, AKeptAgentThatDiesBeforeTheNextGroupsTicketIsReplacedByANewOne) {
   AgentKeeper keeper(3000ms);
   auto o = options();
   o.agent_keeper = &keeper;
@@ -469,7 +469,7 @@ TEST(Remote, AKeptAgentThatDiesBeforeTheNextGroupsTicketIsReplacedByANewOne) {
   c.close();
 }
 
-TEST(Remote, AStandingAgentWhoseGroupEndsUncleanlyIsLetGoWithItsWorkers) {
+TEST(HostAgent, AStandingAgentWhoseGroupEndsUncleanlyIsLetGoWithItsWorkers) {
   AgentKeeper keeper(3000ms);
   auto o = options();
   o.agent_keeper = &keeper;
@@ -493,7 +493,7 @@ TEST(Remote, AStandingAgentWhoseGroupEndsUncleanlyIsLetGoWithItsWorkers) {
   c.close();
 }
 
-TEST(Remote, TheEndOfTheKeeperEndsItsAgentsAndTheirWorkers) {
+TEST(HostAgent, TheEndOfTheKeeperEndsItsAgentsAndTheirWorkers) {
   pid_t agent, worker;
   auto keeper = std::make_unique<AgentKeeper>(3000ms);
   auto o = options();
@@ -532,7 +532,7 @@ std::string reply(Coordinator& c, int slot, uint64_t seq, const std::string& req
   return done.last ? done.last->frame.data() : "(no reply)";
 }
 
-TEST(Remote, AHostsAgentStartsItsExitedWorkersAgainInTheirSlotsWhenTheKernelAsks) {
+TEST(HostAgent, AHostsAgentStartsItsExitedWorkersAgainInTheirSlotsWhenTheKernelAsks) {
   AgentKeeper keeper(3000ms);
   auto o = options();
   o.agent_keeper = &keeper;
@@ -589,7 +589,7 @@ TEST(Remote, AHostsAgentStartsItsExitedWorkersAgainInTheirSlotsWhenTheKernelAsks
   EXPECT_EQ(keeper.launchers(), std::vector<pid_t>{agent}) << "the group ended cleanly there";
 }
 
-TEST(Remote, AWorkerWhoseHostsAgentIsGoneIsNotStartedAgainAndTheErrorNamesTheHost) {
+TEST(HostAgent, AWorkerWhoseHostsAgentIsGoneIsNotStartedAgainAndTheErrorNamesTheHost) {
   {
     Coordinator c(options());  // a one-shot agent: it leaves with its last worker
     ASSERT_GT(remote_pid(c, 1, 1), 0);

@@ -1,4 +1,4 @@
-#include "ddip/remote.hpp"
+#include "ddip/host_agent.hpp"
 
 #include <fcntl.h>
 #include <poll.h>

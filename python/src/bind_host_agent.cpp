@@ -5,12 +5,12 @@
 
 #include <optional>
 
-#include "ddip/remote.hpp"
+#include "ddip/host_agent.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
-void init_remote(nb::module_& m) {
+void init_host_agent(nb::module_& m) {
   m.def(
       "run_host_agent",
       [](const std::string& ticket, int kernel_timeout_ms, int connect_timeout_ms) {
