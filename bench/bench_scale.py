@@ -68,6 +68,7 @@ RT_WARMUP, RT_REPS = 10, 100
 PUSH_MIB, PUSH_REPS = 8, 5
 START_TIMEOUT_S = 600.0
 GLOO_TIMEOUT_S = 300.0
+IPP_ENGINE_TIMEOUT_S = 1800  # ipyparallel's wait for its engines to register (its default, 60 s, is too short here)
 MEM_FLOOR_GIB = 3.0  # a group that takes MemAvailable under this is stopped: the machine's other work must not be OOM-killed
 TARGET_WARM_S, TARGET_RT_S, TARGET_PUSH_X = 2.0, 0.010, 1.5  # issue 34, item 1, at 128 ranks on 16 hosts
 RESULTS = HERE / "results" / "scale.json"
@@ -351,9 +352,10 @@ def _bench_ipp(hosts, names, ranks: int, n_hosts: int, arr, machine: _Machine, p
 
             import ipyparallel
 
-            cluster = ipyparallel.Cluster(n=ranks, profile_dir=profile_dir, log_level=logging.ERROR)
+            cluster = ipyparallel.Cluster(n=ranks, profile_dir=profile_dir, log_level=logging.ERROR,
+                                          engine_timeout=IPP_ENGINE_TIMEOUT_S)
         else:
-            cluster = ipp_ssh_cluster(engines, hosts.ssh_config, hosts.me, profile_dir)
+            cluster = ipp_ssh_cluster(engines, hosts.ssh_config, hosts.me, profile_dir, IPP_ENGINE_TIMEOUT_S)
         client = cluster.start_and_connect_sync()
         view = client[:]
         view.execute("pass", block=True)
@@ -518,18 +520,28 @@ def plot(series: list[tuple[str, dict]], path: Path):
               (f"push {PUSH_MIB} MiB to every rank (s)", [("ddip", "ddip", lambda d: _med(d["push"])),
                                                            ("ipyparallel", "ipp", lambda d: _med(d["push"]))])]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    styles = ["-", "--", ":"]
+    colors = {"ddip": "tab:blue", "ddip warm": "tab:blue", "ddip cold": "tab:cyan", "ipyparallel": "tab:orange"}
     for ax, (title, curves) in zip(axes, panels):
         for si, (label, res) in enumerate(series):
+            last = si == len(series) - 1  # the latest run solid, earlier ones dotted
             for name, tool, get in curves:
-                pts = [(s["ranks"], get(s[tool])) for s in res["sizes"] if tool in s]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, styles[si % len(styles)], marker="o",
-                            label=f"{name}{', ' + label if label else ''}")
+                pts = [(s["ranks"], get(s[tool]), s[tool].get("mode", "")) for s in res["sizes"] if tool in s]
+                if not pts:
+                    continue
+                xs, ys, modes = zip(*pts)
+                suffix = f", {label}" if label and tool == "ddip" else ""
+                line, = ax.plot(xs, ys, "-" if last else ":", marker="o" if last else ".", color=colors[name],
+                                label=name + suffix)
+                local = [(x, y) for x, y, m in pts if m == "local engines"]
+                if local:  # ipyparallel's local engines where its ssh ones could not start: marked apart
+                    ax.plot(*zip(*local), "s", markersize=9, mfc="none", color=line.get_color(),
+                            label=f"{name} with local engines")
+        sizes = sorted({s["ranks"] for _, res in series for s in res["sizes"]})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_yscale("log")
-        ax.set_xlabel("ranks (hosts: 1, 1, 4, 16)")
+        hosts = ", ".join(str(s["hosts"]) for s in series[-1][1]["sizes"])
+        ax.set_xlabel(f"ranks (on {hosts} hosts)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

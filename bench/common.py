@@ -81,10 +81,12 @@ def close_group(g, grace: float = GRACE_S):
     psutil.wait_procs(procs, timeout=grace)
 
 
-def ipp_ssh_cluster(engines: dict[str, int], ssh_config: str, controller_ip: str, profile_dir: str):
+def ipp_ssh_cluster(engines: dict[str, int], ssh_config: str, controller_ip: str, profile_dir: str,
+                    engine_timeout: int = 60):
     """An ipyparallel Cluster (not started) with ssh engines as its docs show: `engines` {host: n}
     for SSHEngineSetLauncher, reached with the ssh config `ssh_config` (-F), this venv's Python
-    there, the controller listening on `controller_ip`. scp gets -O: the netns hosts' sshd has no
+    there, the controller listening on `controller_ip`, its engines given `engine_timeout` s to
+    register (ipyparallel's default 60 is too short for 128 on 2 cores). scp gets -O: the netns hosts' sshd has no
     sftp subsystem, and -O is scp's own protocol."""
     import logging
     import sys
@@ -98,4 +100,5 @@ def ipp_ssh_cluster(engines: dict[str, int], ssh_config: str, controller_ip: str
     c.SSHEngineSetLauncher.ssh_args = ["-F", ssh_config]
     c.SSHEngineSetLauncher.scp_args = ["-O", "-F", ssh_config]
     return ipyparallel.Cluster(engines="ssh", n=sum(engines.values()), profile_dir=profile_dir,
-                               controller_ip=controller_ip, log_level=logging.ERROR, config=c)
+                               controller_ip=controller_ip, log_level=logging.ERROR, config=c,
+                               engine_timeout=engine_timeout)
