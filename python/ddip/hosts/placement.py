@@ -138,9 +138,26 @@ class Layout:
     # notebook (ddip/hosts/allocation.py) is that job's, not ours.
     env: dict | None = None
 
+    def __post_init__(self):
+        # The plan's lists, read once: each read of a _core.plan.Layout property builds a new Python
+        # list (of Host objects), and a launch looks them up per slot (128 slots: 40-65 ms).
+        self._hosts = list(self.plan.hosts)
+        self._plan_local_rank = list(self.plan.local_rank)
+        self._plan_slot_host = list(self.plan.slot_host)
+        self._first_rank = list(self.plan.first_rank)
+        self._by_played = {}  # played_here -> (rank_ids, slot_host, local_rank); ranch sets it later
+
+    def _slots(self) -> tuple[list[int], list[int], list[int]]:
+        got = self._by_played.get(self.played_here)
+        if got is None:
+            ids = [r for r in range(self.plan.size) if r not in self.played_here]
+            got = (ids, [self._plan_slot_host[r] for r in ids], [self._plan_local_rank[r] for r in ids])
+            self._by_played[self.played_here] = got
+        return got
+
     @property
     def rank_ids(self) -> list[int]:
-        return [r for r in range(self.plan.size) if r not in self.played_here]
+        return list(self._slots()[0])
 
     @property
     def world_size(self) -> int:
@@ -148,7 +165,7 @@ class Layout:
 
     @property
     def hosts(self) -> list:
-        return self.plan.hosts
+        return list(self._hosts)
 
     @property
     def size(self) -> int:
@@ -164,17 +181,17 @@ class Layout:
 
     @property
     def local_rank(self) -> list[int]:
-        return [self.plan.local_rank[r] for r in self.rank_ids]
+        return list(self._slots()[2])
 
     @property
     def slot_host(self) -> list[int]:
-        return [self.plan.slot_host[r] for r in self.rank_ids]
+        return list(self._slots()[1])
 
     def host(self, slot: int):
-        return self.plan.hosts[self.slot_host[slot]]
+        return self._hosts[self._slots()[1][slot]]
 
     def slots_of(self, h: int) -> list[int]:
-        return [s for s, hh in enumerate(self.slot_host) if hh == h]
+        return [s for s, hh in enumerate(self._slots()[1]) if hh == h]
 
     def remote(self, slot: int) -> bool:
         return not self.host(slot).local
@@ -185,17 +202,17 @@ class Layout:
     def launch_env(self, slot: int | None = None, *, rank: int | None = None) -> dict:
         """The plan's per-host part of rank `slot`'s environment (rank_environment's arguments);
         or, with rank=, of the plan's rank `rank` (one the notebook plays has no slot)."""
-        h = self.slot_host[slot] if rank is None else self.plan.slot_host[rank]
-        return dict(local_world_size=self.plan.hosts[h].ranks, rank_offset=self.plan.first_rank[h],
-                    group_rank=h, group_world_size=len(self.plan.hosts))
+        h = self._slots()[1][slot] if rank is None else self._plan_slot_host[rank]
+        return dict(local_world_size=self._hosts[h].ranks, rank_offset=self._first_rank[h],
+                    group_rank=h, group_world_size=len(self._hosts))
 
     def launchers(self) -> list[tuple[str, list[str], list[int]]]:
         """(host name, launcher argv, slots) for each remote host that has ranks to start."""
         return [(h.name, launcher_argv(self.launcher, h.name, self.python, self.env), self.slots_of(i))
-                for i, h in enumerate(self.plan.hosts) if not h.local and self.slots_of(i)]
+                for i, h in enumerate(self._hosts) if not h.local and self.slots_of(i)]
 
     def master_port(self) -> int:
-        return _plan.master_port(self.plan.hosts[0].local, self.plan.bind)
+        return _plan.master_port(self._hosts[0].local, self.plan.bind)
 
 
 def layout(hosts, launcher=None, python=None, bind=None, env=None) -> Layout:
