@@ -198,3 +198,33 @@ def test_a_template_whose_cuda_got_initialized_is_never_forked(capfd):
 def test_status_is_one_line():
     line = template.status()
     assert line.startswith("rank template: ready") and "\n" not in line
+
+
+def test_building_a_rank_shell_imports_nothing_the_template_has_not():
+    """The template imports what building a rank's IPython shell would (SHELL_MODULES), so a forked
+    rank doesn't pay for it; a new IPython that imports more there shows up here."""
+    code = textwrap.dedent("""
+        import importlib, sys
+        import ddip.rank.template as t
+        for name in t.BASE_MODULES + t.SHELL_MODULES:
+            importlib.import_module(name)
+        before = set(sys.modules)
+        from ddip.rank import worker
+        worker._make_shell()
+        print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'IPython'))
+    """)
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_forked_rank_has_the_ipython_modules_a_cold_rank_has():
+    probe = ("import sys, ddip.template\n"
+             "(ddip.template.forked, sorted(m for m in sys.modules if m.split('.')[0] == 'IPython'))")
+    with ddip.Group(n=1, backend=None) as g:
+        forked, warm_modules = g.run(probe)[0].value
+    with ddip.Group(n=1, backend=None, warm=False) as g:
+        cold, cold_modules = g.run(probe)[0].value
+    assert forked and not cold
+    assert warm_modules == cold_modules
+    assert set(template.SHELL_MODULES) <= set(cold_modules)  # each one is the shell's own import

@@ -21,6 +21,12 @@ from .. import _core
 
 # Imported by every template: what the rank's worker needs before it can serve.
 BASE_MODULES = ("IPython.core.interactiveshell", "cloudpickle", "numpy", "ddip.rank.worker", "ddip.worker")
+# What IPython imports only when a shell is built (its completer, inspector, magics, profile
+# application): two thirds of a rank's shell-building CPU, paid here once instead of by every rank.
+# Only modules, no shell: a forked rank still builds its own, as a cold one does. (A name IPython
+# no longer has is skipped: the rank would import what it needs itself.)
+SHELL_MODULES = ("IPython.core.completer", "IPython.core.completerlib", "IPython.core.oinspect",
+                 "IPython.core.magics", "IPython.core.application", "IPython.core.crashhandler")
 # torch._dynamo too: DDP's first construction in a process imports it (1 s here), which every
 # rank of every group, and a rank that replaces a dead one, would otherwise pay again.
 DEFAULT_MODULES = ("torch", "torch._dynamo") if importlib.util.find_spec("torch") is not None else ()
@@ -70,7 +76,7 @@ def main() -> None:
     server = _core.ForkServer(os.environ["DDIP_TEMPLATE_SOCKET"])
     wanted = [m for m in os.environ.get("DDIP_TEMPLATE_MODULES", "").split(",") if m]
     loaded, failed = [], {}
-    for name in list(BASE_MODULES) + [m for m in wanted if m not in BASE_MODULES]:
+    for name in list(BASE_MODULES + SHELL_MODULES) + [m for m in wanted if m not in BASE_MODULES + SHELL_MODULES]:
         try:
             importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - any failure is reported, never raised
@@ -78,7 +84,7 @@ def main() -> None:
             if name in ("IPython.core.interactiveshell", "cloudpickle", "ddip.rank.worker", "ddip.worker"):
                 server.failed(json.dumps({"reason": f"importing {name} failed: {why}"}).encode())
                 os._exit(1)
-            if name != "numpy":
+            if name != "numpy" and name not in SHELL_MODULES:
                 failed[name] = f"import failed ({why})"
             continue
         if _cuda_initialized():
@@ -100,7 +106,7 @@ def main() -> None:
         os._exit(0)
     gc.collect()
     gc.freeze()  # ranks then share these objects' pages instead of copying them on first GC
-    server.ready(json.dumps({"modules": [m for m in loaded if m not in BASE_MODULES],
+    server.ready(json.dumps({"modules": [m for m in loaded if m not in BASE_MODULES + SHELL_MODULES],
                              "failed": failed, "seconds": time.monotonic() - began}).encode())
     serving = True
     while True:
