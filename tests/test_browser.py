@@ -420,12 +420,16 @@ PANEL = 10
 
 def panel_rows(page) -> list[list[str]]:
     """The rank panel's rows as the page shows them: each a list of its cells' text."""
-    rows = page.cells()[PANEL].find_elements(By.CSS_SELECTOR, ".ddip-rank-panel table.ddip-panel tbody tr")
-    return [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+    # Read in one script, as one snapshot: the panel redraws about once a second, and rows looked up
+    # one call before their cells are read can be gone by then (a stale element).
+    return page.d.execute_script(
+        "return [...arguments[0].querySelectorAll('.ddip-rank-panel table.ddip-panel tbody tr')]"
+        "  .map(r => [...r.querySelectorAll('td')].map(td => td.innerText.trim()));", page.cells()[PANEL])
 
 
 def panel_text(page) -> str:
-    return page.cells()[PANEL].find_element(By.CSS_SELECTOR, ".ddip-rank-panel").text
+    return page.d.execute_script(  # one snapshot, as panel_rows
+        "const p = arguments[0].querySelector('.ddip-rank-panel'); return p ? p.innerText : '';", page.cells()[PANEL])
 
 
 def state_of(page, rank: int) -> str:
