@@ -132,13 +132,14 @@ cpp-test-all:
 # report follows the suite's), and the machine's two cores are both busy. The install tests run
 # at the lowest priority: the suite's timings (interrupts, heartbeats) see the machine they
 # would see alone, and the compiling takes the cores it leaves idle.
-# The suite itself runs on two pytest-xdist workers, a whole file at a time (the Slurm files as one),
-# longest first (tests/conftest.py): most of its time is spent waiting on kernels, ranks, daemons
-# and links, and one worker alone took make test past 15 minutes on 2 cores.
+# The suite itself runs on pytest-xdist workers (TEST_WORKERS), a whole file at a time (the Slurm
+# files as one), longest first (tests/conftest.py): most of its time is spent waiting on kernels,
+# ranks, daemons and links, and one worker alone took make test past 15 minutes on 2 cores.
+TEST_WORKERS ?= 3
 py-test: setup $(STAMPS)/release-deps
 	@nice -n 19 $(VPY) -m pytest -q -p no:cacheprovider --timeout=300 --durations=10 tests/test_install.py \
 	  > .install-tests.log 2>&1 & install=$$!; \
-	$(VPY) -m pytest -q -n 2 --dist loadscope --timeout=300 --durations=25 --ignore=tests/test_install.py tests; rc=$$?; \
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --timeout=300 --durations=25 --ignore=tests/test_install.py tests; rc=$$?; \
 	wait $$install; irc=$$?; echo "== tests/test_install.py (ran alongside)"; cat .install-tests.log; \
 	rm -f .install-tests.log; [ $$rc = 0 ] && [ $$irc = 0 ]
 
