@@ -37,6 +37,11 @@ PROTOCOL = 5
 OOB_THRESHOLD = 1 << 20  # smaller buffers stay in the pickle: a segment costs more than a copy
 
 
+# Frozen, and with __slots__ where the Python has dataclass(slots=) (3.10 on); 3.9's records are the
+# same but for a __dict__.
+_record = dataclass(frozen=True, slots=True) if sys.version_info >= (3, 10) else dataclass(frozen=True)
+
+
 def _by_fields(cls):
     """A record pickles as (class, its fields in order): the smallest pickle, and the fastest to
     make and to load (no state dict; cloudpickle names the class by reference)."""
@@ -56,7 +61,7 @@ def _by_fields(cls):
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class Run:
     """Runs `code` in the rank's __main__ as a notebook cell (IPython's features)."""
 
@@ -67,7 +72,7 @@ class Run:
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class Apply:
     """Calls fn(*args, **kwargs) in the rank; its return value comes back."""
 
@@ -77,7 +82,7 @@ class Apply:
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class Push:
     """Copies `ns` (name -> value) into the rank's namespace."""
 
@@ -85,7 +90,7 @@ class Push:
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class Pull:
     """The values of `names` in the rank's namespace, as a list."""
 
@@ -93,7 +98,7 @@ class Pull:
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class Debug:
     """pdb, post-mortem, on the rank's last exception; prompts are asked in the notebook."""
 
@@ -105,7 +110,7 @@ REQUESTS = (Run, Apply, Push, Pull, Debug)
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class ErrorInfo:
     """What a rank's code raised, formatted there (IPython's traceback, the user's frames only);
     `exception` is the exception itself when the notebook can rebuild it, else None."""
@@ -117,7 +122,7 @@ class ErrorInfo:
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class Done:
     """A rank's reply to one request: the value (or the error), and for a Run the last
     expression's display form ((MIME bundle, metadata), as IPython's Out) and the execution
@@ -130,7 +135,7 @@ class Done:
 
 
 @_by_fields
-@dataclass(frozen=True, slots=True)
+@_record
 class PromptAnswer:
     """The notebook's answer to a rank's debugger prompt: the line typed (None: nobody can be
     asked, the rank goes on), or stop (the request was interrupted: the debugger quits)."""
