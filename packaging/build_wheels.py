@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,25 @@ def sysroot() -> Path:
     return debian_root.build_root()
 
 
+def _kept_environment(py: str, version: str, build_dir: Path, log) -> str:
+    """BUILD_DIR/env-3.X: a venv with pyproject's build requirements (and cmake, ninja), kept between
+    runs, that the wheel is built in without pip's build isolation. Isolation puts nanobind's
+    sources and headers in a new temporary folder each time, which no compiler cache can match;
+    here they keep their place under the checkout. Returns its python."""
+    text = (REPO / "pyproject.toml").read_text()
+    block = re.search(r"^\[build-system\]\s*requires\s*=\s*\[(.*?)\]", text, re.S | re.M)
+    requires = re.findall(r'"([^"]+)"', block.group(1)) + ["cmake", "ninja"]
+    env_dir = build_dir / f"env-{version}"
+    python, stamp = env_dir / "bin" / "python", env_dir / ".requires"
+    if not (python.exists() and stamp.exists() and stamp.read_text() == "\n".join(requires)):
+        shutil.rmtree(env_dir, ignore_errors=True)
+        subprocess.run([py, "-m", "venv", str(env_dir)], check=True, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *requires], check=True, stdout=log,
+                       stderr=subprocess.STDOUT)
+        stamp.write_text("\n".join(requires))
+    return str(python)
+
+
 def build(version: str, root: Path, out: Path, cli11: str | None, log, json: str | None = None,
           build_dir: Path | None = None) -> Path:
     """One wheel, repaired by auditwheel into OUT; returns its path."""
@@ -66,6 +86,9 @@ def build(version: str, root: Path, out: Path, cli11: str | None, log, json: str
     with tempfile.TemporaryDirectory(prefix=f"ddip-wheel-{version}-") as tmp:
         raw = Path(tmp, "raw")
         cmd = [py, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(raw)]
+        if build_dir:
+            cmd = [_kept_environment(py, version, build_dir, log), "-m", "pip", "wheel", "--no-build-isolation",
+                   "--no-deps", "--wheel-dir", str(raw)]
         # scikit-build-core's settings as environment variables: any pip passes them on.
         # CLI11 and nlohmann/json are always the pinned releases (or the copies given), never
         # whatever this machine has installed: that is outside the sysroot, and a release build
