@@ -274,8 +274,11 @@ def test_a_group_starts_while_strangers_hold_its_port_busy(hosts, capfd):
     # The kernel's log: a few refusals in full, then a count.
     err = capfd.readouterr().err
     assert len([l for l in err.splitlines() if l.startswith("ddip: refused a connection from")]) == 5, err
+    # The last refusal: one closed to make room, or, where the group took longer than the handshake
+    # timeout to start and close (a loaded machine), one of the last ten that waited it out.
     assert re.search(r"^ddip: refused \d+ more connection\(s\) before the group closed; the last: refused a "
-                     rf"connection from {re.escape(hosts.me)}:\d+: closed to make room", err, re.M), err
+                     rf"connection from {re.escape(hosts.me)}:\d+: (closed to make room|no valid handshake "
+                     r"within \d+ ms)", err, re.M), err
 
 
 @needs_netns
