@@ -31,7 +31,7 @@ import os
 from types import CodeType
 
 from IPython.core.autocall import IPyAutocall
-from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
+from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from IPython.core.macro import Macro
 from IPython.core.prefilter import _default_checkers
 from IPython.core.splitinput import LineInfo
@@ -42,8 +42,21 @@ _COROUTINE = 0x80  # inspect.CO_COROUTINE: top-level await made the module a cor
 _PLACEHOLDER = "<ddip-plain-cell>"  # the compiled code's file name until a run names it
 
 
+def _mirrors_this_ipython() -> bool:
+    """_execute takes the steps of IPython 9's run_cell_async, with its state (the shell's output
+    tees, the history's exceptions, ExecutionInfo's transformed cell). An older IPython (8.x, the
+    last for Python 3.9 and 3.10) keeps other state: there every cell takes run_cell."""
+    import inspect
+
+    return (hasattr(InteractiveShell, "_tee") and hasattr(InteractiveShell, "_format_exception_for_storage")
+            and "transformed_cell" in inspect.signature(ExecutionInfo).parameters)
+
+
+_MIRRORS = _mirrors_this_ipython()
+
+
 def enabled() -> bool:
-    return os.environ.get("DDIP_LEAN", "1") != "0"
+    return _MIRRORS and os.environ.get("DDIP_LEAN", "1") != "0"
 
 
 class _Cell:
