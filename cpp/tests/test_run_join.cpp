@@ -156,11 +156,14 @@ TEST(RunJoin, AWrongRunIdOrATakenNodeRankIsRefusedWithWhy) {
   auto listener = host_rendezvous(host_opts);
   const uint16_t port = listener->port();
   JobHost host(host_opts, std::move(listener));
+  // The host gathers; the two wrong nodes are refused while it does, and only then do the two
+  // right ones join (had they come first, the gathering could end before a wrong one was read).
+  auto gathered = std::async(std::launch::async, [&] { return host.gather(0, 1); });
   auto wrong = options(port, 3, 1);
   wrong.run_id = "other";
-  auto first = std::async(std::launch::async, [&] { return join_error(wrong); });
-  auto outside = options(port, 3, 5);
-  auto second = std::async(std::launch::async, [&] { return join_error(outside); });
+  EXPECT_NE(join_error(wrong).find("it names the job 'other', this is 'job'"), std::string::npos);
+  EXPECT_NE(join_error(options(port, 3, 5)).find("--node-rank 5 is not one of 1..2"),
+            std::string::npos);
   auto ok1 = std::async(std::launch::async, [&] {
     JobMember m(options(port, 3, 1));
     return m.join();
@@ -169,9 +172,7 @@ TEST(RunJoin, AWrongRunIdOrATakenNodeRankIsRefusedWithWhy) {
     JobMember m(options(port, 3, 2));
     return m.join();
   });
-  host.gather(0, 1);
-  EXPECT_NE(first.get().find("it names the job 'other', this is 'job'"), std::string::npos);
-  EXPECT_NE(second.get().find("--node-rank 5 is not one of 1..2"), std::string::npos);
+  gathered.get();
   ok1.get();
   ok2.get();
 }
