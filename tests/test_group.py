@@ -1,5 +1,6 @@
 """ddip.Group end to end: real worker processes, real IPython shells, real torch.distributed."""
 
+import re
 import os
 import signal
 import subprocess
@@ -163,6 +164,32 @@ def test_ctrl_c_in_the_caller_interrupts_every_rank(group2):
 
     with pytest.raises(KeyboardInterrupt, match="interrupted rank"):
         group2.run("import time\nprint('sleeping')\ntime.sleep(60)", ranks=[0], on_output=on_output)
+    assert [r.value for r in group2.run("1 + 1")] == [2, 2]
+
+
+def test_output_after_the_interrupt_is_kept_but_only_its_start_is_shown(group2, capsys):
+    # A rank that floods the notebook leaves a backlog that would hold the stop button's answer
+    # for as long as it takes to show it: what comes after the interrupt is shown up to a bound.
+    shown, sleeping = {0: 0, 1: 0}, set()
+
+    def on_output(rank, stream, text):
+        shown[rank] += len(text)
+        if "sleeping" in text:
+            sleeping.add(rank)
+            if len(sleeping) == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # the stop button
+
+    code = ("import time\ntry:\n    print('sleeping', flush=True)\n    time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    for i in range(5000):\n        print(f'{i:05d}' + 'y' * 200)\n    raise")
+    with pytest.raises(KeyboardInterrupt, match="interrupted rank") as e:
+        group2.run(code, on_output=on_output)
+    bound = ddip.kernel.request.SHOWN_AFTER_INTERRUPT
+    after = {r.rank: len(r.stdout) - len("sleeping\n") for r in e.value.results}
+    assert after == {0: 5000 * 206, 1: 5000 * 206}  # all of it kept
+    assert all(bound <= shown[r] - len("sleeping\n") < bound + 64 * 1024 for r in (0, 1)), shown
+    note = capsys.readouterr().err
+    assert re.search(r"ddip: 1\.\d MiB more output from rank\(s\) 0, 1 after they were interrupted was not shown "
+                     r"\(the first 64 KiB of each was; the request's results keep it all", note), note
     assert [r.value for r in group2.run("1 + 1")] == [2, 2]
 
 

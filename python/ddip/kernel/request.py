@@ -44,6 +44,10 @@ SLICE_S = 0.05
 # How long the collective picture taken as ranks are interrupted (or one died) waits for their
 # answers: each rank's runtime thread answers at once unless C code holds the GIL.
 LOOK_S = 0.5
+# After an interrupt, how much more of each rank's output is shown (bytes); the rest is kept in its
+# result but not shown: a rank that flooded the notebook has a backlog in the runtime's queue
+# (up to its cap, 16 MiB), and showing it all would hold the stop button's answer for a minute.
+SHOWN_AFTER_INTERRUPT = 64 << 10
 # Debuggers that hold ranks stopped outside a prompt (JupyterLab's: ddip.kernel.dap), each with
 # paused_s(): the seconds ranks spent stopped there, which are the user's and which a request's
 # timeout does not count; and let_go(ranks), told before those ranks are interrupted.
@@ -94,6 +98,8 @@ class Request:
         self.heal = None  # a heal.Healing, once its failure's peers are being released
         self.collectives = None  # a CollectivePicture, when ranks did not stop when interrupted
         self.prompts = _debugger.Prompts()  # ranks' debuggers waiting at a prompt
+        self.shown_after_interrupt: dict[int, int] = {}  # slot -> bytes of output shown since
+        self.unshown: dict[int, int] = {}  # slot -> bytes kept but not shown (SHOWN_AFTER_INTERRUPT)
 
 
 class SharedReply:
@@ -142,6 +148,8 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
         r.stdout, r.stderr = "".join(r._parts[0]), "".join(r._parts[1])
     for msg in req.callback_errors:
         sys.stderr.write(msg)
+    if req.unshown:
+        sys.stderr.write(unshown_note(group.runtime, req))
     if req.heal is not None:
         waiting.healer.finish(req, stuck)
     _raise_if_interrupted(group.runtime, req, stuck, timeout)
@@ -193,6 +201,9 @@ class _Waiting:
                 if req.interrupted_at is not None:
                     wake = req.interrupted_at + (DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S)
                     if now >= wake:
+                        # What the runtime holds now may have their replies, behind their output.
+                        self.rt.pump(0)
+                        drain(self.rt, req, self.cb)
                         return
                 else:
                     wake = self._act(now)
@@ -368,6 +379,15 @@ def _raise_if_interrupted(rt, req: Request, stuck: set, timeout):
         raise err
 
 
+def unshown_note(rt, req: Request) -> str:
+    """What was not shown of the ranks' output after they were interrupted, and where it is."""
+    size = sum(req.unshown.values())
+    amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+    return (f"ddip: {amount} more output from rank(s) {ranks_text(rt, req.unshown)} after they were "
+            f"interrupted was not shown (the first {SHOWN_AFTER_INTERRUPT >> 10} KiB of each was; "
+            f"the request's results keep it all, in .stdout and .stderr)\n")
+
+
 def ranks_text(rt, slots) -> str:
     return ", ".join(str(rt.rank_ids[s]) for s in sorted(slots))
 
@@ -420,6 +440,12 @@ def _handle(req: Request, item, cb: Callbacks):
     if tag == "output":
         stream, text = item[2], item[3].decode(errors="replace")
         r._parts[stream == "stderr"].append(text)  # joined once at the end: += would be quadratic
+        if req.interrupted_at is not None:
+            shown = req.shown_after_interrupt.get(slot, 0)
+            if shown >= SHOWN_AFTER_INTERRUPT:
+                req.unshown[slot] = req.unshown.get(slot, 0) + len(text)
+                return
+            req.shown_after_interrupt[slot] = shown + len(text)
         _call(req, cb, "on_output", r.rank, stream, text)
         return
     if tag == "done":
