@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent / "tests"))  # netns_hosts: the hosts the tests use
 
 import netns_hosts  # noqa: E402
-from common import Leftovers, close_group, ipp_ssh_cluster  # noqa: E402
+from common import Leftovers, close_group, ipp_ssh_cluster, mb, ms, secs, times, verdict  # noqa: E402
 
 MIB = 1 << 20
 PUSH_MIB = 64
@@ -269,30 +269,6 @@ def _ipp_transfers(c: _Ipp, arr, hosts) -> tuple[list[_Push], list[_Push], int]:
 # -- report ---------------------------------------------------------------------------------
 
 
-def _secs(t) -> str:
-    return "—" if t is None else f"{t:.3f} s"
-
-
-def _ms(t) -> str:
-    return "—" if t is None else f"{t * 1e3:.2f} ms"
-
-
-def _mb(n) -> str:
-    return "—" if n is None else f"{n / 1e6:.1f} MB"
-
-
-def _x(a, b) -> str:
-    """a / b, as 'N.Nx'; '—' when either is missing."""
-    if a is None or b is None or b == 0:
-        return "—"
-    r = a / b
-    return f"{r:.0f}x" if r >= 20 else f"{r:.2f}x"
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
 def main() -> str:
     why = netns_hosts.missing()
     if why is not None:
@@ -415,40 +391,40 @@ def _report(res, left, nbytes) -> str:
     ready, ipp_ready, one_ready = med(res["ready"]), res["ipp_ready"], med(res["one_ready"])
     later, one_torch = med(res["torch_later"]), med(res["one_torch"])
     rows = [  # step, ddip, ipyparallel, one host, formatted
-        ("ready, 2 × 2, no torch", ready, ipp_ready, one_ready, _secs),
-        ("ready, 2 × 2, torch + gloo, first group on the hosts", res["torch_first"], None, None, _secs),
-        ("ready, 2 × 2, torch + gloo, a later group", later, None, one_torch, _secs),
-        (f"ready, 2 × {PER_HOST_PUSH}, no torch", res["ready8"], res["ipp_ready8"], res["one_ready8"], _secs),
-        ("`run(\"pass\")` round trip, 2 × 2", rt, ipp_rt, one_rt, _ms),
-        (f"push {PUSH_MIB} MiB to 2 × {PER_HOST_PUSH} ranks", push_t, ipp_push_t, one_push_t, _secs),
-        (f"pull {PUSH_MIB} MiB from a rank on host B", pull_t, ipp_pull_t, one_pull_t, _secs),
+        ("ready, 2 × 2, no torch", ready, ipp_ready, one_ready, secs),
+        ("ready, 2 × 2, torch + gloo, first group on the hosts", res["torch_first"], None, None, secs),
+        ("ready, 2 × 2, torch + gloo, a later group", later, None, one_torch, secs),
+        (f"ready, 2 × {PER_HOST_PUSH}, no torch", res["ready8"], res["ipp_ready8"], res["one_ready8"], secs),
+        ("`run(\"pass\")` round trip, 2 × 2", rt, ipp_rt, one_rt, ms),
+        (f"push {PUSH_MIB} MiB to 2 × {PER_HOST_PUSH} ranks", push_t, ipp_push_t, one_push_t, secs),
+        (f"pull {PUSH_MIB} MiB from a rank on host B", pull_t, ipp_pull_t, one_pull_t, secs),
     ]
     lines = ["| | ddip | ipyparallel over ssh | ddip, same ranks on one host | ipyparallel / ddip | ddip / one host |",
              "|---|---|---|---|---|---|"]
     for step, ours, theirs, one, fmt in rows:
-        lines.append(f"| {step} | {fmt(ours)} | {fmt(theirs)} | {fmt(one)} | {_x(theirs, ours)} | {_x(ours, one)} |")
+        lines.append(f"| {step} | {fmt(ours)} | {fmt(theirs)} | {fmt(one)} | {times(theirs, ours)} | {times(ours, one)} |")
     a = nbytes
     lines += [
-        f"| bytes into host A / B during a push | {_mb(rx['A'])} / {_mb(rx['B'])} "
-        f"({rx['A'] / a:.2f}x / {rx['B'] / a:.2f}x the array) | {_mb(ipp_rx['A'])} / {_mb(ipp_rx['B'])} "
-        f"({ipp_rx['A'] / a:.2f}x / {ipp_rx['B'] / a:.2f}x) | — (no link) | {_x(max(ipp_rx.values()), max(rx.values()))} | — |",
-        f"| bytes out of host B during a pull | {_mb(tx_b)} ({tx_b / a:.2f}x) | {_mb(ipp_tx_b)} ({ipp_tx_b / a:.2f}x) "
-        f"| — (no link) | {_x(ipp_tx_b, tx_b)} | — |",
-        f"| notebook's peak RSS growth during a push | {_mb(rss('push'))} | {_mb(rss('ipp_push'))} "
-        f"| {_mb(rss('one_push'))} | — | — |",
+        f"| bytes into host A / B during a push | {mb(rx['A'])} / {mb(rx['B'])} "
+        f"({rx['A'] / a:.2f}x / {rx['B'] / a:.2f}x the array) | {mb(ipp_rx['A'])} / {mb(ipp_rx['B'])} "
+        f"({ipp_rx['A'] / a:.2f}x / {ipp_rx['B'] / a:.2f}x) | — (no link) | {times(max(ipp_rx.values()), max(rx.values()))} | — |",
+        f"| bytes out of host B during a pull | {mb(tx_b)} ({tx_b / a:.2f}x) | {mb(ipp_tx_b)} ({ipp_tx_b / a:.2f}x) "
+        f"| — (no link) | {times(ipp_tx_b, tx_b)} | — |",
+        f"| notebook's peak RSS growth during a push | {mb(rss('push'))} | {mb(rss('ipp_push'))} "
+        f"| {mb(rss('one_push'))} | — | — |",
     ]
     worst_rx = max(rx.values())
     push_ratio = ipp_push_t / push_t
     later_limit = TARGET_LATER_FACTOR * one_torch + TARGET_LATER_PLUS
     targets = [
-        f"bytes per host within {TARGET_BYTES:g}x the array: {_verdict(worst_rx <= TARGET_BYTES * a)} "
+        f"bytes per host within {TARGET_BYTES:g}x the array: {verdict(worst_rx <= TARGET_BYTES * a)} "
         f"({worst_rx / a:.2f}x)",
         f"push to 2 × {PER_HOST_PUSH} ranks ≥ {TARGET_PUSH:g}x faster than ipyparallel: "
-        f"{_verdict(push_ratio >= TARGET_PUSH)} ({push_ratio:.2f}x)",
-        f"round trip ≤ {TARGET_RT:g}x the same ranks on one host: {_verdict(rt <= TARGET_RT * one_rt)} "
+        f"{verdict(push_ratio >= TARGET_PUSH)} ({push_ratio:.2f}x)",
+        f"round trip ≤ {TARGET_RT:g}x the same ranks on one host: {verdict(rt <= TARGET_RT * one_rt)} "
         f"({rt / one_rt:.2f}x)",
         f"a later 2 × 2 torch + gloo group ready within {TARGET_LATER_FACTOR:g}x one warm host + "
-        f"{TARGET_LATER_PLUS:g} s: {_verdict(later <= later_limit)} ({_secs(later)} vs {_secs(later_limit)})",
+        f"{TARGET_LATER_PLUS:g} s: {verdict(later <= later_limit)} ({secs(later)} vs {secs(later_limit)})",
     ]
     q = statistics.quantiles
     killed = "; ".join(f"{tool} {len(names)}" + (f" ({', '.join(sorted(set(names)))})" if names else "")
@@ -456,9 +432,9 @@ def _report(res, left, nbytes) -> str:
     notes = [
         f"Medians. Ready: {READY_REPS} groups per configuration (torch + gloo later groups: {TORCH_LATER_REPS}; "
         f"ipyparallel: one start per size, each takes tens of seconds). Round trip: {RT_REPS} after "
-        f"{RT_WARMUP} warm-up (p10/p90: ddip {_ms(q(res['rt'], n=10)[0])}/{_ms(q(res['rt'], n=10)[-1])}, "
-        f"ipyparallel {_ms(q(res['ipp_rt'], n=10)[0])}/{_ms(q(res['ipp_rt'], n=10)[-1])}, one host "
-        f"{_ms(q(res['one_rt'], n=10)[0])}/{_ms(q(res['one_rt'], n=10)[-1])}). Push and pull: "
+        f"{RT_WARMUP} warm-up (p10/p90: ddip {ms(q(res['rt'], n=10)[0])}/{ms(q(res['rt'], n=10)[-1])}, "
+        f"ipyparallel {ms(q(res['ipp_rt'], n=10)[0])}/{ms(q(res['ipp_rt'], n=10)[-1])}, one host "
+        f"{ms(q(res['one_rt'], n=10)[0])}/{ms(q(res['one_rt'], n=10)[-1])}). Push and pull: "
         f"{PUSH_REPS} and {PULL_REPS} timed after one untimed push; "
         f"push spread ddip {_spread(res['push'])}, ipyparallel {_spread(res['ipp_push'])}.",
         "The tools run one after another (ddip, ipyparallel, one host), not interleaved: an "

@@ -59,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent / "tests"))  # netns_hosts: the hosts the tests use
 
 import netns_hosts  # noqa: E402
-from common import GRACE_S, Leftovers, close_group, ipp_ssh_cluster  # noqa: E402
+from common import GRACE_S, Leftovers, close_group, ipp_ssh_cluster, ms, secs, times, verdict  # noqa: E402
 
 LONG = True  # run.py leaves this module out unless named (or DDIP_BENCH_LONG=1): it takes many minutes
 SIZES = [(2, 1), (8, 1), (32, 4), (128, 16)]  # (ranks, hosts)
@@ -391,25 +391,6 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
-def _s(t) -> str:
-    return "—" if t is None else f"{t:.3f} s"
-
-
-def _ms(t) -> str:
-    return "—" if t is None else f"{t * 1e3:.2f} ms"
-
-
-def _x(a, b) -> str:
-    if a is None or b is None or b == 0:
-        return "—"
-    r = a / b
-    return f"{r:.0f}x" if r >= 20 else f"{r:.2f}x"
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
 def report(res: dict) -> str:
     sizes = res["sizes"]
     head = "| | " + " | ".join(f"N={s['ranks']} ({s['hosts']} host{'s' * (s['hosts'] > 1)})" for s in sizes) + " |"
@@ -429,21 +410,21 @@ def report(res: dict) -> str:
     if ipp:
         row("ipyparallel's engines", lambda s: s["ipp"].get("mode", "ssh engines")
             + (" (its ssh start failed)" if "ipp_failed" in s else ""), str)
-    row("ddip ready, cold first group", lambda s: s["ddip"]["ready_cold"], _s)
-    row("ddip ready, warm group", lambda s: _med(s["ddip"]["ready_warm"]), _s)
+    row("ddip ready, cold first group", lambda s: s["ddip"]["ready_cold"], secs)
+    row("ddip ready, warm group", lambda s: _med(s["ddip"]["ready_warm"]), secs)
     if ipp:
-        row("ipyparallel ready", lambda s: s["ipp"]["ready"], _s)
-    row("ddip `run(\"pass\")` round trip", lambda s: _med(s["ddip"]["rt"]), _ms)
+        row("ipyparallel ready", lambda s: s["ipp"]["ready"], secs)
+    row("ddip `run(\"pass\")` round trip", lambda s: _med(s["ddip"]["rt"]), ms)
     if ipp:
-        row("ipyparallel `execute(\"pass\")` round trip", lambda s: _med(s["ipp"]["rt"]), _ms)
-    row("ddip notebook CPU per request", lambda s: s["ddip"]["cpu_per_request"], _ms)
+        row("ipyparallel `execute(\"pass\")` round trip", lambda s: _med(s["ipp"]["rt"]), ms)
+    row("ddip notebook CPU per request", lambda s: s["ddip"]["cpu_per_request"], ms)
     if ipp:
-        row("ipyparallel notebook CPU per request", lambda s: s["ipp"]["cpu_per_request"], _ms)
-    row(f"ddip push {PUSH_MIB} MiB to every rank", lambda s: _med(s["ddip"]["push"]), _s)
+        row("ipyparallel notebook CPU per request", lambda s: s["ipp"]["cpu_per_request"], ms)
+    row(f"ddip push {PUSH_MIB} MiB to every rank", lambda s: _med(s["ddip"]["push"]), secs)
     if ipp:
-        row(f"ipyparallel push {PUSH_MIB} MiB to every engine", lambda s: _med(s["ipp"]["push"]), _s)
+        row(f"ipyparallel push {PUSH_MIB} MiB to every engine", lambda s: _med(s["ipp"]["push"]), secs)
         row("ipyparallel / ddip: ready (warm), round trip, push",
-            lambda s: " / ".join(_x(a, b) for a, b in (
+            lambda s: " / ".join(times(a, b) for a, b in (
                 (s["ipp"]["ready"], _med(s["ddip"]["ready_warm"])), (_med(s["ipp"]["rt"]), _med(s["ddip"]["rt"])),
                 (_med(s["ipp"]["push"]), _med(s["ddip"]["push"])))), str)
     row("lowest free memory (MemAvailable)", lambda s: f"{s['machine']['min_avail_gib']:.1f} GiB", str)
@@ -458,19 +439,19 @@ def report(res: dict) -> str:
         warm, rt = _med(dd["ready_warm"]), _med(dd["rt"])
         push, push1 = _med(dd["push"]), _med(dd["push_one_per_host"])
         targets = [
-            f"a warm group of {n} on {k} hosts ready ≤ {TARGET_WARM_S:g} s: {_verdict(warm <= TARGET_WARM_S)} "
-            f"({_s(warm)})",
-            f"`run(\"pass\")` at {n} ranks ≤ {TARGET_RT_S * 1e3:g} ms: {_verdict(rt <= TARGET_RT_S)} ({_ms(rt)})",
+            f"a warm group of {n} on {k} hosts ready ≤ {TARGET_WARM_S:g} s: {verdict(warm <= TARGET_WARM_S)} "
+            f"({secs(warm)})",
+            f"`run(\"pass\")` at {n} ranks ≤ {TARGET_RT_S * 1e3:g} ms: {verdict(rt <= TARGET_RT_S)} ({ms(rt)})",
             f"push to all {n} ranks ≤ {TARGET_PUSH_X:g}x a push to {k} × 1: "
-            f"{_verdict(push <= TARGET_PUSH_X * push1)} ({_s(push)} vs {_s(push1)}, {push / push1:.2f}x)",
+            f"{verdict(push <= TARGET_PUSH_X * push1)} ({secs(push)} vs {secs(push1)}, {push / push1:.2f}x)",
         ]
         text += f"\nTargets (issue 34, item 1; {n} ranks on {k} hosts): " + "; ".join(targets) + ".\n"
         cpu1 = dd["cpu_per_request_one_per_host"]
-        extras.append(f"{k} × 1 for comparison: `run(\"pass\")` {_ms(_med(dd['rt_one_per_host']))}, notebook CPU "
-                      f"per request {_ms(cpu1)} ({dd['cpu_per_request'] / cpu1:.2f}x of it at {n} ranks on the "
+        extras.append(f"{k} × 1 for comparison: `run(\"pass\")` {ms(_med(dd['rt_one_per_host']))}, notebook CPU "
+                      f"per request {ms(cpu1)} ({dd['cpu_per_request'] / cpu1:.2f}x of it at {n} ranks on the "
                       f"same {k} hosts: the notebook's CPU grows with the {'ranks' if dd['cpu_per_request'] > 2 * cpu1 else 'hosts'}).")
     if "ready_gloo" in dd:
-        extras.append(f"A warm group of {n} with torch + gloo (`backend=\"gloo\"`) ready in {_s(dd['ready_gloo'])}.")
+        extras.append(f"A warm group of {n} with torch + gloo (`backend=\"gloo\"`) ready in {secs(dd['ready_gloo'])}.")
     elif "ready_gloo_failed" in dd:
         extras.append(f"A warm group of {n} with torch + gloo did not get ready: {dd['ready_gloo_failed']}.")
     if "breakdown" in dd:
@@ -478,13 +459,13 @@ def report(res: dict) -> str:
         cpu = ", ".join(f"{kind} {sec:.2f} s ({b['processes'].get(kind, 0)})"
                         for kind, sec in sorted(b["cpu_s"].items(), key=lambda kv: -kv[1]))
         first, mid, last = b["ranks_born_s"]
-        extras.append(f"Where a warm {n}-rank start goes: Group() {_s(b['group_s'])}, its first run "
-                      f"{_s(b['first_run_s'])}; {b.get('forked', '?')} of {n} ranks forked from their host's template, "
+        extras.append(f"Where a warm {n}-rank start goes: Group() {secs(b['group_s'])}, its first run "
+                      f"{secs(b['first_run_s'])}; {b.get('forked', '?')} of {n} ranks forked from their host's template, "
                       f"started from {first:.2f} s to {last:.2f} s "
                       f"(median {mid:.2f} s) after Group() was called; CPU meanwhile, by kind of process "
                       f"(how many): {cpu} (load average {b['load1']:.1f}).")
     q = statistics.quantiles
-    spread = (f" (p10/p90 at N={n}: ddip {_ms(q(dd['rt'], n=10)[0])}/{_ms(q(dd['rt'], n=10)[-1])})"
+    spread = (f" (p10/p90 at N={n}: ddip {ms(q(dd['rt'], n=10)[0])}/{ms(q(dd['rt'], n=10)[-1])})"
               if "rt" in dd else "")
     failed = "; ".join(f"N={s['ranks']}: {s['ipp_failed']}" for s in sizes if "ipp_failed" in s)
     notes = [
@@ -640,13 +621,17 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--host-env", action="append", default=[], metavar="VAR=VALUE",
                     help="set on the hosts' agents, e.g. the PYTHONPATH of a snapshot of ddip (repeatable)")
     args = ap.parse_args([] if argv is None else argv)
-    if args.from_json:
-        res = json.loads(Path(args.from_json).read_text())
+
+    def draw(res):
         if args.plot:
             series = [("", res)]
             if args.before:
                 series = [("before", json.loads(Path(args.before).read_text())), ("after", res)]
             plot(series, Path(args.plot))
+
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        draw(res)
         return report(res)
     why = netns_hosts.missing()
     if why is not None:
@@ -667,11 +652,7 @@ def main(argv: list[str] | None = None) -> str:
     res = run(sizes, ipp, args.host_env, save, ddip_too=not args.no_ddip,
               ipp_local=tuple(int(x) for x in args.ipp_local.split(",") if x))
     save(res)
-    if args.plot:
-        series = [("", res)]
-        if args.before:
-            series = [("before", json.loads(Path(args.before).read_text())), ("after", res)]
-        plot(series, Path(args.plot))
+    draw(res)
     return report(res)
 
 

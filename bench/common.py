@@ -102,3 +102,30 @@ def ipp_ssh_cluster(engines: dict[str, int], ssh_config: str, controller_ip: str
     return ipyparallel.Cluster(engines="ssh", n=sum(engines.values()), profile_dir=profile_dir,
                                controller_ip=controller_ip, log_level=logging.ERROR, config=c,
                                engine_timeout=engine_timeout)
+
+
+# -- the report tables' cells ('—' where a tool gave no number) ------------------------------------
+
+
+def secs(t) -> str:
+    return "—" if t is None else f"{t:.3f} s"
+
+
+def ms(t) -> str:
+    return "—" if t is None else f"{t * 1e3:.2f} ms"
+
+
+def mb(n) -> str:
+    return "—" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def times(a, b) -> str:
+    """a / b, as 'N.Nx'; '—' when either is missing."""
+    if a is None or b is None or b == 0:
+        return "—"
+    r = a / b
+    return f"{r:.0f}x" if r >= 20 else f"{r:.2f}x"
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
