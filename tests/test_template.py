@@ -200,22 +200,24 @@ def test_status_is_one_line():
     assert line.startswith("rank template: ready") and "\n" not in line
 
 
-def test_building_a_rank_shell_imports_nothing_the_template_has_not():
-    """The template imports what building a rank's IPython shell would (SHELL_MODULES), so a forked
-    rank doesn't pay for it; a new IPython that imports more there shows up here."""
+def test_building_a_rank_shell_and_its_first_cell_import_and_compile_nothing_the_template_has_not():
+    """The template imports what building a rank's IPython shell and running its first cell would
+    (SHELL_MODULES), and compiles the tokenizer's patterns (_warm_shell_caches), so a forked rank
+    doesn't pay for them; a new IPython that needs more there shows up here."""
     code = textwrap.dedent("""
-        import importlib, sys
+        import importlib, sys, tokenize
         import ddip.rank.template as t
         for name in t.BASE_MODULES + t.SHELL_MODULES:
             importlib.import_module(name)
-        before = set(sys.modules)
+        t._warm_shell_caches()
+        before, misses = set(sys.modules), tokenize._compile.cache_info().misses
         from ddip.rank import worker
-        worker._make_shell()
-        print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'IPython'))
+        worker._make_shell().run_cell("x = 1", store_history=True)
+        print(sorted(set(sys.modules) - before), tokenize._compile.cache_info().misses - misses)
     """)
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "[] 0"
 
 
 def test_a_forked_rank_has_the_ipython_modules_a_cold_rank_has():
