@@ -119,6 +119,21 @@ def test_a_debugger_cell_name_or_a_pre_run_cell_handler_takes_run_cell(group2):
 
 
 
+def test_a_cell_run_again_and_again_keeps_one_copy_of_its_text(group2):
+    # A rank driven by g.run in a loop serves millions of cells: with history off nothing may queue
+    # for a database, a plain cell's text is stored once however often it runs (In, _iN), and the
+    # lines of one that leaves nothing behind (no def, lambda, class, try or with) are dropped.
+    cell = "v = 1  # " + "marker" * 200
+    for _ in range(20):
+        group2.run(cell, ranks=[0])
+    probe = ("import linecache\nh = get_ipython().history_manager\n"
+             "(In[-2] is In[-3], len(h.db_input_cache) <= 1, len(h.db_output_cache),"  # <= 1: this cell itself
+             " sum(1 for e in list(linecache.cache.values()) if 'mark' + 'er' * 1 + 'marker' in ''.join(e[2])))")
+    assert group2.run(probe, ranks=[0])[0].value == (True, True, 0, 0)
+    group2.run("def kept():\n    return 'marker' * 2", ranks=[0])  # its lines stay: tracebacks and getsource need them
+    assert group2.run("import inspect\ninspect.getsource(kept)", ranks=[0])[0].value.startswith("def kept")
+
+
 def test_the_shells_settings_are_followed_as_they_change(group2):
     # An input transformer: the cell is no longer what IPython runs, so run_cell runs it.
     group2.run("get_ipython().input_transformers_post.append(lambda lines: [l.replace('41', '42') for l in lines])",
@@ -144,7 +159,10 @@ CELLS = ["x = 1", "x", "pass", "y = x + 1", "y", "def f(a):\n    return 1 / a", 
          "class C:\n    pass", "c = C()", "import inspect\nsrc = inspect.getsource(f)", "src",
          "get_ipython().execution_count", "In[1:], _i, _ii, _iii, _i3", "sorted(Out)", "_, __",
          "import warnings\nwarnings.warn('w')\nw2 = 1", "warnings.warn('w')\nw2 = 2", "def g():\n    yield 1\nlist(g())", "x = 1\nreturn 1",
-         "import asyncio\nr = await asyncio.sleep(0, 'a')", "r"]
+         "import asyncio\nr = await asyncio.sleep(0, 'a')", "r",
+         # a cell that ran without error, whose caught exception's traceback is shown later
+         "try:\n    1 / 0\nexcept ZeroDivisionError as exc:\n    saved = exc", "raise saved",
+         "import contextlib\nwith contextlib.suppress(KeyError):\n    {}['k']\nx = 1", "x = 1", "In[-3:]"]
 
 
 def test_the_lean_path_and_run_cell_give_the_same_counts_values_output_and_errors():

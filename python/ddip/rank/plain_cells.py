@@ -27,6 +27,7 @@ DDIP_LEAN=0 in a rank's environment turns the lean path off (every cell through 
 from __future__ import annotations
 
 import ast
+import linecache
 import os
 from types import CodeType
 
@@ -39,7 +40,8 @@ from IPython.core.splitinput import LineInfo
 CACHE_SIZE = 512  # code strings whose decision (and compiled code) is kept
 _TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
 _COROUTINE = 0x80  # inspect.CO_COROUTINE: top-level await made the module a coroutine
-_PLACEHOLDER = "<ddip-plain-cell>"  # the compiled code's file name until a run names it
+_PLACEHOLDER = "<ddip-plain-cell>"
+_KEEPS_TRACEBACKS = (ast.Try, ast.With) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())  # the compiled code's file name until a run names it
 
 
 def _mirrors_this_ipython() -> bool:
@@ -61,15 +63,26 @@ def enabled() -> bool:
 
 class _Cell:
     """A cell that qualifies: its code (IPython's transformed text: the raw one and a newline)
-    compiled once; `first_word` for a one-line cell (what IPython's prefilter looks up)."""
+    compiled once; `first_word` for a one-line cell (what IPython's prefilter looks up). `raw`:
+    the cell's text as first received, which every later run of it stores (In, `_iN`) in place of
+    its own copy of the same text: a cell repeated a million times is kept once, not a million
+    times."""
 
-    __slots__ = ("text", "code", "nested", "first_word")
+    __slots__ = ("raw", "text", "code", "nested", "forgettable", "first_word", "stored")
 
-    def __init__(self, text: str, code: CodeType, first_word: str | None):
+    def __init__(self, raw: str, text: str, code: CodeType, tree: ast.Module, first_word: str | None):
+        self.raw = raw
         self.text = text
         self.code = code
         self.nested = any(type(c) is CodeType for c in code.co_consts)
+        # Once it ran without an error, nothing reads its lines again: no code object of it
+        # outlives it (no function, class, lambda or comprehension), and no exception it caught
+        # (try, or a with's __exit__ such as pytest.raises) keeps a traceback through its frame.
+        self.forgettable = not self.nested and not any(isinstance(n, _KEEPS_TRACEBACKS) for n in ast.walk(tree))
         self.first_word = first_word
+        # What the history stores of each run (its texts without their trailing newlines), made
+        # once: IPython's store_inputs strips a copy of its own for every run otherwise.
+        self.stored = (text.rstrip("\n"), raw.rstrip("\n"))
 
     def named(self, name: str) -> CodeType:
         """The code under the file name IPython gives this run of the cell."""
@@ -126,7 +139,7 @@ class PlainCells:
         if cell is None or (cell.first_word is not None and self._prefilter_acts(cell.first_word)):
             return None
         self.served += 1
-        return self._execute(self.shell, code, cell)
+        return self._execute(self.shell, cell.raw, cell)
 
     def _shell_is_plain(self) -> bool:
         """Nothing registered that run_cell would call or apply around a cell."""
@@ -177,7 +190,7 @@ class PlainCells:
             return None  # run_cell reports it, after running the statements before it
         if compiled.co_flags & _COROUTINE:
             return None  # top-level await: IPython's runner
-        return _Cell(text, compiled, LineInfo(text.rstrip("\n")).ifun if one_line else None)
+        return _Cell(code, text, compiled, tree, LineInfo(text.rstrip("\n")).ifun if one_line else None)
 
     def _default_prefilter(self, text: str) -> bool:
         """Only IPython's own prefilter checkers (whose run-time lookups _prefilter_acts makes)
@@ -205,7 +218,7 @@ class PlainCells:
                 shell.execution_count += 1
                 shell.events.trigger("pre_execute")
                 history = self._history
-                history.store_inputs(count, text, code)
+                history.store_inputs(count, *cell.stored)
                 with self._builtin_trap:
                     name = shell.compile.cache(text, count, raw_code=code)
                     with self._display_trap:
@@ -217,6 +230,9 @@ class PlainCells:
                 history.store_output(count)
                 if result.error_in_exec is not None:
                     history.exceptions[count] = shell._format_exception_for_storage(result.error_in_exec)
+                elif cell.forgettable:  # its lines, which IPython keeps for good, one copy per run
+                    linecache.cache.pop(name, None)
+                    shell.compile._filename_map.pop(name, None)
             finally:
                 shell.events.trigger("post_execute")
         return result

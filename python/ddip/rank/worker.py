@@ -181,6 +181,10 @@ class Worker:
         self.displays = DisplayFrames(self.send_display)
         # Cells that need none of IPython's machinery skip run_cell (None: DDIP_LEAN=0, all take it)
         self.plain = _plain_cells.PlainCells(shell) if _plain_cells.enabled() else None
+        # History is off in ranks (_make_shell): what IPython queues for its database is never
+        # written, and would grow by every cell's text for good.
+        history = shell.history_manager
+        self.unwritten = None if history.enabled else (history.db_input_cache, history.db_output_cache)
         self.handlers = {Run: self.run, Apply: self.apply, Push: self.push, Pull: self.pull, Debug: self.debug}
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -294,6 +298,9 @@ class Worker:
             # cell: (file name, first line), the cell JupyterLab's debugger sets breakpoints in
             with _dap.cell_named(shell, *req.cell, req.code) if req.cell else contextlib.nullcontext():
                 result = shell.run_cell(req.code, store_history=True, silent=req.silent)
+        if self.unwritten is not None:
+            for queued in self.unwritten:
+                queued.clear()
         failed = result.error_before_exec is not None or result.error_in_exec is not None
         error = None
         if failed:
