@@ -224,6 +224,11 @@ std::string Coordinator::last_rejection() const { return links_ ? links_->last_r
 
 uint64_t Coordinator::host_reply_frames() const { return links_ ? links_->reply_frames() : 0; }
 
+std::vector<std::pair<std::string, std::string>> Coordinator::host_notes() const {
+  std::lock_guard lock(mu_);
+  return host_notes_;
+}
+
 void Coordinator::send(int slot, Frame frame, const std::vector<uint64_t>& segments) {
   send(std::vector<int>{slot}, std::move(frame), segments);
 }
@@ -658,6 +663,14 @@ HostLinks::Callbacks Coordinator::link_callbacks() {
     Event e = Event::of_frame(slots.front(), std::move(f));
     if (slots.size() > 1) e.slots = std::move(slots);
     events_.push(std::move(e));
+  };
+  cb.note = [this](const std::string& host, std::string text) {
+    std::lock_guard lock(mu_);
+    // Said again (a worker started again, cold for the same reason): kept once. Bounded, as
+    // nothing an agent sends may grow the kernel's memory for the group's life.
+    for (const auto& [h, t] : host_notes_)
+      if (h == host && t == text) return;
+    if (host_notes_.size() < kMaxHostNotes) host_notes_.emplace_back(host, std::move(text));
   };
   cb.hello = [this](int slot) {
     slots_[static_cast<size_t>(slot)].said_hello = true;

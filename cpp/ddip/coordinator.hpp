@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "ddip/channel.hpp"
@@ -94,6 +95,11 @@ class Coordinator {
   // Frames that brought replies from other hosts: one per host and request where their agents
   // gather them (HostLinks::reply_frames).
   uint64_t host_reply_frames() const;
+  // What other hosts' agents said for the user, as (host, text) in the order it came: why a
+  // host's ranks start cold (host_agent.hpp). Each arrives before its host's workers' frames, so
+  // once they said hello, it is here. Kept after close().
+  std::vector<std::pair<std::string, std::string>> host_notes() const;
+  static constexpr size_t kMaxHostNotes = 64;
 
   // Queue a frame to one worker; frames to a worker that has not connected yet wait for it.
   // `segments` (ids from pool().put) travel with it as fds; the worker holds a reference to each
@@ -159,6 +165,7 @@ class Coordinator {
   std::vector<std::chrono::steady_clock::time_point> last_ack_;
   std::vector<bool> connected_;
   std::vector<pid_t> unreaped_;
+  std::vector<std::pair<std::string, std::string>> host_notes_;
   std::mutex join_mu_;
 
   // Owned by the IO thread. The loop is declared first: what watches fds on it goes before it.

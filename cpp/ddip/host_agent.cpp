@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <thread>
 
@@ -86,6 +87,20 @@ class HostSegments {
   std::map<uint64_t, Fd> kept_;
 };
 
+// What a failed or stopped rank template says about why (rank/template.py's JSON "reason", else
+// the text itself), on one line.
+std::string template_reason(const std::string& detail) {
+  std::string text = detail;
+  auto j = nlohmann::json::parse(detail, nullptr, false);
+  if (!j.is_discarded() && j.is_object() && j.contains("reason") && j["reason"].is_string())
+    text = j["reason"].get<std::string>();
+  auto first = text.find_first_not_of(" \t\r\n"), last = text.find_last_not_of(" \t\r\n");
+  text = first == std::string::npos ? "it gave no reason" : text.substr(first, last - first + 1);
+  for (auto nl = text.find('\n'); nl != std::string::npos; nl = text.find('\n', nl + 3))
+    text.replace(nl, 1, " | ");
+  return text;
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -118,22 +133,37 @@ HostAgent::HostAgent(AgentOptions options) : options_(std::move(options)) {}
 
 HostAgent::~HostAgent() = default;
 
+void HostAgent::note(std::string text) {
+  // On stderr too: the kernel keeps the tail of its launcher's output, which explains an agent
+  // that failed.
+  std::fprintf(stderr, "ddip host agent: %s\n", text.c_str());
+  notes_.push_back(std::move(text));
+}
+
+// Every way to cold ranks but the kernel's choice (ticket warm 0), the host's (DDIP_PREWARM=0: no
+// template spec) and a template still importing that the group does not wait for is a note, in
+// the words of the kernel's own template (python/ddip/kernel/template.py).
 RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers, bool may_wait) {
-  if (!template_ || !template_spec_ || options_.ticket.warm == 0) return nullptr;
+  if (options_.ticket.warm == 0) return nullptr;
+  if (!template_unstartable_.empty()) {
+    note("ranks start cold: the rank template could not start: " + template_unstartable_);
+    return nullptr;
+  }
+  if (!template_ || !template_spec_) return nullptr;
   for (const auto& w : workers)
     if (std::string why = unforkable(*template_spec_, w); !why.empty()) {
-      std::fprintf(stderr, "ddip.remote: ranks start cold: %s\n", why.c_str());
+      note("ranks start cold: " + why);
       return nullptr;
     }
   auto st = template_->status();
   if (st.state == RankTemplate::State::kDead) {
     // Killed or crashed since the last group: a new one, as the kernel replaces its own.
-    std::fprintf(stderr, "ddip.remote: the rank template had stopped (%s); started a new one\n",
-                 st.detail.c_str());
+    note("the rank template had stopped (" + detail::template_reason(st.detail) +
+         "); started a new one");
     try {
       template_->start(*template_spec_);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "ddip.remote: ranks start cold: %s\n", e.what());
+      note(std::string("ranks start cold: the rank template could not start: ") + e.what());
       return nullptr;
     }
     st = template_->status();
@@ -142,10 +172,35 @@ RankTemplate* HostAgent::warm_template(const std::vector<SpawnSpec>& workers, bo
   if (st.state == RankTemplate::State::kStarting && options_.ticket.warm == 2 && may_wait)
     st = template_->wait_ready(options_.template_wait);
   if (st.state == RankTemplate::State::kReady) return template_.get();
-  if (st.state != RankTemplate::State::kStarting)
-    std::fprintf(stderr, "ddip.remote: ranks start cold: the rank template failed: %s\n",
-                 st.detail.c_str());
+  if (st.state == RankTemplate::State::kStarting && options_.ticket.warm == 2 && may_wait)
+    note("ranks start cold: the rank template is still importing " + preloads() + "after " +
+         std::to_string(options_.template_wait.count() / 1000) + " s");
+  else if (st.state != RankTemplate::State::kStarting)
+    note("ranks start cold: the rank template failed: " + detail::template_reason(st.detail));
   return nullptr;
+}
+
+void HostAgent::after_forks(RankTemplate* tmpl, uint64_t refusals_before) {
+  if (!tmpl || tmpl->refusals() == refusals_before) return;
+  // The first refusal is the cause; later ones only say the template was gone by then.
+  auto st = tmpl->status();
+  bool ended = st.state == RankTemplate::State::kDead || st.state == RankTemplate::State::kFailed;
+  note("some ranks started cold: " +
+       (ended ? detail::template_reason(st.detail) : tmpl->last_error()));
+}
+
+// What the template was asked to preload ("torch, torch._dynamo "), or "".
+std::string HostAgent::preloads() const {
+  const std::string var = "DDIP_TEMPLATE_MODULES=";
+  std::string out;
+  for (const auto& kv : template_spec_->env)
+    if (kv.starts_with(var))
+      for (size_t at = var.size(); at < kv.size();) {
+        size_t comma = std::min(kv.find(',', at), kv.size());
+        if (comma > at) out += (out.empty() ? "" : ", ") + kv.substr(at, comma - at);
+        at = comma + 1;
+      }
+  return out.empty() ? out : out + " ";
 }
 
 int HostAgent::serve(int input, std::optional<SpawnSpec> template_spec) {
@@ -198,9 +253,7 @@ int HostAgent::serve(int input, std::optional<SpawnSpec> template_spec) {
       try {
         template_->start(*template_spec_);
       } catch (const std::exception& e) {
-        std::fprintf(stderr,
-                     "ddip.remote: ranks start cold: the rank template could not start: %s\n",
-                     e.what());
+        template_unstartable_ = e.what();  // said to each group that wants warm ranks
         template_spec_.reset();
       }
     }
@@ -322,6 +375,7 @@ class HostAgent::Relay {
 
   void lose(std::string why);
   void send(Frame f);
+  void send_notes();  // what the agent said since (HostAgent::note), for the kernel to show
   // The kernel's side.
   void on_frame(Frame f);
   void start_workers(const Frame& f);
@@ -388,6 +442,11 @@ void HostAgent::Relay::send(Frame f) {
   if (link_) link_->send(std::move(f));  // a failure ends the link (on_link_end)
 }
 
+void HostAgent::Relay::send_notes() {
+  for (auto& text : agent_.notes_) send(Frame::make(kHostNote, kHostRank, 0, std::move(text)));
+  agent_.notes_.clear();
+}
+
 void HostAgent::Relay::on_frame(Frame f) {
   last_frame_ = Clock::now();
   if (!coord_) {
@@ -425,7 +484,11 @@ void HostAgent::Relay::start_workers(const Frame& f) {
     global_.push_back(slot);
     co.workers.push_back(on_this_host(std::move(spec)));
   }
-  co.rank_template = agent_.warm_template(co.workers);
+  RankTemplate* tmpl = agent_.warm_template(co.workers);
+  uint64_t refusals = tmpl ? tmpl->refusals() : 0;
+  co.rank_template = tmpl;
+  // Ahead of every worker's frames: the kernel has them once the workers are up.
+  send_notes();
   last_frame_ = Clock::now();  // a wait for the template is no silence of the kernel's
   co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
   co.on_event = [this] {
@@ -449,6 +512,8 @@ void HostAgent::Relay::start_workers(const Frame& f) {
     failed_ = true;
     if (agent_.why_.empty()) agent_.why_ = e.what();
   }
+  agent_.after_forks(tmpl, refusals);
+  send_notes();
 }
 
 // A later kSpawn: workers of this host that exited, started again in their slots, forked from
@@ -470,9 +535,13 @@ void HostAgent::Relay::start_again(const Frame& f) {
     int l = it->second;
     SpawnSpec here = on_this_host(std::move(spec));
     RankTemplate* tmpl = agent_.warm_template({here}, false);
+    uint64_t refusals = tmpl ? tmpl->refusals() : 0;
     try {
       coord_->respawn(l, std::move(here), tmpl);
+      agent_.after_forks(tmpl, refusals);
+      send_notes();
     } catch (const std::exception& e) {
+      send_notes();
       send(Frame::make(kExit, slot, 0,
                        encode_exit(ExitStatus{127, 0, false},
                                    std::string("could not start the worker again: ") + e.what())));

@@ -17,7 +17,10 @@
 // its stdin, which stays open to the kernel: after a group that ended cleanly it waits for the
 // next ticket; end of file there (the kernel died or let the host go) stops everything under it.
 // It keeps a rank template of its host's own (rank_template.hpp) across groups, started with the
-// first ticket that asks for warm ranks, and forks those groups' workers from it.
+// first ticket that asks for warm ranks, and forks those groups' workers from it. When it can't
+// (the template could not start, failed, stopped, or the workers can't be its forks), it says why
+// to the kernel (kHostNote) at each group's start there, and the notebook shows it naming the
+// host: the agent's own stderr is read by nobody once it runs.
 #pragma once
 
 #include <chrono>
@@ -86,6 +89,14 @@ class HostAgent {
   bool clean_ = false;   // the last group ended with every worker reported and the link intact
   std::optional<SpawnSpec> template_spec_;
   std::unique_ptr<RankTemplate> template_;
+  std::string template_unstartable_;  // why template_spec_ could not start: every group is cold
+  // What the kernel should tell the user about this host, said since a group's link last took
+  // it: each line goes on that link as a kHostNote.
+  std::vector<std::string> notes_;
+  void note(std::string text);
+  // After forks from `tmpl` (when not null): a note when some were refused (those started cold).
+  void after_forks(RankTemplate* tmpl, uint64_t refusals_before);
+  std::string preloads() const;
   // The template to fork `workers` from, or null (cold). `may_wait`: a template still importing
   // is waited for when the ticket says so (a group's start; never a worker started again, which
   // would leave the link unserved meanwhile).

@@ -37,9 +37,12 @@ enum LinkFrameKind : uint16_t {
   // host -> kernel: replies (kDone) of several of its workers to request `seq`, gathered by its
   // agent, each distinct payload once with the workers that sent it (payload: encode_replies)
   kReplies = 22,
+  // host -> kernel: what the notebook's user should hear about this host (payload: one line of
+  // text), e.g. why its ranks start cold; the kernel shows it naming the host
+  kHostNote = 23,
 };
 
-// A frame's rank for what concerns the host, not one worker: its heartbeat and ack.
+// A frame's rank for what concerns the host, not one worker: its heartbeat and ack, its notes.
 inline constexpr int32_t kHostRank = -1;
 
 // kSpawn's payload: the workers a host starts, by their slot in the kernel's group. Their env

@@ -514,6 +514,10 @@ void HostLinks::on_frame(size_t link, Frame f) {
     return;
   }
   if (f.kind == kReplies && f.rank == kHostRank) return on_replies(l, link, f);
+  if (f.kind == kHostNote && f.rank == kHostRank) {
+    if (cb_.note) cb_.note(l.host.name, std::string(f.data()));
+    return;
+  }
   int slot = f.rank;
   if (std::find(l.host.slots.begin(), l.host.slots.end(), slot) == l.host.slots.end())
     return lose_link(link, "it sent a frame for rank slot " + std::to_string(slot) +

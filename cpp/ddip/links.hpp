@@ -70,6 +70,9 @@ class HostLinks {
     // One reply (a kDone frame, rank: the first of them) of several workers there, gathered by
     // its agent (kReplies): those still there, in the order the agent gave.
     std::function<void(std::vector<int> slots, Frame)> replies;
+    // What a host's agent has to tell the user (kHostNote: why its ranks start cold), with the
+    // host's name.
+    std::function<void(const std::string& host, std::string text)> note;
   };
   // Listens on the bind address at once (throws if it can't); nothing is started yet.
   // `workers`: every slot's spec (only the remote ones are read).

@@ -21,6 +21,7 @@
 #include "ddip/endpoint.hpp"
 #include "ddip/host_agent.hpp"
 #include "ddip/keeper.hpp"
+#include "ddip/rank_template.hpp"
 #include "ddip/tcp.hpp"
 #include "helpers.hpp"
 
@@ -75,13 +76,27 @@ int worker_main() {
   }
 }
 
+// A rank template that fails as rank/template.py does when a module it needs can't be imported.
+constexpr const char* kTemplateFailure =
+    "importing cloudpickle failed: ModuleNotFoundError: No module named 'cloudpickle'";
+
+int template_main() {
+  ForkServer server(std::getenv("DDIP_TEMPLATE_SOCKET"));
+  server.failed(std::string(R"({"reason": ")") + kTemplateFailure + "\"}");
+  return 1;
+}
+
 int agent_main() {
   AgentOptions o;
   o.kernel_timeout = 3000ms;
   if (const char* idle = std::getenv("DDIP_TEST_IDLE_MS"))
     o.idle_timeout = std::chrono::milliseconds(std::atoi(idle));
+  // DDIP_TEST_TEMPLATE: this host has a rank template (this binary again, which fails).
+  std::optional<SpawnSpec> tmpl;
+  if (std::getenv("DDIP_TEST_TEMPLATE"))
+    tmpl = SpawnSpec{{self_exe(), "-c", "template"}, {"DDIP_TEST_TEMPLATE_PROCESS=1"}, "", true};
   HostAgent agent(o);
-  int rc = agent.serve(0, std::nullopt);  // as python -m ddip.remote does
+  int rc = agent.serve(0, tmpl);  // as python -m ddip.remote does
   if (rc) std::cerr << "agent: " << agent.why() << "\n";
   return rc;
 }
@@ -634,7 +649,45 @@ TEST(HostAgent, AWorkerWhoseHostsAgentIsGoneIsNotStartedAgainAndTheErrorNamesThe
   c.close();
 }
 
+// A host's agent whose workers can't be forked from its rank template says why (kHostNote) at
+// each group's start there, before its workers' frames, and the kernel keeps it with the host's
+// name; the workers start cold and work.
+TEST(HostAgent, AHostsAgentSaysWhyItsWorkersStartColdAtEachGroupStartAndTheyStillWork) {
+  AgentKeeper keeper(3000ms);
+  auto o = options();
+  o.agent_keeper = &keeper;
+  o.remote_warm = 2;  // wait for the host's template, as a group whose ranks use torch does
+  o.hosts[0].launcher.env.push_back("DDIP_TEST_TEMPLATE=1");
+  // As a Python rank's `python -c ...`, so that they could be forks of the template.
+  for (auto& w : o.workers) w.argv = {self_exe(), "-c", "worker"};
+  using Notes = std::vector<std::pair<std::string, std::string>>;
+  std::string failed =
+      std::string("ranks start cold: the rank template failed: ") + kTemplateFailure;
+  for (int group = 0; group < 2; ++group) {
+    Coordinator c(o);
+    ASSERT_GT(remote_pid(c, 1, 1), 0) << "a worker started cold works";
+    ASSERT_GT(remote_pid(c, 2, 2), 0);
+    EXPECT_EQ(c.host_notes(), (Notes{{"loopback-host", failed}})) << "group " << group;
+    c.close();
+  }
+  // Workers that run another program than the template's can't be its forks either.
+  for (auto& w : o.workers) w.argv = {self_exe()};
+  Coordinator c(o);
+  ASSERT_GT(remote_pid(c, 1, 1), 0);
+  EXPECT_EQ(c.host_notes(), (Notes{{"loopback-host", "ranks start cold: ranks run " + self_exe() +
+                                                         ", not `" + self_exe() + " -c ...`"}}));
+  c.close();
+  // Cold ranks by the kernel's choice: nothing to say.
+  o.remote_warm = 0;
+  Coordinator cold(o);
+  ASSERT_GT(remote_pid(cold, 1, 1), 0);
+  EXPECT_TRUE(cold.host_notes().empty());
+  cold.close();
+  EXPECT_EQ(keeper.release(5000ms), 1u);
+}
+
 int main(int argc, char** argv) {
+  if (std::getenv("DDIP_TEST_TEMPLATE_PROCESS")) return template_main();
   if (std::getenv("DDIP_TEST_WORKER")) return worker_main();
   if (std::getenv("DDIP_TEST_AGENT")) return agent_main();
   ::testing::InitGoogleTest(&argc, argv);

@@ -1,5 +1,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -250,6 +251,10 @@ void init_coordinator(nb::module_& m) {
       .def_prop_ro("host_reply_frames", &ddip::Coordinator::host_reply_frames,
                    "Frames that brought replies from other hosts (one per host and request where "
                    "their agents gather them).")
+      .def_prop_ro("host_notes", &ddip::Coordinator::host_notes,
+                   "What other hosts' agents said for the user, as (host, text) in the order it "
+                   "came: why a host's ranks start cold. Complete for a host once its ranks said "
+                   "hello.")
       .def_prop_ro("running", &ddip::Coordinator::running)
       .def(
           "send",
