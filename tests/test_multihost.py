@@ -417,6 +417,50 @@ def test_a_hosts_agent_and_template_outlive_a_closed_group_but_not_the_notebooks
         assert wait_until(lambda x=pid: not alive(x), 15), f"{pid} outlived the notebook's SIGKILL"
 
 
+# Python runs sitecustomize at start-up: where THREAD_ON_HOST names the host it runs on (THIS_HOST),
+# it starts a thread that never ends, as a library that starts helper threads when loaded does. On
+# that host the rank template then has a thread it can't stop, and refuses to serve (a fork would
+# hold the thread's locks); the ranks there start cold, with the same thread, and work.
+THREAD_AT_START = """
+import os, threading, time
+if os.environ.get("THREAD_ON_HOST") and os.environ.get("THREAD_ON_HOST") == os.environ.get("THIS_HOST"):
+    threading.Thread(target=time.sleep, args=(1e9,), daemon=True).start()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_a_host_whose_rank_template_cannot_serve_says_why_its_ranks_start_cold(hosts, tmp_path, capfd):
+    a, b = hosts.addr["A"], hosts.addr["B"]
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(THREAD_AT_START)
+    # Each host's agent, and so its template and its ranks, get this environment there.
+    launcher = (f"ssh -F {hosts.ssh_config} {{host}} env PYTHONPATH={site} THREAD_ON_HOST={a} "
+                f"THIS_HOST={{host}} {{command}}")
+    capfd.readouterr()
+    g = ddip.Group(hosts=f"{a}:1,{b}:1", launcher=launcher, backend=None, warm=True, timeout=120)
+    try:
+        for start in range(2):  # said at each group start there: a restart is one
+            err = capfd.readouterr().err
+            notes = [line for line in err.splitlines() if line.startswith("ddip: host ")]
+            assert len(notes) == 1, err
+            assert notes[0].startswith(f"ddip: host {a}: ranks start cold: the rank template failed: the template "
+                                       f"still has 2 threads after its imports ("), notes
+            assert notes[0].endswith("); it can't be forked safely"), notes
+            # Host A's rank started cold and works; host B's was forked from its template.
+            rows = [r.value for r in g.run(PROBE)]
+            assert [(r[0], r[3]) for r in rows] == [(a, False), (b, True)], rows
+            # Where the template's state is shown (ddip.template.status(), %makedip -v): A's note.
+            status = ddip.template.status()
+            assert notes[0].removeprefix("ddip: ") in status and f"host {b}" not in status, status
+            if start == 0:
+                g.restart()
+    finally:
+        g.close()
+        ddip.hosts.release()  # these hosts' agents have this test's environment: not for later tests
+
+
 def _rx_bytes(hosts, name: str) -> int:
     """Bytes that arrived on host `name`'s only link (its ddip0 veth) so far."""
     return int(_run("cat", "/sys/class/net/ddip0/statistics/rx_bytes", ns=hosts.ns[name]))

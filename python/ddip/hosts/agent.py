@@ -41,10 +41,10 @@ def main() -> int:
         # buffered stdin, which could swallow the next group's ticket.
         rc, why = _core.serve_host_agent(0, host_spec(), kernel_timeout_ms=timeout_ms)
     except Exception as exc:  # can't connect, or the other end does not know the key
-        print(f"ddip.remote on {socket.gethostname()}: {exc}", file=sys.stderr, flush=True)
+        print(f"ddip host agent on {socket.gethostname()}: {exc}", file=sys.stderr, flush=True)
         return 2
     if rc:
-        print(f"ddip.remote on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
+        print(f"ddip host agent on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
     return rc
 
 

@@ -228,6 +228,10 @@ class Group:
         except BaseException:
             coord.close(0)
             raise
+        finally:
+            if remote.get("hosts"):
+                # Each host's agent said why its ranks start cold, if they do, before their hellos.
+                _template.after_start_on_hosts([h[0] for h in remote["hosts"]], coord.host_notes)
         self._rt = rt
         _open_groups.add(self)
 

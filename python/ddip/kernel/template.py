@@ -30,6 +30,7 @@ _modules: tuple = ()  # what the current template was asked to preload
 _excluded: dict = {}  # module -> why it is left out of the template (it initializes CUDA)
 _disabled: str | None = None  # why ddip stopped using templates in this kernel, if it did
 _said: set = set()
+_hosts: dict = {}  # another host -> what its agent said at its last group start (after_start_on_hosts)
 
 
 def prewarm(modules=None) -> None:
@@ -60,7 +61,16 @@ def prewarm(modules=None) -> None:
 
 
 def status() -> str:
-    """Where the rank template stands, in one line (for logs and `%makedip -v`)."""
+    """Where the rank template stands, in one line (for logs and `%makedip -v`); then, for each
+    other host whose ranks started cold at its last group start, why (its agent's words)."""
+    line = _here()
+    with _lock:
+        for host, texts in _hosts.items():
+            line += "".join(f"; host {host}: {text}" for text in texts)
+    return line
+
+
+def _here() -> str:
     if not enabled():
         return "rank template: off (DDIP_PREWARM=0); ranks start cold"
     with _lock:
@@ -130,6 +140,20 @@ def choose(specs, warm=None, timeout: float = MAX_WAIT_S, wait: bool = True):
             _say_once(f"the rank template had stopped ({_reason(state, detail)}); started a new one")
             _start(_modules)
         return None
+
+
+def after_start_on_hosts(hosts, notes) -> None:
+    """Called once a group across `hosts` (other hosts' names) started, or failed to: says what
+    their agents said about their own rank templates, `notes` as (host, text) (why that host's
+    ranks start cold: each takes seconds more), once per group start and host, and keeps it for
+    status() until the host's next group start."""
+    with _lock:
+        for host in hosts:
+            _hosts.pop(host, None)
+        for host, text in notes:
+            _hosts.setdefault(host, []).append(text)
+    for host, text in notes:
+        print(f"ddip: host {host}: {text}", file=sys.stderr, flush=True)
 
 
 def after_start(template, refusals_before: int) -> None:
