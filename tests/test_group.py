@@ -193,6 +193,17 @@ def test_output_after_the_interrupt_is_kept_but_only_its_start_is_shown(group2, 
     assert [r.value for r in group2.run("1 + 1")] == [2, 2]
 
 
+def test_ranks_replying_alike_share_no_object_that_can_change():
+    # Alike replies are unpickled once for all ranks: only where nothing in them can change.
+    with ddip.Group(n=3, backend=None) as g:
+        a, b, c = g.run("[1, 2]")
+        assert a.value == b.value == c.value == [1, 2] and a.value is not b.value and b.value is not c.value
+        a, b, c = g.run("7")  # an atom, but its display form is a dict
+        assert a.format == b.format and a.format[0] is not b.format[0]
+        a, b, c = g.run("x = 1")
+        assert (a.value, b.value, c.value) == (None, None, None) and a.execution_count == c.execution_count
+
+
 def test_timeout_interrupts_and_raises(group2):
     with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
         group2.run("import time\ntime.sleep(60)", timeout=0.5)

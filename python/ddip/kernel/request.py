@@ -98,15 +98,17 @@ class Request:
         self.heal = None  # a heal.Healing, once its failure's peers are being released
         self.collectives = None  # a CollectivePicture, when ranks did not stop when interrupted
         self.prompts = _debugger.Prompts()  # ranks' debuggers waiting at a prompt
+        self.last_reply: SharedReply | None = None  # the last reply without buffers, for the next alike
         self.shown_after_interrupt: dict[int, int] = {}  # slot -> bytes of output shown since
         self.unshown: dict[int, int] = {}  # slot -> bytes kept but not shown (SHOWN_AFTER_INTERRUPT)
 
 
 class SharedReply:
-    """One reply that several ranks sent byte for byte alike, which their host's agent gathered
-    into one (every rank's None after `pass`): unpickled once for all of them. Each rank gets
-    that one object where nothing in it can change in place (a None, a number, a string); else a
-    copy of its own, unpickled again, so that no two ranks' results are one mutable object."""
+    """One reply that several ranks sent byte for byte alike (every rank's None after `pass`),
+    which their host's agent gathered into one, or local ranks sent one after another: unpickled
+    once for all of them. Each rank gets that one object where nothing in it can change in place
+    (a None, a number, a string, and no display form); else a copy of its own, unpickled again,
+    so that no two ranks' results are one mutable object."""
 
     __slots__ = ("data", "_reply")
     _ATOMS = (type(None), bool, int, float, complex, str, bytes)
@@ -119,7 +121,7 @@ class SharedReply:
         if self._reply is not None:
             return self._reply
         reply = loads_framed(self.data, ())
-        if reply.error is None and type(reply.value) in self._ATOMS:
+        if reply.error is None and reply.format is None and type(reply.value) in self._ATOMS:
             self._reply = reply
         return reply
 
@@ -450,8 +452,16 @@ def _handle(req: Request, item, cb: Callbacks):
         return
     if tag == "done":
         try:
-            data = item[2]
-            _fill(r, data.take() if isinstance(data, SharedReply) else loads_framed(data, item[3]))
+            data, fds = item[2], item[3]
+            if isinstance(data, SharedReply):
+                reply = data.take()
+            elif fds:
+                reply = loads_framed(data, fds)
+            else:  # ranks on this host reply alike too: unpickled once while they do
+                if req.last_reply is None or req.last_reply.data != data:
+                    req.last_reply = SharedReply(data)
+                reply = req.last_reply.take()
+            _fill(r, reply)
         except Exception as exc:
             r.error = RankFailure(
                 rank=r.rank, ename="UnpicklingError",
