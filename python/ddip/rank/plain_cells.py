@@ -27,15 +27,19 @@ DDIP_LEAN=0 in a rank's environment turns the lean path off (every cell through 
 from __future__ import annotations
 
 import ast
+import hashlib
 import linecache
 import os
 from types import CodeType
 
 from IPython.core.autocall import IPyAutocall
+from IPython.core.compilerop import CachingCompiler
+from IPython.core.history import HistoryManager
 from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 from IPython.core.macro import Macro
 from IPython.core.prefilter import _default_checkers
 from IPython.core.splitinput import LineInfo
+from traitlets import All, HasTraits
 
 CACHE_SIZE = 512  # code strings whose decision (and compiled code) is kept
 _TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
@@ -55,6 +59,7 @@ def _mirrors_this_ipython() -> bool:
 
 
 _MIRRORS = _mirrors_this_ipython()
+_TRAITLETS_STATE = ("_trait_values", "_trait_notifiers", "_trait_validators")  # a HasTraits' own, per instance
 
 
 def enabled() -> bool:
@@ -68,7 +73,7 @@ class _Cell:
     its own copy of the same text: a cell repeated a million times is kept once, not a million
     times."""
 
-    __slots__ = ("raw", "text", "code", "nested", "forgettable", "first_word", "stored")
+    __slots__ = ("raw", "text", "code", "nested", "forgettable", "first_word", "stored", "digest", "lines")
 
     def __init__(self, raw: str, text: str, code: CodeType, tree: ast.Module, first_word: str | None):
         self.raw = raw
@@ -83,6 +88,9 @@ class _Cell:
         # What the history stores of each run (its texts without their trailing newlines), made
         # once: IPython's store_inputs strips a copy of its own for every run otherwise.
         self.stored = (text.rstrip("\n"), raw.rstrip("\n"))
+        # What IPython's compiler caches for each run (its name's hash, its lines), made once.
+        self.digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+        self.lines = [line + "\n" for line in text.splitlines()]
 
     def named(self, name: str) -> CodeType:
         """The code under the file name IPython gives this run of the cell."""
@@ -111,6 +119,11 @@ class PlainCells:
         self._signature = None
         self._read_traits()
         shell.observe(self._traits_changed, names=list(_WATCHED))
+        # What IPython puts in place for each cell and takes away after it, the builtins it adds
+        # (get_ipython, exit, quit) and its display hook, stay in place: a rank runs cells and
+        # nothing else, and each cell's traps are then a counter (run_cell's too).
+        shell.builtin_trap.__enter__()
+        shell.display_trap.__enter__()
 
     def _traits_changed(self, change):
         self._read_traits()
@@ -127,6 +140,17 @@ class PlainCells:
         self._history = shell.history_manager
         self._builtin_trap, self._display_trap = shell.builtin_trap, shell.display_trap
         self._line_magics = shell.magics_manager.magics["line"]
+        history, compiler = self._history, shell.compile
+        # What _execute may do without traitlets' setters and IPython's methods: where IPython's own
+        # classes run (a subclass may do more) and the history writes no database.
+        self._direct = (all(hasattr(o, a) for o in (shell, shell.displayhook, history) for a in _TRAITLETS_STATE)
+                        and not history.enabled
+                        and type(history).store_inputs is HistoryManager.store_inputs
+                        and type(compiler).cache is CachingCompiler.cache
+                        and type(compiler).get_code_name is CachingCompiler.get_code_name
+                        and _writable_directly(shell, _SHELL_TRAITS)
+                        and _writable_directly(shell.displayhook, _HOOK_TRAITS)
+                        and _writable_directly(history, _HISTORY_TRAITS))
 
     def run(self, code: str, silent: bool = False) -> ExecutionResult | None:
         """What run_cell(code, store_history=True) returns, for a cell that qualifies; None for
@@ -212,21 +236,43 @@ class PlainCells:
         """run_cell_async's steps for a cell with no value to display, in its order."""
         text = cell.text
         result = ExecutionResult(ExecutionInfo(code, True, False, True, None, None, transformed_cell=text))
+        history = self._history
+        hook = shell.displayhook
+        direct = self._direct and not (_observed(shell, _SHELL_TRAITS) or _observed(history, _HISTORY_TRAITS)
+                                       or _observed(hook, _HOOK_TRAITS))
         with shell._tee(channel="stdout"), shell._tee(channel="stderr"):
             try:
                 count = result.execution_count = shell.execution_count
-                shell.execution_count += 1
+                if direct:
+                    shell._trait_values["execution_count"] = count + 1
+                else:
+                    shell.execution_count += 1
                 shell.events.trigger("pre_execute")
-                history = self._history
-                history.store_inputs(count, *cell.stored)
+                if direct:
+                    _store_inputs(shell, history, count, *cell.stored)
+                else:
+                    history.store_inputs(count, *cell.stored)
                 with self._builtin_trap:
-                    name = shell.compile.cache(text, count, raw_code=code)
+                    if direct:  # CachingCompiler.cache, with the cell's hash and lines made once
+                        name = f"<ipython-input-{count}-{cell.digest}>"
+                        shell.compile._filename_map[name] = count
+                        linecache.cache[name] = (len(text), None, cell.lines, name)
+                    else:
+                        name = shell.compile.cache(text, count, raw_code=code)
                     with self._display_trap:
-                        shell.displayhook.exec_result = result
-                        failed = _drive(shell.run_code(cell.named(name), result))
-                        shell.last_execution_succeeded = not failed
-                        shell.last_execution_result = result
-                        shell.displayhook.exec_result = None
+                        if direct:
+                            hook._trait_values["exec_result"] = result
+                            failed = _drive(shell.run_code(cell.named(name), result))
+                            values = shell._trait_values
+                            values["last_execution_succeeded"] = not failed
+                            values["last_execution_result"] = result
+                            hook._trait_values["exec_result"] = None
+                        else:
+                            hook.exec_result = result
+                            failed = _drive(shell.run_code(cell.named(name), result))
+                            shell.last_execution_succeeded = not failed
+                            shell.last_execution_result = result
+                            hook.exec_result = None
                 history.store_output(count)
                 if result.error_in_exec is not None:
                     history.exceptions[count] = shell._format_exception_for_storage(result.error_in_exec)
@@ -236,6 +282,49 @@ class PlainCells:
             finally:
                 shell.events.trigger("post_execute")
         return result
+
+
+# The traits a run sets, by the object that has them. Where nothing observes or validates them
+# (IPython itself does not), their new values are written straight into the object's values:
+# traitlets' setter (validation, the change event, the search for observers and magic methods),
+# nine times per cell, cost a rank more than the rest of the cell's bookkeeping.
+_SHELL_TRAITS = (All, "execution_count", "last_execution_succeeded", "last_execution_result")
+_HOOK_TRAITS = (All, "exec_result")
+_HISTORY_TRAITS = (All, "_i", "_ii", "_iii", "_i00")
+
+
+def _observed(obj: HasTraits, names) -> bool:
+    """Whether setting one of `names` on obj runs anything (an observer of it or of every trait,
+    or a cross-validator): then it is set through traitlets."""
+    notifiers = obj._trait_notifiers
+    for name in names:
+        handlers = notifiers.get(name)
+        if handlers and any(handlers.values()):
+            return True
+    validators = obj._trait_validators
+    return bool(validators) and any(name in validators for name in names)
+
+
+def _writable_directly(obj: HasTraits, names) -> bool:
+    """Whether these traits have no magic methods (`_x_changed`, `_x_validate`) nor read-only flag:
+    what a direct write would skip that _observed does not look at. Checked once."""
+    traits = obj.traits()
+    return all(name in traits and not traits[name].read_only and not hasattr(type(obj), f"_{name}_changed")
+               and not hasattr(type(obj), f"_{name}_validate") for name in names if name is not All)
+
+
+def _store_inputs(shell, history, count: int, parsed: str, raw: str) -> None:
+    """HistoryManager.store_inputs for a history that writes no database (a rank's), the values of
+    its `_i` traits written directly (_SHELL_TRAITS' reason). A plain cell is never `exit` or
+    `quit`, which it leaves out."""
+    history.input_hist_parsed.append(parsed)
+    history.input_hist_raw.append(raw)
+    i00, i, ii = history._i00, history._i, history._ii
+    values = history._trait_values
+    values["_iii"], values["_ii"], values["_i"], values["_i00"] = ii, i, i00, raw
+    names = {"_i": i00, "_ii": i, "_iii": ii, f"_i{count}": raw}
+    shell.user_ns.update(names)
+    shell.user_ns_hidden.update(names)  # push(..., interactive=False): not listed by %who
 
 
 def _drive(coro):
