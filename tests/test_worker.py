@@ -134,6 +134,26 @@ def test_a_cell_run_again_and_again_keeps_one_copy_of_its_text(group2):
     assert group2.run("import inspect\ninspect.getsource(kept)", ranks=[0])[0].value.startswith("def kept")
 
 
+def test_an_observer_of_the_shells_traits_sees_every_plain_cell(group2):
+    # The lean path writes the execution count and the history's values without traitlets' setter
+    # only while nothing observes them: an observer (of one trait, or of all) gets every change.
+    group2.run("_counts = []\n_seen = lambda change: _counts.append((change.name, change.new))\n"
+               "get_ipython().observe(_seen, names=['execution_count'])\n"
+               "get_ipython().history_manager.observe(_seen)", ranks=[0])
+    try:
+        before = _served(group2)
+        group2.run("a = 1", ranks=[0])
+        group2.run("b = 2", ranks=[0])
+        assert _served(group2) - before == 2  # plain cells, run by the lean path
+        counts = group2.run("_counts", ranks=[0])[0].value
+    finally:
+        group2.run("get_ipython().unobserve(_seen, names=['execution_count'])\n"
+                   "get_ipython().history_manager.unobserve(_seen)", ranks=[0])
+    changed = [name for name, _ in counts]
+    assert changed.count("execution_count") >= 2 and "_i00" in changed, counts
+    assert ("_i00", "b = 2") in counts
+
+
 def test_the_shells_settings_are_followed_as_they_change(group2):
     # An input transformer: the cell is no longer what IPython runs, so run_cell runs it.
     group2.run("get_ipython().input_transformers_post.append(lambda lines: [l.replace('41', '42') for l in lines])",
