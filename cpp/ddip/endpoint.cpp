@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -46,6 +47,12 @@ constexpr milliseconds kDumpQuiet{200};
 constexpr milliseconds kDumpMax{2000};
 constexpr size_t kDumpBytes = size_t(4) << 20;
 
+// How long the worker may be away from recv() before the watchdog reads for it: a request's
+// heartbeats, stack and abort requests wait at most this long for a reader.
+constexpr milliseconds kTick{100};
+
+int64_t now_ns() { return Clock::now().time_since_epoch().count(); }
+
 }  // namespace
 }  // namespace detail
 
@@ -61,6 +68,9 @@ EndpointOptions EndpointOptions::from_environment() {
 Endpoint::Endpoint(const std::string& socket_path, int rank, std::string hello,
                    EndpointOptions options)
     : rank_(rank), options_(options), channel_(connect_unix(socket_path)) {
+  wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_) throw std::system_error(errno, std::generic_category(), "eventfd for the endpoint");
+  last_heard_ns_ = detail::now_ns();
   channel_.send(Frame::make(kHello, rank, 0, std::move(hello)));
   // Only a process that leads its own group may kill the group: otherwise it is someone else's
   // (a test runner's, a batch job's).
@@ -89,7 +99,11 @@ Endpoint::~Endpoint() {
     stopping_ = true;
   }
   cv_.notify_all();
+  watch_cv_.notify_all();
   ::shutdown(channel_.fd(), SHUT_RDWR);  // wakes the watchdog out of poll
+  uint64_t one = 1;
+  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
+  (void)ignored;
   if (watchdog_.joinable()) watchdog_.join();
 }
 
@@ -100,16 +114,47 @@ void Endpoint::send(Frame f) {
 }
 
 std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
+  auto deadline = detail::Clock::now() + std::max(timeout, std::chrono::milliseconds(0));
   std::unique_lock lock(mu_);
-  if (timeout.count() > 0)
-    cv_.wait_for(lock, timeout, [this] { return !inbox_.empty() || closed_; });
-  if (!inbox_.empty()) {
-    Frame f = std::move(inbox_.front());
-    inbox_.pop_front();
-    return f;
+  ++recv_calls_;
+  caller_waiting_ = true;
+  struct Away {  // leaving recv(), however: the watchdog's tick counts from here
+    bool& waiting;
+    ~Away() { waiting = false; }
+  } away{caller_waiting_};
+  while (true) {
+    if (!inbox_.empty()) {
+      Frame f = std::move(inbox_.front());
+      inbox_.pop_front();
+      return f;
+    }
+    if (closed_) throw EndpointClosed("the kernel closed the connection");
+    if (timeout.count() <= 0 || detail::Clock::now() >= deadline) return std::nullopt;
+    if (reader_ == Reader::kWatchdog) {
+      // Ask for the channel: the watchdog hands it over between two of its reads.
+      if (!hand_back_) {
+        hand_back_ = true;
+        uint64_t one = 1;
+        ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
+        (void)ignored;
+      }
+      cv_.wait_until(lock, deadline,
+                     [this] { return reader_ == Reader::kCaller || !inbox_.empty() || closed_; });
+      continue;
+    }
+    lock.unlock();
+    bool alive;
+    try {
+      alive = read_frames(deadline, true);
+    } catch (const std::exception&) {
+      alive = false;  // a heartbeat's answer could not be sent: the kernel is gone
+    }
+    lock.lock();
+    if (!alive && !closed_) {
+      closed_ = true;  // the watchdog, woken, ends a process whose Python does not leave
+      watch_cv_.notify_all();
+    }
   }
-  if (closed_) throw EndpointClosed("the kernel closed the connection");
-  return std::nullopt;
 }
 
 bool Endpoint::closed() const {
@@ -265,65 +310,124 @@ std::string Endpoint::dump_stacks() {
   return out;
 }
 
-void Endpoint::watch() {
-  auto last_heard = detail::Clock::now();
-  while (true) {
-    std::optional<Frame> f = channel_.next();
-    if (!f) {
-      int wait_ms = -1;
-      if (options_.kernel_timeout.count() > 0)
-        wait_ms = detail::ms_until(last_heard + options_.kernel_timeout);
-      pollfd p{channel_.fd(), POLLIN, 0};
-      int rc = ::poll(&p, 1, wait_ms);
-      if (rc < 0 && errno == EINTR) continue;
-      if (rc < 0) break;
-      if (rc == 0) {
-        // Silence for kernel_timeout, heartbeats included: the kernel (or its host) is gone.
-        if (detail::Clock::now() - last_heard >= options_.kernel_timeout) break;
-        continue;
-      }
-      try {
-        if (channel_.read_some() == Channel::ReadResult::kEof) break;
-      } catch (const std::exception&) {
-        break;
-      }
-      last_heard = detail::Clock::now();
-      continue;
-    }
-    try {
-      if (f->kind == kHeartbeat) {
-        keep_all();  // a reset handler is put back before a signal can find it missing
-        send(Frame::make(kHeartbeatAck, rank_, f->seq));
-        continue;
-      }
-      if (f->kind == kAbortRequest) {
-        abort_collectives();
-        continue;
-      }
-      if (f->kind == kCollectivesRequest) {
-        ask_collectives(f->seq);
-        continue;
-      }
-      if (f->kind == kStackRequest) {
-        send(Frame::make(kStacks, rank_, f->seq, dump_stacks()));
-        continue;
-      }
-    } catch (const std::exception&) {
-      break;  // the kernel is gone
+bool Endpoint::take(Frame f, bool caller) {
+  if (f.kind == kHeartbeat) {
+    keep_all();  // a reset handler is put back before a signal can find it missing
+    send(Frame::make(kHeartbeatAck, rank_, f.seq));
+    return false;
+  }
+  if (f.kind == kAbortRequest || f.kind == kCollectivesRequest || f.kind == kStackRequest) {
+    if (!caller) {
+      chore(f);
+      return false;
     }
     {
       std::lock_guard lock(mu_);
-      inbox_.push_back(std::move(*f));
+      chores_.push_back(std::move(f));
     }
-    cv_.notify_all();
+    watch_cv_.notify_all();
+    return false;
   }
+  {
+    std::lock_guard lock(mu_);
+    inbox_.push_back(std::move(f));
+  }
+  if (!caller) cv_.notify_all();  // the caller read it itself: nobody to wake
+  return true;
+}
+
+void Endpoint::chore(const Frame& f) {
+  if (f.kind == kAbortRequest)
+    abort_collectives();
+  else if (f.kind == kCollectivesRequest)
+    ask_collectives(f.seq);
+  else if (f.kind == kStackRequest)
+    send(Frame::make(kStacks, rank_, f.seq, dump_stacks()));
+}
+
+bool Endpoint::read_frames(detail::Clock::time_point deadline, bool caller) {
+  // Frames a read already brought in first: one recvmsg may carry several.
+  bool queued = false;
+  while (std::optional<Frame> f = channel_.next()) queued |= take(std::move(*f), caller);
+  if (queued) return true;
+  auto timeout = options_.kernel_timeout;
+  int64_t heard = last_heard_ns_.load();
+  auto silent_until = detail::Clock::time_point(detail::Clock::duration(heard)) + timeout;
+  if (timeout.count() > 0) deadline = std::min(deadline, silent_until);
+  pollfd p[2] = {{channel_.fd(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+  int wait_ms = deadline == detail::Clock::time_point::max() ? -1 : detail::ms_until(deadline);
+  int rc = ::poll(p, caller ? 1 : 2, wait_ms);
+  if (rc < 0) return errno == EINTR;  // the caller's Python checks its signals
+  if (rc == 0) {
+    // Silence for kernel_timeout, heartbeats included: the kernel (or its host) is gone.
+    return !(timeout.count() > 0 && detail::Clock::now() >= silent_until);
+  }
+  if (!caller && (p[1].revents & POLLIN)) {
+    uint64_t n;
+    ssize_t ignored = ::read(wake_.get(), &n, sizeof n);  // recv() wants the channel
+    (void)ignored;
+  }
+  if (p[0].revents == 0) return true;
+  try {
+    if (channel_.read_some() == Channel::ReadResult::kEof) return false;
+  } catch (const std::exception&) {
+    return false;
+  }
+  last_heard_ns_ = detail::now_ns();
+  while (std::optional<Frame> f = channel_.next()) take(std::move(*f), caller);
+  return true;
+}
+
+void Endpoint::watch() {
   std::unique_lock lock(mu_);
+  while (!stopping_ && !closed_) {
+    while (!chores_.empty()) {
+      Frame f = std::move(chores_.front());
+      chores_.pop_front();
+      lock.unlock();
+      try {
+        chore(f);
+      } catch (const std::exception&) {
+        // the kernel is gone: the reader finds out
+      }
+      lock.lock();
+    }
+    if (stopping_ || closed_) break;
+    if (reader_ == Reader::kCaller) {
+      // The worker reads while it waits in recv(). Once it has been away from recv() for a
+      // whole tick, it runs a request: the channel is the watchdog's until recv() asks again.
+      uint64_t calls = recv_calls_;
+      if (watch_cv_.wait_for(lock, detail::kTick,
+                             [this] { return stopping_ || closed_ || !chores_.empty(); }))
+        continue;
+      if (!caller_waiting_ && recv_calls_ == calls) reader_ = Reader::kWatchdog;
+      continue;
+    }
+    if (hand_back_) {
+      hand_back_ = false;
+      reader_ = Reader::kCaller;
+      cv_.notify_all();
+      continue;
+    }
+    lock.unlock();
+    bool alive = true;
+    try {
+      alive = read_frames(detail::Clock::time_point::max(), false);
+    } catch (const std::exception&) {
+      alive = false;  // the kernel is gone
+    }
+    lock.lock();
+    if (!alive) {
+      closed_ = true;
+      cv_.notify_all();
+    }
+  }
   closed_ = true;
   cv_.notify_all();
   if (stopping_) return;
   // The kernel is gone. Python gets a moment to leave on its own; a stuck worker is ended here,
   // with what it started when its process group is its own.
-  if (!cv_.wait_for(lock, options_.exit_grace, [this] { return stopping_; })) {
+  if (!watch_cv_.wait_for(lock, options_.exit_grace, [this] { return stopping_; })) {
     if (::getpgrp() == ::getpid()) ::kill(0, SIGKILL);
     ::_exit(1);
   }

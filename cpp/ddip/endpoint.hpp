@@ -1,11 +1,15 @@
-// The worker side of a group's connection. A watchdog thread reads every frame from the kernel:
-// it answers heartbeats itself (so a worker busy in Python or C still looks alive), answers
-// stack requests, and, when the kernel goes away, makes the process exit even if Python is stuck.
+// The worker side of a group's connection. While the worker waits for a request in recv(), that
+// thread reads the kernel's frames itself, so a request costs no hand-off between threads. A
+// watchdog thread takes the reading over once the worker has been away from recv() for a tick
+// (it runs a request): it answers heartbeats (so a worker busy in Python or C still looks alive)
+// and stack requests, and, when the kernel goes away, makes the process exit even if Python is
+// stuck. Stack, abort and collectives requests are always answered on the watchdog's thread.
 #pragma once
 
 #include <signal.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -98,13 +102,23 @@ class Endpoint {
 
   int rank_;
   EndpointOptions options_;
-  Channel channel_;  // reading: watchdog thread only; writing: under send_mu_
+  Channel channel_;  // reading: the reader_ thread only; writing: under send_mu_
   std::mutex send_mu_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;        // recv()'s waits
+  std::condition_variable watch_cv_;  // the watchdog's (kept apart: a request wakes no one else)
   std::deque<Frame> inbox_;
   bool closed_ = false;
   bool stopping_ = false;
+  // Who reads the channel (under mu_): the watchdog, or the thread waiting in recv().
+  enum class Reader { kWatchdog, kCaller };
+  Reader reader_ = Reader::kWatchdog;
+  bool caller_waiting_ = false;  // a thread is in recv()
+  uint64_t recv_calls_ = 0;      // recv() calls so far: the watchdog's tick sees the worker busy
+  bool hand_back_ = false;       // recv() asked the watchdog for the channel (and wrote wake_)
+  std::deque<Frame> chores_;     // read by the caller, answered by the watchdog (stacks, aborts)
+  std::atomic<int64_t> last_heard_ns_{0};  // steady clock: when the kernel last sent anything
+  Fd wake_;              // eventfd: wakes the watchdog out of poll to hand the channel back
   std::mutex stack_mu_;  // held while a dump is read
   int stack_signal_ = 0;
   Fd stack_pipe_;
@@ -118,6 +132,13 @@ class Endpoint {
   std::thread watchdog_;
 
   void watch();
+  // One frame read from the kernel: answered at once (heartbeats), left to the watchdog (chores,
+  // when `caller` read it), or queued for recv(). True when it went to the inbox.
+  bool take(Frame f, bool caller);
+  void chore(const Frame& f);  // a stack, abort or collectives request, on the watchdog's thread
+  // The reader's wait for frames until `deadline` (the watchdog also wakes on wake_): false once
+  // the kernel is gone (hang-up, or silent for kernel_timeout).
+  bool read_frames(std::chrono::steady_clock::time_point deadline, bool caller);
   std::string dump_stacks();
   void tie_group_to_kernel();
 };

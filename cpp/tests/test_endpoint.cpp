@@ -117,6 +117,73 @@ TEST(Endpoint, WatchdogAnswersHeartbeatsWhileTheCallerIsBusy) {
   EXPECT_EQ(ack->seq, 77u);
 }
 
+TEST(Endpoint, TheWaitingCallerAnswersHeartbeatsAndTheWatchdogOnceTheCallerIsBusy) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  // The caller waits in recv() and reads the channel itself: a heartbeat meanwhile is answered,
+  // and a request comes back from that same wait.
+  std::optional<Frame> got;
+  std::thread caller([&] { got = ep.recv(10s); });
+  send_frame(server, Frame::make(kHeartbeat, 0, 1, ""));
+  auto ack = read_frame(server);
+  ASSERT_TRUE(ack);
+  EXPECT_EQ(ack->kind, kHeartbeatAck);
+  send_frame(server, Frame::make(kRequest, 0, 2, "work"));
+  caller.join();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->seq, 2u);
+  // Now the caller is "busy" (it does not call recv() again): the watchdog reads for it.
+  send_frame(server, Frame::make(kHeartbeat, 0, 3, ""));
+  ack = read_frame(server);
+  ASSERT_TRUE(ack);
+  EXPECT_EQ(ack->kind, kHeartbeatAck);
+  EXPECT_EQ(ack->seq, 3u);
+  // A request that came while it was busy waits for the next recv(), which takes the channel back.
+  send_frame(server, Frame::make(kRequest, 0, 4, "more"));
+  got = ep.recv(10s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->seq, 4u);
+  send_frame(server, Frame::make(kRequest, 0, 5, "again"));
+  got = ep.recv(10s);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->seq, 5u);
+}
+
+TEST(Endpoint, AStackRequestTheWaitingCallerReadsIsAnsweredOnTheWatchdogsThread) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  int sig = SIGRTMAX - 1;
+  Pipe p = make_pipe();
+  g_dump_fd = p.write.get();
+  struct sigaction sa{}, old{};
+  sa.sa_handler = fake_faulthandler;
+  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
+  ep.enable_stack_dumps(sig, std::move(p.read));
+  std::optional<Frame> got;
+  long caller_tid = 0;
+  std::thread caller([&] {
+    caller_tid = static_cast<long>(::syscall(SYS_gettid));
+    got = ep.recv(10s);  // reads the stack request, hands it to the watchdog, goes on waiting
+  });
+  send_frame(server, Frame::make(kStackRequest, 0, 6, ""));
+  auto reply = read_frame(server);
+  send_frame(server, Frame::make(kRequest, 0, 7, "work"));
+  caller.join();
+  ::sigaction(sig, &old, nullptr);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->kind, kStacks);
+  EXPECT_EQ(reply->seq, 6u);
+  EXPECT_EQ(reply->data().rfind("stack of ", 0), 0u) << reply->data();
+  ASSERT_TRUE(got);  // the stack request did not go to the caller
+  EXPECT_EQ(got->seq, 7u);
+}
+
 TEST(Endpoint, RecvThrowsOnceTheKernelIsGone) {
   RuntimeDir d;
   Listener l(d.socket_path());
