@@ -25,6 +25,7 @@ from .request import Request, SharedReply, close_fds
 # Events from _core.Coordinator are _core.Event objects whose kind the runtime has classified
 # (python/src/bind_coordinator.cpp): ev.kind, ev.slot, ev.seq, ev.data, ... What a request's
 # mailbox gets from them, by tag: ("output", slot, stream, data), ("done", slot, data, fds),
+# ("done alike", slots, SharedReply) (one reply for several ranks, dispatch_shared),
 # ("display" | "message", slot, data), ("truncated", slot); see request.py for the others.
 _REPLY_KINDS = frozenset(("done", "display", "message", "truncated"))
 # A dead rank's last lines of stderr that its collectives answer carries (CollectivePicture).
@@ -192,14 +193,17 @@ class Runtime:
         """A reply that several ranks of one host sent alike, gathered by its agent (ev.slots):
         each of their requests gets it, to be unpickled once for all (request.SharedReply)."""
         shared = SharedReply(ev.data)
+        by_request: dict[Request, list[int]] = {}
         for slot in ev.slots:
             req = self.running.get(slot)
             if req is None or req.seq != ev.seq:
                 continue  # a reply to a request its rank no longer runs (cannot happen)
-            req.mailbox.append(("done", slot, shared, ()))
+            by_request.setdefault(req, []).append(slot)
             del self.running[slot]
             if self.state[slot] == "busy":
                 self.state[slot] = "idle"
+        for req, slots in by_request.items():  # one mailbox item for all of them
+            req.mailbox.append(("done alike", slots, shared))
 
     def respawn(self, slot: int, env: dict[str, str], template_for=None) -> int:
         """Starts a dead slot's rank again: its spec as it was started, with `env` on top, forked
