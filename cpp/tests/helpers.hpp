@@ -13,10 +13,28 @@
 #include <thread>
 #include <vector>
 
+#include "ddip/endpoint.hpp"
 #include "ddip/fd.hpp"
 #include "ddip/supervisor.hpp"
 
 namespace ddip::test {
+
+// A test worker's request loop: each request to `answer` (which replies) until a shutdown or the
+// kernel's hang-up; 0 then, as a worker's exit code.
+template <class Answer>
+int serve_requests(Endpoint& ep, Answer&& answer) {
+  while (true) {
+    std::optional<Frame> f;
+    try {
+      f = ep.recv(std::chrono::milliseconds(1000));
+    } catch (const EndpointClosed&) {
+      return 0;
+    }
+    if (!f) continue;
+    if (f->kind == kShutdown) return 0;
+    answer(*f);
+  }
+}
 
 // This test binary's own path, for tests that re-execute it as a worker or an agent.
 inline std::string self_exe() {

@@ -44,61 +44,53 @@ void flood_then_exit(int) {
 int worker_main() {
   int rank = std::atoi(std::getenv("DDIP_TEST_RANK"));
   Endpoint ep(std::getenv("DDIP_SOCKET"), rank, "pid=" + std::to_string(::getpid()));
-  while (true) {
-    std::optional<Frame> f;
-    try {
-      f = ep.recv(1000ms);
-    } catch (const EndpointClosed&) {
-      return 0;
-    }
-    if (!f) continue;
-    if (f->kind == kShutdown) return 0;
-    const std::string& req = f->data();
+  return test::serve_requests(ep, [&](const Frame& f) {
+    const std::string& req = f.data();
     if (req.rfind("echo:", 0) == 0) {
       int n = std::atoi(req.c_str() + 5);
       for (int i = 0; i < n; ++i) write_fd(1, "line " + std::to_string(i) + "\n");
       write_fd(2, "to stderr\n");
-      ep.send(Frame::make(kDone, rank, f->seq, "echoed"));
+      ep.send(Frame::make(kDone, rank, f.seq, "echoed"));
     } else if (req.rfind("partial:", 0) == 0) {
       write_fd(1, req.substr(8));
-      ep.send(Frame::make(kDone, rank, f->seq, ""));
+      ep.send(Frame::make(kDone, rank, f.seq, ""));
     } else if (req.rfind("segment:", 0) == 0) {
       uint64_t id;
       std::memcpy(&id, req.data() + 8, sizeof id);
       std::string got;
-      if (f->fds && f->fds->size() == 1) {
+      if (f.fds && f.fds->size() == 1) {
         char buf[16] = {};
-        ssize_t n = ::pread((*f->fds)[0].get(), buf, 5, 0);
+        ssize_t n = ::pread((*f.fds)[0].get(), buf, 5, 0);
         got.assign(buf, n > 0 ? n : 0);
       }
-      ep.send(Frame::make(kDone, rank, f->seq, got));
+      ep.send(Frame::make(kDone, rank, f.seq, got));
       ep.send(Frame::make(kRelease, rank, 0, std::string(reinterpret_cast<char*>(&id), 8)));
     } else if (req == "display") {
       write_fd(1, "before\n");
       write_fd(1, std::string(kDisplayMarker));
-      ep.send(Frame::make(kDisplay, rank, f->seq, "D"));
+      ep.send(Frame::make(kDisplay, rank, f.seq, "D"));
       write_fd(1, "after\n");
-      ep.send(Frame::make(kDone, rank, f->seq, ""));
+      ep.send(Frame::make(kDone, rank, f.seq, ""));
     } else if (req == "hang") {
-      ep.send(Frame::make(kDone, rank, f->seq, ""));
+      ep.send(Frame::make(kDone, rank, f.seq, ""));
       while (true) ::pause();
     } else if (req.rfind("flood-on-term:", 0) == 0) {
       g_flood_bytes = std::stoul(req.substr(14));
       ::signal(SIGTERM, flood_then_exit);
-      ep.send(Frame::make(kDone, rank, f->seq, ""));
+      ep.send(Frame::make(kDone, rank, f.seq, ""));
     } else if (req.rfind("fds:", 0) == 0) {
-      Frame done = Frame::make(kDone, rank, f->seq, "with fds");
+      Frame done = Frame::make(kDone, rank, f.seq, "with fds");
       done.fds = std::make_shared<std::vector<Fd>>();
       for (int i = 0; i < std::atoi(req.c_str() + 4); ++i) done.fds->push_back(make_pipe().read);
       ep.send(std::move(done));
     } else if (req.rfind("env:", 0) == 0) {
       const char* v = std::getenv(req.c_str() + 4);
-      ep.send(Frame::make(kDone, rank, f->seq, v ? v : "(unset)"));
+      ep.send(Frame::make(kDone, rank, f.seq, v ? v : "(unset)"));
     } else if (req.rfind("exit:", 0) == 0) {
       write_fd(2, "about to exit\n");
       ::_exit(std::atoi(req.c_str() + 5));
     }
-  }
+  });
 }
 
 CoordinatorOptions options(int n) {

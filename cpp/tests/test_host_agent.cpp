@@ -37,43 +37,35 @@ int worker_main() {
   int slot = std::atoi(std::getenv("DDIP_TEST_SLOT"));
   Endpoint ep(std::getenv("DDIP_SOCKET"), slot, "pid=" + std::to_string(::getpid()),
               EndpointOptions::from_environment());
-  while (true) {
-    std::optional<Frame> f;
-    try {
-      f = ep.recv(1000ms);
-    } catch (const EndpointClosed&) {
-      return 0;
-    }
-    if (!f) continue;
-    if (f->kind == kShutdown) return 0;
-    const std::string& req = f->data();
+  return test::serve_requests(ep, [&](const Frame& f) {
+    const std::string& req = f.data();
     if (req.rfind("echo:", 0) == 0) {
       write_fd(1, req.substr(5) + "\n");
       write_fd(2, "err " + req.substr(5) + "\n");
-      ep.send(Frame::make(kDone, slot, f->seq, std::to_string(::getpid())));
+      ep.send(Frame::make(kDone, slot, f.seq, std::to_string(::getpid())));
     } else if (req.rfind("exit:", 0) == 0) {
       write_fd(2, "about to exit\n");
       ::_exit(std::atoi(req.c_str() + 5));
     } else if (req == "segment") {
       std::string got;
-      if (f->fds && !f->fds->empty()) {
+      if (f.fds && !f.fds->empty()) {
         char buf[64] = {};
-        ssize_t n = ::pread((*f->fds)[0].get(), buf, sizeof buf, 0);
+        ssize_t n = ::pread((*f.fds)[0].get(), buf, sizeof buf, 0);
         got.assign(buf, n > 0 ? static_cast<size_t>(n) : 0);
       }
-      ep.send(Frame::make(kDone, slot, f->seq, got));
+      ep.send(Frame::make(kDone, slot, f.seq, got));
     } else if (req.rfind("env:", 0) == 0) {
       const char* v = std::getenv(req.c_str() + 4);
-      ep.send(Frame::make(kDone, slot, f->seq, v ? v : "(unset)"));
+      ep.send(Frame::make(kDone, slot, f.seq, v ? v : "(unset)"));
     } else if (req.rfind("memfd:", 0) == 0) {
-      Frame r = Frame::make(kDone, slot, f->seq, "with a buffer");
+      Frame r = Frame::make(kDone, slot, f.seq, "with a buffer");
       Fd m(::memfd_create("reply", MFD_CLOEXEC));
       write_fd(m.get(), req.substr(6));
       r.fds = std::make_shared<std::vector<Fd>>();
       r.fds->push_back(std::move(m));
       ep.send(std::move(r));
     }
-  }
+  });
 }
 
 // A rank template that fails as rank/template.py does when a module it needs can't be imported.
