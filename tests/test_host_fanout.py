@@ -95,6 +95,19 @@ def test_errors_on_some_ranks_are_each_ranks_own(group):
     assert [r.value for r in group.run("1 + 1")] == [2] * N
 
 
+def test_a_reply_the_notebook_cannot_unpickle_fails_each_of_its_ranks_and_only_them(group, tmp_path):
+    # Every rank returns an object of a module only the ranks can import: one reply per host,
+    # which the notebook can't unpickle; each rank gets the failure, named, and the group goes on.
+    (tmp_path / "only_in_ranks.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(ddip.RemoteError) as info:
+        group.run(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport only_in_ranks\nonly_in_ranks.Thing()")
+    assert info.value.ranks == list(range(N))
+    for r in info.value.results:
+        assert r.error.ename == "UnpicklingError" and "only_in_ranks" in r.error.evalue, r.error
+        assert "is what it returned importable here?" in r.error.evalue
+    assert [r.value for r in group.run("1 + 1")] == [2] * N
+
+
 def test_a_push_crosses_each_hosts_link_once(group, hosts):
     # In band (a str) and out of band (a numpy array, through shared memory): once per host.
     arr = np.arange(2 << 20, dtype=np.float64)  # 16 MiB

@@ -467,10 +467,7 @@ def _handle(req: Request, item, cb: Callbacks):
                 reply = req.last_reply.take()
             _fill(r, reply)
         except Exception as exc:
-            r.error = RankFailure(
-                rank=r.rank, ename="UnpicklingError",
-                evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
-                       f"(is what it returned importable here?)")
+            r.error = _unpickling_failure(r.rank, exc)
         _finish(req, slot, cb)
         return
     if tag == "display" or tag == "message":
@@ -515,19 +512,35 @@ def _handle(req: Request, item, cb: Callbacks):
 def _done_alike(req: Request, slots: list[int], shared: SharedReply, cb: Callbacks):
     """The ranks whose one reply their host's agent gathered: each gets it (one object where
     nothing in it can change, else a copy), in one pass rather than one mailbox item each."""
-    reply = shared.take()
+    try:
+        reply = shared.take()
+    except Exception as exc:
+        reply, failure = None, exc
+    else:
+        failure = None
     alike = shared._reply is not None
     pending, results = req.pending, req.results
     now = time.monotonic()
     for slot in slots:
         if slot in pending:
             r = results[slot]
-            _fill(r, reply if alike else shared.take())
+            try:
+                if failure is not None:
+                    raise failure
+                _fill(r, reply if alike else shared.take())
+            except Exception as exc:
+                r.error = _unpickling_failure(r.rank, exc)
             if r.error is None and cb.on_done is None:  # _finish, where it has nothing else to do
                 pending.discard(slot)
                 r.finished_at = now
             else:
                 _finish(req, slot, cb)
+
+
+def _unpickling_failure(rank: int, exc: Exception) -> RankFailure:
+    return RankFailure(rank=rank, ename="UnpicklingError",
+                       evalue=f"its reply could not be unpickled in the notebook: {type(exc).__name__}: {exc} "
+                              f"(is what it returned importable here?)")
 
 
 def _finish(req: Request, slot: int, cb: Callbacks):
