@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,7 +50,14 @@ constexpr size_t kDumpBytes = size_t(4) << 20;
 
 // How long the worker may be away from recv() before the watchdog reads for it: a request's
 // heartbeats, stack and abort requests wait at most this long for a reader.
-constexpr milliseconds kTick{100};
+constexpr milliseconds kTakeOver{10};
+
+void set_timer(int fd, milliseconds after) {  // 0: disarmed
+  itimerspec t{};
+  t.it_value.tv_sec = after.count() / 1000;
+  t.it_value.tv_nsec = (after.count() % 1000) * 1'000'000;
+  ::timerfd_settime(fd, 0, &t, nullptr);
+}
 
 int64_t now_ns() { return Clock::now().time_since_epoch().count(); }
 
@@ -70,6 +78,8 @@ Endpoint::Endpoint(const std::string& socket_path, int rank, std::string hello,
     : rank_(rank), options_(options), channel_(connect_unix(socket_path)) {
   wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_) throw std::system_error(errno, std::generic_category(), "eventfd for the endpoint");
+  timer_ = Fd(::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+  if (!timer_) throw std::system_error(errno, std::generic_category(), "timerfd for the endpoint");
   last_heard_ns_ = detail::now_ns();
   channel_.send(Frame::make(kHello, rank, 0, std::move(hello)));
   // Only a process that leads its own group may kill the group: otherwise it is someone else's
@@ -101,9 +111,7 @@ Endpoint::~Endpoint() {
   cv_.notify_all();
   watch_cv_.notify_all();
   ::shutdown(channel_.fd(), SHUT_RDWR);  // wakes the watchdog out of poll
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
-  (void)ignored;
+  wake_watchdog();
   if (watchdog_.joinable()) watchdog_.join();
 }
 
@@ -116,12 +124,15 @@ void Endpoint::send(Frame f) {
 std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
   auto deadline = detail::Clock::now() + std::max(timeout, std::chrono::milliseconds(0));
   std::unique_lock lock(mu_);
-  ++recv_calls_;
   caller_waiting_ = true;
-  struct Away {  // leaving recv(), however: the watchdog's tick counts from here
-    bool& waiting;
-    ~Away() { waiting = false; }
-  } away{caller_waiting_};
+  detail::set_timer(timer_.get(), std::chrono::milliseconds(0));
+  struct Away {  // leaving recv(), however: the watchdog reads if the worker stays away
+    Endpoint& ep;
+    ~Away() {
+      ep.caller_waiting_ = false;
+      if (ep.reader_ == Reader::kCaller) detail::set_timer(ep.timer_.get(), detail::kTakeOver);
+    }
+  } away{*this};
   while (true) {
     if (!inbox_.empty()) {
       Frame f = std::move(inbox_.front());
@@ -134,9 +145,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
       // Ask for the channel: the watchdog hands it over between two of its reads.
       if (!hand_back_) {
         hand_back_ = true;
-        uint64_t one = 1;
-        ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
-        (void)ignored;
+        wake_watchdog();
       }
       cv_.wait_until(lock, deadline,
                      [this] { return reader_ == Reader::kCaller || !inbox_.empty() || closed_; });
@@ -152,7 +161,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
     lock.lock();
     if (!alive && !closed_) {
       closed_ = true;  // the watchdog, woken, ends a process whose Python does not leave
-      watch_cv_.notify_all();
+      wake_watchdog();
     }
   }
 }
@@ -310,6 +319,12 @@ std::string Endpoint::dump_stacks() {
   return out;
 }
 
+void Endpoint::wake_watchdog() {
+  uint64_t one = 1;
+  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
+  (void)ignored;
+}
+
 bool Endpoint::take(Frame f, bool caller) {
   if (f.kind == kHeartbeat) {
     keep_all();  // a reset handler is put back before a signal can find it missing
@@ -325,7 +340,7 @@ bool Endpoint::take(Frame f, bool caller) {
       std::lock_guard lock(mu_);
       chores_.push_back(std::move(f));
     }
-    watch_cv_.notify_all();
+    wake_watchdog();
     return false;
   }
   {
@@ -394,13 +409,24 @@ void Endpoint::watch() {
     }
     if (stopping_ || closed_) break;
     if (reader_ == Reader::kCaller) {
-      // The worker reads while it waits in recv(). Once it has been away from recv() for a
-      // whole tick, it runs a request: the channel is the watchdog's until recv() asks again.
-      uint64_t calls = recv_calls_;
-      if (watch_cv_.wait_for(lock, detail::kTick,
-                             [this] { return stopping_ || closed_ || !chores_.empty(); }))
-        continue;
-      if (!caller_waiting_ && recv_calls_ == calls) reader_ = Reader::kWatchdog;
+      // The worker reads while it waits in recv(). Its timer fires once it has been away from
+      // recv() for kTakeOver (it runs a request): the channel is the watchdog's until recv()
+      // asks for it again.
+      lock.unlock();
+      pollfd p[2] = {{timer_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+      int rc = ::poll(p, 2, -1);
+      uint64_t n;
+      bool fired = rc > 0 && (p[0].revents & POLLIN);
+      if (fired) {
+        ssize_t ignored = ::read(timer_.get(), &n, sizeof n);
+        (void)ignored;
+      }
+      if (rc > 0 && (p[1].revents & POLLIN)) {
+        ssize_t ignored = ::read(wake_.get(), &n, sizeof n);
+        (void)ignored;
+      }
+      lock.lock();
+      if (fired && !caller_waiting_ && reader_ == Reader::kCaller) reader_ = Reader::kWatchdog;
       continue;
     }
     if (hand_back_) {

@@ -1,9 +1,11 @@
 // The worker side of a group's connection. While the worker waits for a request in recv(), that
 // thread reads the kernel's frames itself, so a request costs no hand-off between threads. A
-// watchdog thread takes the reading over once the worker has been away from recv() for a tick
-// (it runs a request): it answers heartbeats (so a worker busy in Python or C still looks alive)
-// and stack requests, and, when the kernel goes away, makes the process exit even if Python is
-// stuck. Stack, abort and collectives requests are always answered on the watchdog's thread.
+// watchdog thread takes the reading over once the worker has been away from recv() for 10 ms
+// (it runs a request; a timer the worker arms as it leaves recv() wakes the watchdog, so an idle
+// or quick worker costs it nothing): it answers heartbeats (so a worker busy in Python or C still
+// looks alive) and stack requests, and, when the kernel goes away, makes the process exit even if
+// Python is stuck. Stack, abort and collectives requests are always answered on the watchdog's
+// thread.
 #pragma once
 
 #include <signal.h>
@@ -114,11 +116,12 @@ class Endpoint {
   enum class Reader { kWatchdog, kCaller };
   Reader reader_ = Reader::kWatchdog;
   bool caller_waiting_ = false;  // a thread is in recv()
-  uint64_t recv_calls_ = 0;      // recv() calls so far: the watchdog's tick sees the worker busy
   bool hand_back_ = false;       // recv() asked the watchdog for the channel (and wrote wake_)
   std::deque<Frame> chores_;     // read by the caller, answered by the watchdog (stacks, aborts)
   std::atomic<int64_t> last_heard_ns_{0};  // steady clock: when the kernel last sent anything
-  Fd wake_;              // eventfd: wakes the watchdog out of poll to hand the channel back
+  Fd wake_;   // eventfd: wakes the watchdog (the channel wanted back, a chore, the end)
+  Fd timer_;  // timerfd: armed as the worker leaves recv(), fires if it stays away (kTakeOver)
+  void wake_watchdog();
   std::mutex stack_mu_;  // held while a dump is read
   int stack_signal_ = 0;
   Fd stack_pipe_;
