@@ -55,6 +55,17 @@ void EventQueue::push(Event e) {
         dropped = 0;
       }
       unread += e.text.size();
+      // Output the reader has not taken yet joins the same rank's and stream's output queued
+      // just before it: a reader that fell behind (a rank flooding the notebook) takes it in
+      // a few large pieces rather than one per line, and catches up.
+      if (!events_.empty()) {
+        Event& last = events_.back();
+        if (last.kind == Event::kOutput && last.slot == e.slot && last.stream == e.stream &&
+            last.text.size() + e.text.size() <= kJoinedOutput) {
+          last.text += e.text;
+          return;  // the reader, woken for `last`, has not taken it yet
+        }
+      }
     }
     events_.push_back(std::move(e));
   }

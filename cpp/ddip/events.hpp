@@ -49,6 +49,8 @@ struct Event {
 // taken some of it: a later small piece that happens to fit would make holes in the text.
 class EventQueue {
  public:
+  // Queued output of one worker and stream is joined up to this many bytes per event.
+  static constexpr size_t kJoinedOutput = size_t(64) << 10;
   // `on_push`: called after each event is queued, on the pushing thread (must not block).
   EventQueue(size_t slots, size_t max_unread_output, std::function<void()> on_push = {});
   void push(Event e);

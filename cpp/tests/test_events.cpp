@@ -81,14 +81,39 @@ TEST(EventQueue, PopAllTakesEverythingQueuedAndFreesItsRoom) {
   q.push(Event::output(0, 1, "12345"));
   q.push(Event::output(0, 1, "67890"));
   std::vector<Event> got;
-  EXPECT_EQ(q.pop_all(got), 2u);
-  ASSERT_EQ(got.size(), 2u);
-  EXPECT_EQ(got[0].text + got[1].text, "1234567890");
+  EXPECT_EQ(q.pop_all(got), 1u);  // joined: the same rank's and stream's, not taken yet
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].text, "1234567890");
   EXPECT_EQ(q.pop_all(got), 0u);
   // Taken, so no longer unread: the cap has room again, nothing is dropped.
   q.push(Event::output(0, 1, "abcdefghij"));
   EXPECT_EQ(q.dropped_output(0), 0u);
   EXPECT_EQ(q.pop(0ms)->text, "abcdefghij");
+}
+
+TEST(EventQueue, QueuedOutputJoinsOnlyItsOwnRanksAndStreamsAndOnlyUpToAPiece) {
+  EventQueue q(2, size_t(1) << 20);
+  q.push(Event::output(0, 1, "a1\n"));
+  q.push(Event::output(0, 1, "a2\n"));  // joins a1
+  q.push(Event::output(0, 2, "e1\n"));  // another stream: its own
+  q.push(Event::output(1, 1, "b1\n"));  // another rank: its own
+  q.push(Event::output(0, 1, "a3\n"));  // not right after a2: its own, the order kept
+  std::vector<Event> got;
+  ASSERT_EQ(q.pop_all(got), 4u);
+  EXPECT_EQ(got[0].text, "a1\na2\n");
+  EXPECT_EQ(got[1].text, "e1\n");
+  EXPECT_EQ(got[2].slot, 1);
+  EXPECT_EQ(got[3].text, "a3\n");
+  // A taken event is not added to; a piece grows to kJoinedOutput at most.
+  q.push(Event::output(0, 1, "x"));
+  ASSERT_EQ(q.pop(0ms)->text, "x");
+  std::string line(1000, 'y');
+  for (size_t i = 0; i < 2 * EventQueue::kJoinedOutput / line.size(); ++i)
+    q.push(Event::output(0, 1, line));
+  got.clear();
+  q.pop_all(got);
+  ASSERT_GE(got.size(), 2u);
+  for (const Event& e : got) EXPECT_LE(e.text.size(), EventQueue::kJoinedOutput);
 }
 
 TEST(EventQueue, OnceDroppingEverySmallerPieceIsDroppedTooUntilTheReaderTakesSome) {
