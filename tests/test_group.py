@@ -167,6 +167,22 @@ def test_ctrl_c_in_the_caller_interrupts_every_rank(group2):
     assert [r.value for r in group2.run("1 + 1")] == [2, 2]
 
 
+def test_the_stop_button_right_after_a_request_stops_every_rank(group2):
+    # A SIGINT that reaches a rank before its request does finds it idle (it ignores it), and it
+    # then runs the request to the end: the kernel sends it again while the rank goes on.
+    previous = signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        for _ in range(10):
+            signal.setitimer(signal.ITIMER_REAL, 0.0003)  # the stop button, 0.3 ms after the request
+            with pytest.raises(KeyboardInterrupt) as e:
+                group2.run("while True:\n    pass")
+            assert "did not stop" not in str(e.value), e.value
+            assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_output_after_the_interrupt_is_kept_but_only_its_start_is_shown(group2, capsys):
     # A rank that floods the notebook leaves a backlog that would hold the stop button's answer
     # for as long as it takes to show it: what comes after the interrupt is shown up to a bound.

@@ -37,6 +37,9 @@ INTERRUPT_GRACE_S = 5.0
 FAILURE_GRACE_S = 3.0
 # A death is final: the others are interrupted at once and the death is reported within this.
 DEATH_REPORT_S = 0.8
+# Ranks interrupted and still running are sent SIGINT again this often: a SIGINT that reached a
+# rank before its request did is lost (the rank was idle), and a rank takes one per request.
+RESIGNAL_S = 0.5
 # How many of a dead rank's last stderr lines its failure shows (as the runtime keeps: RankOutput).
 STDERR_TAIL_LINES = 20
 # The slice in which waiters pump events (they check for Ctrl-C between slices).
@@ -171,6 +174,7 @@ class _Waiting:
         self.next_look = 0.0  # when to read the ranks' collectives again, after a rank raised
         self.look = None  # (seq, slots) of the collectives asked and not all answered yet
         self.paused_from = _paused_s()
+        self.next_signal = float("inf")  # when the interrupted ranks still running get SIGINT again
 
     def interrupt_pending(self, reason):
         req = self.req
@@ -181,9 +185,14 @@ class _Waiting:
         req.why, req.interrupted_at = reason, time.monotonic()
         for debugger in DEBUGGERS:
             debugger.let_go([self.rt.rank_ids[s] for s in req.pending])
+        self.signal_pending()
+
+    def signal_pending(self):
+        """SIGINT to the ranks still running the request, again RESIGNAL_S later (see there)."""
+        self.next_signal = time.monotonic() + RESIGNAL_S
         coord = self.rt.coord
         if coord is not None:
-            for s in req.pending:
+            for s in self.req.pending:
                 coord.signal(s, signal.SIGINT)
 
     def until_done(self):
@@ -202,12 +211,15 @@ class _Waiting:
                     return
                 now = time.monotonic()
                 if req.interrupted_at is not None:
-                    wake = req.interrupted_at + (DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S)
-                    if now >= wake:
+                    end = req.interrupted_at + (DEATH_REPORT_S if req.why == "death" else INTERRUPT_GRACE_S)
+                    if now >= end:
                         # What the runtime holds now may have their replies, behind their output.
                         self.rt.pump(0)
                         drain(self.rt, req, self.cb)
                         return
+                    if now >= self.next_signal:
+                        self.signal_pending()
+                    wake = min(end, self.next_signal)
                 else:
                     wake = self._act(now)
                     if wake is None:

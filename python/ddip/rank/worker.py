@@ -176,6 +176,7 @@ class Worker:
         self.endpoint = endpoint
         self.seq = 0  # the request being served: its display, message and prompt frames carry it
         self.busy = False  # user code runs for a request: SIGINT interrupts it (never an idle rank)
+        self.interrupted = None  # the request the last SIGINT interrupted: once per request
         self.stopping = False  # a shutdown came while a debugger's prompt waited for its answer
         self.prompt_lock = threading.Lock()  # one debugger prompt at a time
         self.displays = DisplayFrames(self.send_display)
@@ -378,9 +379,13 @@ class Worker:
 
 
 def _on_sigint(signum, frame):
-    # Ctrl-C in the notebook is forwarded here: it interrupts running code, never an idle rank.
+    # Ctrl-C in the notebook is forwarded here: it interrupts running code, never an idle rank,
+    # and a request once. The kernel sends it again while the rank goes on: one that reached the
+    # rank before its request did (read after it) would be lost, and a later one must not cut
+    # short what the request does about the first (its `except KeyboardInterrupt:`).
     worker = _current
-    if worker is not None and worker.busy:
+    if worker is not None and worker.busy and worker.interrupted != worker.seq:
+        worker.interrupted = worker.seq
         raise KeyboardInterrupt("interrupted from the notebook")
 
 
