@@ -456,31 +456,10 @@ def _handle(req: Request, item, cb: Callbacks):
         return
     r = req.results[slot]
     if tag == "output":
-        stream, text = item[2], item[3].decode(errors="replace")
-        r._parts[stream == "stderr"].append(text)  # joined once at the end: += would be quadratic
-        if req.interrupted_at is not None:
-            shown = req.shown_after_interrupt.get(slot, 0)
-            if shown >= SHOWN_AFTER_INTERRUPT:
-                req.unshown[slot] = req.unshown.get(slot, 0) + len(text)
-                return
-            req.shown_after_interrupt[slot] = shown + len(text)
-        _call(req, cb, "on_output", r.rank, stream, text)
+        _output(req, r, slot, item[2], item[3].decode(errors="replace"), cb)
         return
     if tag == "done":
-        try:
-            data, fds = item[2], item[3]
-            if isinstance(data, SharedReply):
-                reply = data.take()
-            elif fds:
-                reply = loads_framed(data, fds)
-            else:  # ranks on this host reply alike too: unpickled once while they do
-                if req.last_reply is None or req.last_reply.data != data:
-                    req.last_reply = SharedReply(data)
-                reply = req.last_reply.take()
-            _fill(r, reply)
-        except Exception as exc:
-            r.error = _unpickling_failure(r.rank, exc)
-        _finish(req, slot, cb)
+        _done(req, r, slot, item[2], item[3], cb)
         return
     if tag == "display" or tag == "message":
         try:
@@ -519,6 +498,33 @@ def _handle(req: Request, item, cb: Callbacks):
     elif tag == "closed":
         r.error = RankFailure(rank=r.rank, kind=FailureKind.CLOSED, evalue="the group was closed while it ran")
         _finish(req, slot, cb)
+
+
+def _output(req: Request, r: RankResult, slot: int, stream: str, text: str, cb: Callbacks):
+    r._parts[stream == "stderr"].append(text)  # joined once at the end: += would be quadratic
+    if req.interrupted_at is not None:
+        shown = req.shown_after_interrupt.get(slot, 0)
+        if shown >= SHOWN_AFTER_INTERRUPT:
+            req.unshown[slot] = req.unshown.get(slot, 0) + len(text)
+            return
+        req.shown_after_interrupt[slot] = shown + len(text)
+    _call(req, cb, "on_output", r.rank, stream, text)
+
+
+def _done(req: Request, r: RankResult, slot: int, data, fds, cb: Callbacks):
+    try:
+        if isinstance(data, SharedReply):
+            reply = data.take()
+        elif fds:
+            reply = loads_framed(data, fds)
+        else:  # ranks on this host reply alike too: unpickled once while they do
+            if req.last_reply is None or req.last_reply.data != data:
+                req.last_reply = SharedReply(data)
+            reply = req.last_reply.take()
+        _fill(r, reply)
+    except Exception as exc:
+        r.error = _unpickling_failure(r.rank, exc)
+    _finish(req, slot, cb)
 
 
 def _done_alike(req: Request, slots: list[int], shared: SharedReply, cb: Callbacks):
