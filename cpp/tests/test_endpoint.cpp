@@ -166,9 +166,7 @@ TEST(Endpoint, AStackRequestTheWaitingCallerReadsIsAnsweredOnTheWatchdogsThread)
   ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
   ep.enable_stack_dumps(sig, std::move(p.read));
   std::optional<Frame> got;
-  long caller_tid = 0;
   std::thread caller([&] {
-    caller_tid = static_cast<long>(::syscall(SYS_gettid));
     got = ep.recv(10s);  // reads the stack request, hands it to the watchdog, goes on waiting
   });
   send_frame(server, Frame::make(kStackRequest, 0, 6, ""));
