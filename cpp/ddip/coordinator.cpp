@@ -1,6 +1,9 @@
 #include "ddip/coordinator.hpp"
 
+#include <poll.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -71,12 +74,19 @@ Coordinator::Coordinator(CoordinatorOptions options)
   for (size_t i = 0; i < n; ++i)
     if (!slots_[i].remote) own_environment(options_.workers[i]);  // a remote host's agent: its own
   listener_ = std::make_unique<Listener>(socket_path_);
+  if (options_.caller_drives) {
+    takeover_ = Fd(check(::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK),
+                         "timerfd_create", "creating the group's takeover timer"));
+    io_wake_ = Fd(check(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), "eventfd",
+                        "creating the group's wake-up fd"));
+  }
 
   std::promise<void> started;
   auto ready = started.get_future();
   thread_ = std::thread([this, &started] {
     try {
       start_workers();
+      schedule_tick();  // before a caller may run the loop
     } catch (...) {
       started.set_exception(std::current_exception());
       supervisor_.stop_all(milliseconds(0));
@@ -91,6 +101,7 @@ Coordinator::Coordinator(CoordinatorOptions options)
     thread_.join();
     throw;
   }
+  caller_may_drive_ = options_.caller_drives;
 }
 
 Coordinator::~Coordinator() {
@@ -153,6 +164,7 @@ pid_t Coordinator::respawn(int slot, std::optional<SpawnSpec> spec, RankTemplate
         started->set_exception(std::current_exception());
       }
     });
+    want_io();  // spawned from the IO thread: PR_SET_PDEATHSIG ties the worker to it
   } catch (const std::runtime_error&) {
     throw std::logic_error("the group's runtime has stopped: worker slot " + std::to_string(slot) +
                            " can't be started again");
@@ -262,8 +274,8 @@ void Coordinator::send(const std::vector<int>& slots, Frame frame,
     frames.push_back(std::move(f));
   }
   // One command for all: one wake-up of the IO thread per request, not one per rank.
-  loop_.post([this, here = std::move(here), there = std::move(there), frames = std::move(frames),
-              frame = std::move(frame), segments]() mutable {
+  command([this, here = std::move(here), there = std::move(there), frames = std::move(frames),
+           frame = std::move(frame), segments]() mutable {
     if (!there.empty()) links_->send(there, frame, segments);
     for (size_t k = 0; k < here.size(); ++k) {
       Slot& s = slots_[here[k]];
@@ -281,7 +293,7 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
   if (slot >= static_cast<int>(slots_.size()))
     throw std::out_of_range("no worker slot " + std::to_string(slot));
   if (sig <= 0 || sig >= NSIG) throw std::invalid_argument("no signal " + std::to_string(sig));
-  loop_.post([this, slot, sig, whole_group] {
+  command([this, slot, sig, whole_group] {
     if (slot >= 0) return signal_slot(slot, sig, whole_group);
     for (size_t i = 0; i < slots_.size(); ++i) try {
         signal_slot(i, sig, whole_group);
@@ -291,7 +303,13 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
   });
 }
 
-std::optional<Event> Coordinator::next_event(milliseconds timeout) { return events_.pop(timeout); }
+std::optional<Event> Coordinator::next_event(milliseconds timeout) {
+  if (timeout.count() <= 0 || !events_.empty()) return events_.pop(timeout);
+  auto deadline = Clock::now() + timeout;
+  drive(deadline);
+  return events_.pop(
+      std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
+}
 
 long long Coordinator::heartbeat_age_ms(int slot) const {
   std::lock_guard lock(mu_);
@@ -316,6 +334,7 @@ std::vector<pid_t> Coordinator::pids() const {
 void Coordinator::begin_close(milliseconds grace) {
   try {
     loop_.post([this, grace] { begin_stop(grace); });
+    want_io();  // the stop's steps and the end are the IO thread's
   } catch (const std::runtime_error&) {
     // The IO thread already stopped (and stopped the workers).
   }
@@ -349,29 +368,203 @@ void Coordinator::schedule_tick() {
 }
 
 void Coordinator::loop() {
+  // Held whenever this thread runs the loop, and through the end: no caller runs it then.
+  std::unique_lock turn(drive_, std::defer_lock);
   try {
-    schedule_tick();
     while (true) {
-      std::optional<Clock::time_point> wake_at = streams_->next_due();
-      if (stop_ != Stop::kRunning)
-        wake_at = wake_at ? std::min(*wake_at, stop_deadline_) : stop_deadline_;
-      loop_.run_once(wake_at);
-      auto now = Clock::now();
-      check_responsive(now);
-      streams_->flush_due(now);
-      if (stop_ != Stop::kRunning && advance_stop(now)) break;
+      turn.lock();
+      if (caller_failure_) std::rethrow_exception(caller_failure_);
+      {
+        std::lock_guard t(turn_mu_);
+        if (io_turn(Clock::now()))
+          io_wanted_ = false;
+        else
+          turn.unlock();
+      }
+      if (turn) {
+        bool stopped = false;
+        while (!stopped && !(caller_waits_ && stop_ == Stop::kRunning)) {
+          step(std::nullopt);
+          stopped = stop_ != Stop::kRunning && advance_stop(Clock::now());
+        }
+        if (stopped) break;
+        turn.unlock();  // to the caller that waits for it
+      }
+      park();
     }
   } catch (const std::exception& e) {
+    hold(turn);
     fail(e.what());
   } catch (...) {
+    hold(turn);
     fail("unknown error");
   }
   finish();
 }
 
+// On the IO thread's error path: the loop is its own again before it ends (a caller that runs
+// it gives it up within its slice). May not throw: see fail().
+void Coordinator::hold(std::unique_lock<std::timed_mutex>& turn) noexcept {
+  caller_may_drive_ = false;
+  try {
+    if (!turn.owns_lock()) turn.lock();
+  } catch (const std::system_error&) {
+    // Only a broken mutex throws; ending without it is all that is left.
+  }
+}
+
+// One round of the loop, on whichever thread runs it: what is ready, due or posted, waiting up
+// to `until` at most.
+void Coordinator::step(std::optional<Clock::time_point> until) {
+  std::optional<Clock::time_point> wake_at = streams_->next_due();
+  if (stop_ != Stop::kRunning)
+    wake_at = wake_at ? std::min(*wake_at, stop_deadline_) : stop_deadline_;
+  if (until) wake_at = wake_at ? std::min(*wake_at, *until) : *until;
+  loop_.run_once(wake_at);
+  auto now = Clock::now();
+  check_responsive(now);
+  streams_->flush_due(now);
+}
+
+// ---- Turns: who runs the loop (CoordinatorOptions::caller_drives) ---------------------------
+
+// Without caller_drives the IO thread's turn never ends.
+bool Coordinator::io_turn(Clock::time_point now) const {
+  return !options_.caller_drives || io_wanted_ ||
+         (!caller_driving_ && now - caller_left_ >= kTakeOver);
+}
+
+// The IO thread, between turns: sleeps until its turn comes (the takeover timer, or want_io()).
+void Coordinator::park() {
+  while (true) {
+    {
+      std::lock_guard t(turn_mu_);
+      auto now = Clock::now();
+      if (io_turn(now)) return;
+      // A caller that drives arms the timer as it leaves.
+      if (!caller_driving_ && !takeover_armed_) {
+        auto left =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(kTakeOver - (now - caller_left_));
+        itimerspec t{};
+        t.it_value.tv_sec = static_cast<time_t>(left.count() / 1'000'000'000);
+        t.it_value.tv_nsec =
+            static_cast<long>(std::max<long long>(left.count() % 1'000'000'000, 1));
+        ::timerfd_settime(takeover_.get(), 0, &t, nullptr);
+        takeover_armed_ = true;
+      }
+    }
+    pollfd fds[2] = {{takeover_.get(), POLLIN, 0}, {io_wake_.get(), POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0 && errno != EINTR)
+      throw_errno("poll", "waiting for the loop's turn");
+    uint64_t count;
+    if (fds[0].revents && ::read(takeover_.get(), &count, sizeof count) > 0) {
+      std::lock_guard t(turn_mu_);
+      takeover_armed_ = false;
+    }
+    if (fds[1].revents) {
+      ssize_t ignored = ::read(io_wake_.get(), &count, sizeof count);
+      (void)ignored;
+    }
+  }
+}
+
+// A caller (the process's main thread, waiting for events) runs the loop until an event is
+// queued or `deadline`; false when it could not (not that thread, closing, the IO thread would
+// not yield in time): the caller then waits on the queue.
+bool Coordinator::drive(Clock::time_point deadline) {
+  if (!caller_may_drive_ || ::gettid() != ::getpid()) return false;
+  {
+    std::lock_guard t(turn_mu_);
+    caller_driving_ = true;
+  }
+  std::unique_lock turn(drive_, std::try_to_lock);
+  if (!turn) {  // the IO thread runs the loop: it yields between two rounds
+    caller_waits_ = true;
+    loop_.wake();
+    turn.try_lock_until(deadline);
+    caller_waits_ = false;
+  }
+  bool drove = turn.owns_lock() && caller_may_drive_;
+  if (drove) try {
+      while (events_.empty()) {
+        step(deadline);
+        if (stop_ != Stop::kRunning) caller_may_drive_ = false;
+        if (!caller_may_drive_ || Clock::now() >= deadline) break;
+      }
+    } catch (...) {
+      caller_failure_ = std::current_exception();
+      caller_may_drive_ = false;
+    }
+  if (turn) turn.unlock();
+  leave(!caller_may_drive_);
+  return drove;
+}
+
+// The caller's turn ends: the IO thread takes over kTakeOver from now unless the caller is back
+// by then, or at once when `hand_over`.
+void Coordinator::leave(bool hand_over) {
+  {
+    std::lock_guard t(turn_mu_);
+    caller_driving_ = false;
+    caller_left_ = Clock::now();
+    if (hand_over) io_wanted_ = true;
+    if (!hand_over && !takeover_armed_) {
+      itimerspec t{};
+      t.it_value.tv_nsec = std::chrono::duration_cast<std::chrono::nanoseconds>(kTakeOver).count();
+      ::timerfd_settime(takeover_.get(), 0, &t, nullptr);
+      takeover_armed_ = true;
+    }
+  }
+  if (hand_over) {
+    uint64_t one = 1;
+    ssize_t ignored = ::write(io_wake_.get(), &one, sizeof one);
+    (void)ignored;
+  }
+}
+
+// Any thread: the IO thread runs the loop now, until a caller waits for it again.
+void Coordinator::want_io() {
+  if (!options_.caller_drives) return;
+  {
+    std::lock_guard t(turn_mu_);
+    io_wanted_ = true;
+  }
+  uint64_t one = 1;
+  ssize_t ignored = ::write(io_wake_.get(), &one, sizeof one);
+  (void)ignored;
+}
+
+// A command for the loop: run at once on the main thread when no one else runs the loop (a
+// request's frames leave before send() returns, without waking the IO thread), else by whoever
+// runs it.
+void Coordinator::command(EventLoop::Task fn) {
+  loop_.post(std::move(fn));
+  if (!options_.caller_drives) return;
+  if (caller_may_drive_ && ::gettid() == ::getpid()) {
+    std::unique_lock turn(drive_, std::try_to_lock);
+    if (turn) {
+      {
+        std::lock_guard t(turn_mu_);
+        caller_driving_ = true;
+      }
+      try {
+        step(Clock::now());
+      } catch (...) {
+        caller_failure_ = std::current_exception();
+        caller_may_drive_ = false;
+      }
+      turn.unlock();
+      leave(!caller_may_drive_);
+      return;
+    }
+  }
+  want_io();  // the IO thread may be parked
+}
+
 // The IO thread can't go on: stop the workers and say why. Runs on an error path, so it may
 // not throw (that would be std::terminate, and the notebook's kernel with it).
 void Coordinator::fail(const std::string& why) noexcept {
+  caller_may_drive_ = false;
   supervisor_.stop_all(milliseconds(0));
   try {
     Event ev;
@@ -444,6 +637,7 @@ void Coordinator::check_responsive(Clock::time_point now) {
 void Coordinator::begin_stop(milliseconds grace) {
   auto now = Clock::now();
   if (stop_ == Stop::kRunning) {
+    caller_may_drive_ = false;  // the stop's steps and the end are the IO thread's
     stop_ = Stop::kAsked;
     close_grace_ = grace;
     stop_deadline_ = now + grace;

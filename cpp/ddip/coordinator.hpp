@@ -8,7 +8,9 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -52,9 +54,15 @@ struct CoordinatorOptions {
   // reported in the stream): a rank printing while the notebook reads nothing must not grow the
   // kernel's memory without bound.
   size_t max_unread_output = size_t(16) << 20;
-  // Called on the IO thread each time an event is queued (a host agent wakes its own loop with
-  // it); must not block, nor call back into this Coordinator.
+  // Called on the thread that runs the loop each time an event is queued (a host agent wakes its
+  // own loop with it); must not block, nor call back into this Coordinator.
   std::function<void()> on_event;
+  // The process's main thread, while it waits in next_event(), runs the loop itself, and the IO
+  // thread takes it over once that thread has been away kTakeOver (or for closing, a failure, a
+  // respawn). A kernel waits for every reply: its own wait reading them saves the two thread
+  // switches per request that handing each command and event across threads costs. Off for a
+  // host agent, whose main thread waits in a loop of its own (on_event).
+  bool caller_drives = false;
 
   // Workers on other hosts. Their slots' specs in `workers` hold only what the kernel adds to
   // the host's environment; argv[0] is looked up there.
@@ -113,8 +121,10 @@ class Coordinator {
   SegmentPool& pool() { return pool_; }
   // Signal one worker (its process group when whole_group), or every worker when slot < 0.
   void signal(int slot, int sig, bool whole_group = false);
-  // Next event, waiting up to `timeout`; nullopt on timeout or once closed and drained.
+  // Next event, waiting up to `timeout`; nullopt on timeout or once closed and drained. With
+  // caller_drives, a wait on the main thread runs the loop meanwhile.
   std::optional<Event> next_event(std::chrono::milliseconds timeout);
+  static constexpr std::chrono::milliseconds kTakeOver{10};
   // Every event queued now, without waiting, appended to `out`; how many.
   size_t take_events(std::vector<Event>& out) { return events_.pop_all(out); }
   // Milliseconds since the worker last answered a heartbeat (-1: never connected).
@@ -183,12 +193,34 @@ class Coordinator {
   std::chrono::milliseconds close_grace_{1000};
   std::thread thread_;
 
+  // Who runs the loop (options_.caller_drives): whoever holds drive_. turn_mu_ guards the state
+  // of the turns; the IO thread waits for its turn on takeover_ (a timerfd armed as the caller
+  // leaves) and io_wake_.
+  std::timed_mutex drive_;
+  std::mutex turn_mu_;
+  bool caller_driving_ = false;  // a caller holds drive_, or waits for it
+  std::chrono::steady_clock::time_point caller_left_{};
+  bool takeover_armed_ = false;
+  bool io_wanted_ = false;                     // the IO thread must run the loop now
+  std::atomic<bool> caller_waits_{false};      // the IO thread yields drive_ between two rounds
+  std::atomic<bool> caller_may_drive_{false};  // once started, until stopping or a failure
+  std::exception_ptr caller_failure_;          // under drive_: what the loop threw on a caller
+  Fd takeover_, io_wake_;
+
   void start_workers();
   void own_environment(SpawnSpec& w) const;
   void start_slot(size_t slot, RankTemplate* rank_template);
   pid_t start_again(size_t slot, std::optional<SpawnSpec> spec, RankTemplate* rank_template);
   pid_t start_again_there(size_t slot, std::optional<SpawnSpec> spec);
   void loop();
+  void step(std::optional<std::chrono::steady_clock::time_point> until);
+  bool io_turn(std::chrono::steady_clock::time_point now) const;  // turn_mu_ held
+  void park();
+  bool drive(std::chrono::steady_clock::time_point deadline);
+  void leave(bool hand_over);
+  void hold(std::unique_lock<std::timed_mutex>& turn) noexcept;
+  void want_io();
+  void command(EventLoop::Task fn);
   void fail(const std::string& why) noexcept;
   void finish() noexcept;
   void schedule_tick();

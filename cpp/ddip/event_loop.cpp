@@ -141,6 +141,10 @@ void EventLoop::post(Task fn) {
     if (closed_) throw std::runtime_error(closed_message_);
     commands_.push_back(std::move(fn));
   }
+  wake();
+}
+
+void EventLoop::wake() {
   uint64_t one = 1;
   ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
   (void)ignored;
@@ -151,9 +155,7 @@ void EventLoop::close() {
     std::lock_guard lock(mu_);
     closed_ = true;
   }
-  uint64_t one = 1;
-  ssize_t ignored = ::write(wake_.get(), &one, sizeof one);
-  (void)ignored;
+  wake();
 }
 
 bool EventLoop::closed() const {

@@ -1,7 +1,9 @@
 // One event loop for every IO thread of the runtime (the coordinator's, the rank template's
 // owner thread, a host agent's): fds watched through epoll with a callback each, one-shot timers,
 // and commands posted from other threads (woken through an eventfd). Single-threaded by contract:
-// everything but post(), close() and closed() is called on the thread that runs it.
+// everything but post(), wake(), close() and closed() is called on the thread that runs it (an
+// owner may hand the running over between threads, as the Coordinator does, under a lock of its
+// own: one thread at a time).
 #pragma once
 
 #include <chrono>
@@ -55,6 +57,8 @@ class EventLoop {
   // Any thread: queues `fn` for the loop's thread and wakes it. Throws std::runtime_error with
   // the closed message once close() was called.
   void post(Task fn);
+  // Any thread: a run_once waiting now (or the next one) returns without waiting.
+  void wake();
   // Any thread: later posts throw; commands already queued still run in the next run_once,
   // unless discard() drops them first.
   void close();

@@ -96,6 +96,11 @@ size_t EventQueue::pop_all(std::vector<Event>& out) {
   return n;
 }
 
+bool EventQueue::empty() const {
+  std::lock_guard lock(mu_);
+  return events_.empty();
+}
+
 // The reader took `e` (an output event): room again, and whatever comes next may be queued.
 void EventQueue::taken(const Event& e) {
   size_t slot = static_cast<size_t>(e.slot);

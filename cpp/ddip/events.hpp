@@ -59,6 +59,7 @@ class EventQueue {
   std::optional<Event> pop(std::chrono::milliseconds timeout);
   // Every event queued now, without waiting (appended to `out`); how many.
   size_t pop_all(std::vector<Event>& out);
+  bool empty() const;
   // No more events will come: waiters wake. Events already queued can still be taken.
   void close();
   bool closed() const;

@@ -99,6 +99,8 @@ CoordinatorOptions options(int n) {
     o.workers.push_back(SpawnSpec{
         {self_exe()}, {"DDIP_TEST_WORKER=1", "DDIP_TEST_RANK=" + std::to_string(r)}, "", true});
   o.heartbeat_interval = 20ms;
+  // CTest runs every test here twice: the second time (CallerDrives.*) as the kernel runs them.
+  o.caller_drives = std::getenv("DDIP_TEST_CALLER_DRIVES") != nullptr;
   return o;
 }
 
@@ -122,6 +124,13 @@ Event request(Coordinator& c, int slot, uint64_t seq, const std::string& what) {
     if ((e.kind == Event::kFrame || e.kind == Event::kTruncated) && e.slot == slot &&
         e.frame.kind == kDone && e.frame.seq == seq)
       return e;
+  }
+}
+
+Event hello_of(Coordinator& c, int slot) {
+  while (true) {
+    Event e = next(c);
+    if (e.kind == Event::kFrame && e.frame.kind == kHello && e.slot == slot) return e;
   }
 }
 
@@ -301,6 +310,87 @@ TEST(Coordinator, TakeEventsTakesEverythingQueuedWithoutWaiting) {
   auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(c.take_events(got), 0u);  // nothing queued: at once
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+}
+
+// caller_drives: a wait on the main thread runs the loop itself (the events are queued on that
+// thread), and the IO thread takes the loop over while the main thread waits for nothing.
+TEST(Coordinator, TheWaitingMainThreadRunsTheLoopAndTheIoThreadTakesOverWhenItIsAway) {
+  auto o = options(1);
+  o.caller_drives = true;
+  std::mutex mu;
+  std::vector<std::thread::id> queued_on;
+  o.on_event = [&] {
+    std::lock_guard lock(mu);
+    queued_on.push_back(std::this_thread::get_id());
+  };
+  Coordinator c(std::move(o));
+  hello_of(c, 0);
+  auto here = std::this_thread::get_id();
+  auto queued_since = [&](size_t from) {
+    std::lock_guard lock(mu);
+    return std::vector<std::thread::id>(queued_on.begin() + static_cast<long>(from),
+                                        queued_on.end());
+  };
+  auto count = [&] {
+    std::lock_guard lock(mu);
+    return queued_on.size();
+  };
+  // Waited for: every event of the request (its output and its reply) was queued here.
+  size_t before = count();
+  Event e = request(c, 0, 1, "echo:2");
+  EXPECT_EQ(e.frame.data(), "echoed");
+  auto waited = queued_since(before);
+  ASSERT_FALSE(waited.empty());
+  for (auto id : waited) EXPECT_EQ(id, here);
+  // Not waited for: the reply still comes, queued by another thread.
+  before = count();
+  c.send(0, Frame::make(kRequest, 0, 2, "echo:1"));
+  std::vector<Event> got;
+  bool done = false;
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!done && std::chrono::steady_clock::now() < deadline) {
+    got.clear();
+    c.take_events(got);  // never runs the loop
+    for (auto& ev : got)
+      done |= ev.kind == Event::kFrame && ev.frame.kind == kDone && ev.frame.seq == 2;
+    if (!done) std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(done);
+  auto unwaited = queued_since(before);
+  ASSERT_FALSE(unwaited.empty());
+  EXPECT_NE(unwaited.back(), here);
+  // And the main thread takes the loop back for the next wait.
+  before = count();
+  EXPECT_EQ(request(c, 0, 3, "echo:1").frame.data(), "echoed");
+  EXPECT_EQ(queued_since(before).back(), here);
+}
+
+// A thread other than the main one never runs the loop: it waits on the queue.
+TEST(Coordinator, OnlyTheMainThreadRunsTheLoop) {
+  auto o = options(1);
+  o.caller_drives = true;
+  std::mutex mu;
+  std::vector<std::thread::id> queued_on;
+  o.on_event = [&] {
+    std::lock_guard lock(mu);
+    queued_on.push_back(std::this_thread::get_id());
+  };
+  Coordinator c(std::move(o));
+  hello_of(c, 0);
+  std::thread::id other;
+  size_t before = 0;
+  std::thread t([&] {
+    other = std::this_thread::get_id();
+    {
+      std::lock_guard lock(mu);
+      before = queued_on.size();
+    }
+    EXPECT_EQ(request(c, 0, 1, "echo:1").frame.data(), "echoed");
+  });
+  t.join();
+  std::lock_guard lock(mu);
+  ASSERT_GT(queued_on.size(), before);
+  for (size_t k = before; k < queued_on.size(); ++k) EXPECT_NE(queued_on[k], other);
 }
 
 TEST(Coordinator, ADeadWorkersSegmentsAreReleased) {
@@ -504,13 +594,6 @@ TEST(Coordinator, AnExitedWorkersPidCannotAttachLater) {
 }
 
 // A hello from `slot`: the new worker's, once it is started again.
-static Event hello_of(Coordinator& c, int slot) {
-  while (true) {
-    Event e = next(c);
-    if (e.kind == Event::kFrame && e.frame.kind == kHello && e.slot == slot) return e;
-  }
-}
-
 TEST(Coordinator, AKilledWorkerStartedAgainInItsSlotSaysHelloAndAnswers) {
   Coordinator c(options(2));
   pid_t old = c.pids()[1];

@@ -189,6 +189,7 @@ void init_coordinator(nb::module_& m) {
              const std::string& bind_address, int bind_port, ddip::AgentKeeper* agent_keeper,
              int remote_warm, int reply_window_ms) {
             ddip::CoordinatorOptions o;
+            o.caller_drives = true;  // the kernel waits for its replies on its main thread
             for (const auto& [argv, env, cwd] : workers) {
               ddip::SpawnSpec s;
               s.argv = argv;
