@@ -20,6 +20,15 @@ namespace ddip {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+namespace {
+
+milliseconds left(Clock::time_point deadline) {
+  return std::max(milliseconds(0),
+                  std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+}
+
+}  // namespace
+
 struct Coordinator::Slot {
   bool remote = false;  // on another host: HostLinks speaks for it
   std::unique_ptr<Connection> conn;
@@ -306,9 +315,17 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
 std::optional<Event> Coordinator::next_event(milliseconds timeout) {
   if (timeout.count() <= 0 || !events_.empty()) return events_.pop(timeout);
   auto deadline = Clock::now() + timeout;
-  drive(deadline);
-  return events_.pop(
-      std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
+  drive(deadline, 0);
+  return events_.pop(left(deadline));
+}
+
+size_t Coordinator::wait_events(std::vector<Event>& out, milliseconds timeout, size_t replies) {
+  size_t before = out.size();
+  auto deadline = Clock::now() + timeout;
+  if (timeout.count() > 0 && !drive(deadline, replies))
+    events_.wait_ready(replies, options_.reply_wait, deadline);
+  events_.pop_all(out);
+  return out.size() - before;
 }
 
 long long Coordinator::heartbeat_age_ms(int slot) const {
@@ -471,7 +488,7 @@ void Coordinator::park() {
 // A caller (the process's main thread, waiting for events) runs the loop until an event is
 // queued or `deadline`; false when it could not (not that thread, closing, the IO thread would
 // not yield in time): the caller then waits on the queue.
-bool Coordinator::drive(Clock::time_point deadline) {
+bool Coordinator::drive(Clock::time_point deadline, size_t replies) {
   if (!caller_may_drive_ || ::gettid() != ::getpid()) return false;
   {
     std::lock_guard t(turn_mu_);
@@ -486,10 +503,12 @@ bool Coordinator::drive(Clock::time_point deadline) {
   }
   bool drove = turn.owns_lock() && caller_may_drive_;
   if (drove) try {
-      while (events_.empty()) {
-        step(deadline);
+      while (true) {
+        auto ready = events_.ready_at(replies, options_.reply_wait);
+        if ((ready && *ready <= Clock::now()) || Clock::now() >= deadline) break;
+        step(ready ? std::min(*ready, deadline) : deadline);
         if (stop_ != Stop::kRunning) caller_may_drive_ = false;
-        if (!caller_may_drive_ || Clock::now() >= deadline) break;
+        if (!caller_may_drive_) break;
       }
     } catch (...) {
       caller_failure_ = std::current_exception();

@@ -63,6 +63,9 @@ struct CoordinatorOptions {
   // switches per request that handing each command and event across threads costs. Off for a
   // host agent, whose main thread waits in a loop of its own (on_event).
   bool caller_drives = false;
+  // wait_events(): how long what is queued may wait for the rest of a request's replies. Output
+  // and a failure's reply are not held longer than this; the failure policy acts in 0.25 s.
+  std::chrono::milliseconds reply_wait{5};
 
   // Workers on other hosts. Their slots' specs in `workers` hold only what the kernel adds to
   // the host's environment; argv[0] is looked up there.
@@ -125,6 +128,11 @@ class Coordinator {
   // caller_drives, a wait on the main thread runs the loop meanwhile.
   std::optional<Event> next_event(std::chrono::milliseconds timeout);
   static constexpr std::chrono::milliseconds kTakeOver{10};
+  // For a caller that waits for `replies` workers' replies (a request's): waits up to `timeout`
+  // until as many are queued, or what is queued has waited options' reply_wait
+  // (EventQueue::ready_at), and then appends every queued event to `out`; how many. The many
+  // replies of one request are taken in one go, not one wake-up each.
+  size_t wait_events(std::vector<Event>& out, std::chrono::milliseconds timeout, size_t replies);
   // Every event queued now, without waiting, appended to `out`; how many.
   size_t take_events(std::vector<Event>& out) { return events_.pop_all(out); }
   // Milliseconds since the worker last answered a heartbeat (-1: never connected).
@@ -216,7 +224,7 @@ class Coordinator {
   void step(std::optional<std::chrono::steady_clock::time_point> until);
   bool io_turn(std::chrono::steady_clock::time_point now) const;  // turn_mu_ held
   void park();
-  bool drive(std::chrono::steady_clock::time_point deadline);
+  bool drive(std::chrono::steady_clock::time_point deadline, size_t replies);
   void leave(bool hand_over);
   void hold(std::unique_lock<std::timed_mutex>& turn) noexcept;
   void want_io();

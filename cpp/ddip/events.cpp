@@ -30,6 +30,24 @@ EventQueue::EventQueue(size_t slots, size_t max_unread_output, std::function<voi
       dropped_(slots, 0),
       dropping_(slots, false) {}
 
+namespace {
+
+// The workers whose reply (or end) `e` is: for EventQueue::ready_at.
+size_t replies_in(const Event& e) {
+  switch (e.kind) {
+    case Event::kFrame:
+      return e.frame.kind == kDone ? std::max<size_t>(1, e.slots.size()) : 0;
+    case Event::kTruncated:
+    case Event::kExited:
+    case Event::kLost:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
 Event EventQueue::note(size_t slot, const std::string& what) {
   return Event::output(static_cast<int>(slot), RankOutput::kStderr, "\n[ddip: " + what + "]\n");
 }
@@ -37,6 +55,7 @@ Event EventQueue::note(size_t slot, const std::string& what) {
 void EventQueue::push(Event e) {
   {
     std::lock_guard lock(mu_);
+    if (events_.empty()) first_at_ = std::chrono::steady_clock::now();  // a note may go first
     if (e.kind == Event::kOutput) {
       size_t slot = static_cast<size_t>(e.slot);
       size_t& unread = unread_[slot];
@@ -67,6 +86,7 @@ void EventQueue::push(Event e) {
         }
       }
     }
+    replies_ += replies_in(e);
     events_.push_back(std::move(e));
   }
   cv_.notify_all();
@@ -81,6 +101,7 @@ std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
   if (events_.empty()) return std::nullopt;
   Event e = std::move(events_.front());
   events_.pop_front();
+  replies_ -= replies_in(e);
   if (e.kind == Event::kOutput) taken(e);
   return e;
 }
@@ -93,12 +114,35 @@ size_t EventQueue::pop_all(std::vector<Event>& out) {
     out.push_back(std::move(e));
   }
   events_.clear();
+  replies_ = 0;
   return n;
 }
 
 bool EventQueue::empty() const {
   std::lock_guard lock(mu_);
   return events_.empty();
+}
+
+std::optional<std::chrono::steady_clock::time_point> EventQueue::ready_at(
+    size_t replies, std::chrono::steady_clock::duration window) const {
+  std::lock_guard lock(mu_);
+  if (events_.empty()) return std::nullopt;
+  return replies_ >= replies ? first_at_ : first_at_ + window;
+}
+
+bool EventQueue::wait_ready(size_t replies, std::chrono::steady_clock::duration window,
+                            std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock lock(mu_);
+  while (!closed_) {
+    auto until = deadline;
+    if (!events_.empty()) {
+      auto at = replies_ >= replies ? first_at_ : first_at_ + window;
+      if (at <= std::chrono::steady_clock::now()) break;
+      until = std::min(until, at);
+    }
+    if (cv_.wait_until(lock, until) == std::cv_status::timeout && until == deadline) break;
+  }
+  return !events_.empty();
 }
 
 // The reader took `e` (an output event): room again, and whatever comes next may be queued.

@@ -60,6 +60,15 @@ class EventQueue {
   // Every event queued now, without waiting (appended to `out`); how many.
   size_t pop_all(std::vector<Event>& out);
   bool empty() const;
+  // When a reader that waits for `replies` workers' replies should take what is queued: nullopt
+  // while nothing is; else at once when that many replies are queued (a kDone frame for each
+  // worker it speaks for, a truncated frame, an exit or a loss: a worker that will not reply),
+  // or `window` after the first event still queued (its output, say, is not held longer).
+  std::optional<std::chrono::steady_clock::time_point> ready_at(
+      size_t replies, std::chrono::steady_clock::duration window) const;
+  // Waits until that time has come, or `deadline`; whether anything is queued.
+  bool wait_ready(size_t replies, std::chrono::steady_clock::duration window,
+                  std::chrono::steady_clock::time_point deadline) const;
   // No more events will come: waiters wake. Events already queued can still be taken.
   void close();
   bool closed() const;
@@ -78,6 +87,8 @@ class EventQueue {
   std::vector<size_t> dropped_;  // bytes dropped since the reader last took this worker's output
   std::vector<bool> dropping_;   // over the cap, and the reader has taken nothing since
   bool closed_ = false;
+  size_t replies_ = 0;                              // in events_ (ready_at)
+  std::chrono::steady_clock::time_point first_at_;  // when events_ was last empty before a push
 
   static Event note(size_t slot, const std::string& what);
   void taken(const Event& e);  // with mu_ held

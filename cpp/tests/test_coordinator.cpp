@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -363,6 +364,37 @@ TEST(Coordinator, TheWaitingMainThreadRunsTheLoopAndTheIoThreadTakesOverWhenItIs
   before = count();
   EXPECT_EQ(request(c, 0, 3, "echo:1").frame.data(), "echoed");
   EXPECT_EQ(queued_since(before).back(), here);
+}
+
+// wait_events: a request's replies are taken together, however far apart they come, as long as
+// each comes within reply_wait of the first event still queued; waiting for no reply, the first
+// event is taken alone.
+TEST(Coordinator, AWaitForRepliesTakesThemTogether) {
+  auto o = options(2);
+  o.reply_wait = 60s;  // what ends the wait below is the replies, never the window
+  Coordinator c(std::move(o));
+  for (int hellos = 0; hellos < 2;) {
+    Event e = next(c);
+    hellos += e.kind == Event::kFrame && e.frame.kind == kHello;
+  }
+  std::vector<Event> got;
+  c.send(std::vector<int>{0, 1}, Frame::make(kRequest, 0, 1, "echo:3"));
+  c.wait_events(got, 30s, 2);
+  int replies = 0, lines = 0;
+  for (auto& e : got) {
+    replies += e.kind == Event::kFrame && e.frame.kind == kDone;
+    lines += e.kind == Event::kOutput;
+  }
+  EXPECT_EQ(replies, 2);
+  EXPECT_GE(lines, 2);  // each worker's output comes before its reply
+  got.clear();
+  c.send(0, Frame::make(kRequest, 0, 2, "echo:1"));
+  c.wait_events(got, 30s, 0);
+  ASSERT_FALSE(got.empty());
+  while (std::none_of(got.begin(), got.end(), [](const Event& e) {
+    return e.kind == Event::kFrame && e.frame.kind == kDone;
+  }))
+    c.wait_events(got, 30s, 0);
 }
 
 // A thread other than the main one never runs the loop: it waits on the queue.

@@ -148,3 +148,60 @@ TEST(EventQueue, CloseWakesWaitersAndLeavesQueuedEventsToTake) {
   EXPECT_FALSE(q.pop(10s));  // closed and drained: at once
   EXPECT_LT(Clock::now() - t0, 5s);
 }
+
+// ready_at: a reader waiting for N replies takes what is queued once N are, or once the first
+// event still queued has waited the window.
+TEST(EventQueue, ReadyOnceEnoughRepliesAreQueuedOrTheFirstEventWaitedTheWindow) {
+  EventQueue q(4, 1 << 20);
+  EXPECT_FALSE(q.ready_at(0, 1h));
+  auto before = Clock::now();
+  q.push(Event::output(0, 1, "printed first\n"));
+  auto first = *q.ready_at(3, 1h);  // output is no reply: the window from the first event
+  EXPECT_GE(first, before + 1h);
+  EXPECT_LE(first, Clock::now() + 1h);
+  EXPECT_LE(*q.ready_at(0, 1h), Clock::now());  // a reader waiting for no reply: at once
+  q.push(Event::of_frame(0, Frame::make(kDone, 0, 1, "")));
+  EXPECT_EQ(*q.ready_at(3, 1h), first);
+  q.push(Event::of_frame(1, Frame::make(kHello, 1, 0, "")));  // not a reply
+  EXPECT_EQ(*q.ready_at(2, 1h), first);
+  Event gone;
+  gone.kind = Event::kExited;
+  gone.slot = 2;
+  q.push(gone);  // a worker that exited will not reply: it counts as one
+  EXPECT_LE(*q.ready_at(2, 1h), Clock::now());
+  EXPECT_EQ(*q.ready_at(3, 1h), first);
+  // One reply that a host's agent gathered speaks for each of its workers.
+  Event gathered = Event::of_frame(3, Frame::make(kDone, 3, 1, ""));
+  gathered.slots = {3, 1};
+  q.push(gathered);
+  EXPECT_LE(*q.ready_at(4, 1h), Clock::now());
+  // Taken one by one, the count follows; taken all, nothing is left to wait for.
+  q.pop(0ms);  // the output
+  q.pop(0ms);  // worker 0's reply
+  EXPECT_LE(*q.ready_at(3, 1h), Clock::now());
+  EXPECT_GT(*q.ready_at(4, 1h), Clock::now());
+  std::vector<Event> all;
+  q.pop_all(all);
+  EXPECT_FALSE(q.ready_at(1, 1h));
+  before = Clock::now();
+  q.push(Event::output(0, 1, "later\n"));
+  EXPECT_GE(*q.ready_at(1, 1h), before + 1h);
+}
+
+TEST(EventQueue, WaitReadyReturnsOnceTheRepliesAreInOrAtTheDeadline) {
+  EventQueue q(2, 1 << 20);
+  q.push(Event::output(0, 1, "first\n"));
+  std::thread replier([&] {
+    q.push(Event::of_frame(0, Frame::make(kDone, 0, 1, "")));
+    q.push(Event::of_frame(1, Frame::make(kDone, 1, 1, "")));
+  });
+  EXPECT_TRUE(q.wait_ready(2, 1h, Clock::now() + 60s));  // the replies end it, not the deadline
+  replier.join();
+  std::vector<Event> all;
+  EXPECT_EQ(q.pop_all(all), 3u);
+  auto t0 = Clock::now();
+  EXPECT_FALSE(q.wait_ready(1, 1h, t0 + 20ms));
+  EXPECT_GE(Clock::now() - t0, 20ms);
+  q.push(Event::output(0, 1, "alone\n"));
+  EXPECT_TRUE(q.wait_ready(1, 1h, Clock::now() + 20ms));  // not enough replies: the deadline
+}

@@ -313,19 +313,19 @@ void init_coordinator(nb::module_& m) {
           "timeout_ms"_a, "The next Event within timeout_ms, or None.")
       .def(
           "next_events",
-          [](ddip::Coordinator& c, nb::object inbox, double timeout_ms) {
-            // Events already queued are taken without releasing the GIL (the IO thread never
-            // needs it); only an empty queue is waited on, in slices (Ctrl-C is never blocked).
-            // They go straight into `inbox` (its append): none is ever held only here, where
-            // an interrupt could lose it.
+          [](ddip::Coordinator& c, nb::object inbox, double timeout_ms, size_t replies) {
+            // Events already queued are taken without releasing the GIL (the loop never needs
+            // it), unless the wait is for `replies`; a wait is in slices (Ctrl-C is never
+            // blocked). They go straight into `inbox` (its append): none is ever held only
+            // here, where an interrupt could lose it.
             std::vector<ddip::Event> got;
-            if (c.take_events(got) == 0 && timeout_ms > 0) {
-              auto first = ddip_python::wait_in_slices<ddip::Event>(
-                  timeout_ms, [&](std::chrono::milliseconds slice) { return c.next_event(slice); });
-              if (!first) return 0;
-              got.push_back(std::move(*first));
-              c.take_events(got);
-            }
+            if (replies == 0 || timeout_ms <= 0) c.take_events(got);
+            if (got.empty() && timeout_ms > 0)
+              ddip_python::wait_in_slices<bool>(
+                  timeout_ms, [&](std::chrono::milliseconds slice) -> std::optional<bool> {
+                    if (c.wait_events(got, slice, replies) > 0) return true;
+                    return std::nullopt;
+                  });
             nb::object append = inbox.attr("append");
             int n = 0;
             for (auto& e : got)
@@ -335,9 +335,11 @@ void init_coordinator(nb::module_& m) {
               }
             return n;
           },
-          "inbox"_a, "timeout_ms"_a,
+          "inbox"_a, "timeout_ms"_a, "replies"_a = 0,
           "Appends to inbox every Event queued now or, when none is, those that arrive within "
-          "timeout_ms; returns how many.")
+          "timeout_ms; returns how many. With replies (a request's ranks yet to reply), waits "
+          "until that many replies are queued, or what is queued waited "
+          "CoordinatorOptions::reply_wait (5 ms), and takes them all at once.")
       .def(
           "respawn",
           [](ddip::Coordinator& c, int slot, std::optional<WorkerSpec> spec,

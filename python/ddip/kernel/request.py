@@ -229,7 +229,7 @@ class _Waiting:
                     for s in list(req.pending):  # closed under us (another thread)
                         req.mailbox.append(("closed", s))
                     continue
-                self.rt.pump(max(0.0, min(wake - now, SLICE_S)))
+                self.rt.pump(max(0.0, min(wake - now, SLICE_S)), len(req.pending))
             except KeyboardInterrupt:
                 if req.why == "ctrl-c":
                     raise  # the request stays registered: its late replies still free the ranks

@@ -111,9 +111,11 @@ class Runtime:
         self.exits[slot] = f
         return f
 
-    def pump(self, timeout: float):
+    def pump(self, timeout: float, replies: int = 0):
         """Delivers the events that arrive within `timeout` seconds (at least those already
-        there) into their requests' mailboxes. Returns early once something was delivered."""
+        there) into their requests' mailboxes. Returns early once something was delivered; with
+        `replies` (a request's ranks yet to reply), once that many replies were, or what came
+        waited 5 ms (CoordinatorOptions::reply_wait): a request's replies are taken in one go."""
         with self.mu:
             if self.pumping:
                 # Another thread pumps; it wakes us when it delivers something.
@@ -128,7 +130,7 @@ class Runtime:
         try:
             # Everything queued comes in one call, straight into the inbox: an interrupt can't
             # lose what was taken, and what a Ctrl-C left undispatched goes first next time.
-            coord.next_events(inbox, timeout * 1000 if timeout > 0 else 0)
+            coord.next_events(inbox, timeout * 1000 if timeout > 0 else 0, replies)
         finally:
             with self.mu:
                 while inbox:
