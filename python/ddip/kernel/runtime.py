@@ -45,6 +45,7 @@ class Runtime:
         self.mu = threading.RLock()  # guards the state below; never held while waiting
         self.cv = threading.Condition(self.mu)
         self.pumping = False  # one thread at a time takes events from the runtime
+        self.waiters = 0  # threads waiting in pump() for the one that pumps
         self.broken = None  # why the runtime stopped on its own, if it did
         self.seq = 0
         self.state = ["starting"] * size
@@ -55,6 +56,7 @@ class Runtime:
         self.background = {s: collections.deque() for s in range(size)}  # idle ranks' output
         self.background_bytes = [0] * size
         self.background_dropped = [0] * size
+        self.background_waiting: set[int] = set()  # slots with background output kept or dropped
         self.answers: dict[int, dict[int, bytes]] = {}  # seq -> slot -> a stacks/collectives answer
         self.info: list[dict] = [{} for _ in range(size)]  # each rank's hello
         self.last_line: list[str] = [""] * size  # the last line each rank printed (the rank panel's)
@@ -120,7 +122,11 @@ class Runtime:
             if self.pumping:
                 # Another thread pumps; it wakes us when it delivers something.
                 if timeout > 0:
-                    self.cv.wait(timeout)
+                    self.waiters += 1
+                    try:
+                        self.cv.wait(timeout)
+                    finally:
+                        self.waiters -= 1
                 return
             coord = self.coord
             if coord is None:
@@ -136,7 +142,8 @@ class Runtime:
                 while inbox:
                     self.dispatch(inbox.popleft())
                 self.pumping = False
-                self.cv.notify_all()
+                if self.waiters:
+                    self.cv.notify_all()
 
     def dispatch(self, ev):
         """Puts one event where it belongs. Called with self.mu held; never raises."""
@@ -264,6 +271,7 @@ class Runtime:
             end = start - 1
 
     def keep_background(self, slot, stream, data):
+        self.background_waiting.add(slot)
         q = self.background[slot]
         q.append((stream, data))
         self.background_bytes[slot] += len(data)
@@ -275,9 +283,13 @@ class Runtime:
     def show_background(self):
         """Output ranks wrote while no request ran (a thread they started, say): shown, labelled,
         before the next request's output; only the last BACKGROUND_KEEP_BYTES per rank are kept."""
+        if not self.background_waiting:  # a look without the lock: what comes meanwhile shows next time
+            return
         with self.mu:
             pending = []
-            for slot, q in self.background.items():
+            waiting, self.background_waiting = self.background_waiting, set()
+            for slot in sorted(waiting):
+                q = self.background[slot]
                 if q or self.background_dropped[slot]:
                     pending.append((slot, list(q), self.background_dropped[slot]))
                     q.clear()
@@ -301,15 +313,17 @@ class Runtime:
         self.pump(0)
         self.show_background()
         with self.mu:
-            dead = [self.exits[s] for s in slots if s in self.exits]
+            # Each check looks at the ranks only when some rank is in that state.
+            dead = self.exits and [self.exits[s] for s in slots if s in self.exits]
             if dead:
                 raise RankDeadError(dead)
             # Before busy: a stopped rank may still hold a request, and it would never answer a new one.
-            stopped = {self.rank_ids[s]: max(self.unresponsive[s], self.coord.heartbeat_age_ms(s) / 1000)
-                       for s in slots if s in self.unresponsive}
+            stopped = self.unresponsive and {
+                self.rank_ids[s]: max(self.unresponsive[s], self.coord.heartbeat_age_ms(s) / 1000)
+                for s in slots if s in self.unresponsive}
             if stopped:
                 raise RankUnresponsiveError(stopped, {self.rank_ids[s]: self.hosts[s] for s in slots})
-            busy = [self.rank_ids[s] for s in slots if s in self.running]
+            busy = self.running and [self.rank_ids[s] for s in slots if s in self.running]
             if busy:
                 raise RankBusyError(busy)
             coord = self.coord
