@@ -183,6 +183,27 @@ def test_the_stop_button_right_after_a_request_stops_every_rank(group2):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_interrupt_right_after_a_request_stops_it(group2):
+    # g.interrupt() can reach a rank before its request does (an idle rank ignores SIGINT): the
+    # request's waiter sends it again until the rank stops.
+    def spin():
+        while True:
+            pass
+
+    for _ in range(10):
+        p = group2.apply_async(spin)
+        group2.interrupt()
+        try:
+            p.result(timeout=20)
+        except TimeoutError:
+            p.cancel()
+            pytest.fail("g.interrupt() right after the request did not stop it")
+        except ddip.RemoteError as e:
+            assert {f.ename for f in e.failures} == {"KeyboardInterrupt"}
+            assert len(e.failures) == 2
+        assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+
+
 def test_output_after_the_interrupt_is_kept_but_only_its_start_is_shown(group2, capsys):
     # A rank that floods the notebook leaves a backlog that would hold the stop button's answer
     # for as long as it takes to show it: what comes after the interrupt is shown up to a bound.

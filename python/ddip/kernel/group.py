@@ -460,9 +460,11 @@ class Group:
         return values[0] if single else values
 
     def interrupt(self, ranks: Iterable[int] | None = None):
-        """KeyboardInterrupt in the code running on those ranks (all by default)."""
+        """KeyboardInterrupt in the code running on those ranks (all by default): one per
+        request, sent again while a waiter (run, result()) waits for a rank that still runs it,
+        in case it reached the rank before the request did."""
         rt = self._check_open()
-        rt.signal(self._slots(ranks), signal.SIGINT)
+        rt.interrupt(self._slots(ranks))
 
     def kill(self, ranks: Iterable[int] | None = None, sig: int = signal.SIGKILL):
         """Sends `sig` to those ranks and everything they started (their process groups).

@@ -104,6 +104,10 @@ class Request:
         self.last_reply: SharedReply | None = None  # the last reply without buffers, for the next alike
         self.shown_after_interrupt: dict[int, int] = {}  # slot -> bytes of output shown since
         self.unshown: dict[int, int] = {}  # slot -> bytes kept but not shown (SHOWN_AFTER_INTERRUPT)
+        # Ranks g.interrupt() interrupted: while they still run it, their waiter sends SIGINT
+        # again at resignal_at, then every RESIGNAL_S (see there).
+        self.resignal: set[int] = set()
+        self.resignal_at = float("inf")
 
 
 class SharedReply:
@@ -224,6 +228,8 @@ class _Waiting:
                     wake = self._act(now)
                     if wake is None:
                         continue
+                    if req.resignal:
+                        wake = min(wake, self._resignal(now))
                 wake = self._stop_waiting(now, wake)
                 if self.rt.coord is None and not req.mailbox:
                     for s in list(req.pending):  # closed under us (another thread)
@@ -234,6 +240,18 @@ class _Waiting:
                 if req.why == "ctrl-c":
                     raise  # the request stays registered: its late replies still free the ranks
                 self.interrupt_pending("ctrl-c")
+
+    def _resignal(self, now) -> float:
+        """SIGINT again to the ranks g.interrupt() interrupted that still run the request; when
+        to look again."""
+        req, coord = self.req, self.rt.coord
+        if now >= req.resignal_at:
+            again = req.resignal & req.pending
+            req.resignal_at = now + RESIGNAL_S if again else float("inf")
+            if coord is not None:
+                for s in again:
+                    coord.signal(s, signal.SIGINT)
+        return req.resignal_at
 
     def answer_prompts(self) -> bool:
         """The ranks' debugger prompts, one at a time (ddip/kernel/debugger.py); False when
@@ -683,4 +701,4 @@ class Pending:
         if self._results is not None:
             return
         group = self._live_group()
-        group.runtime.signal(list(self._req.pending), signal.SIGINT)
+        group.runtime.interrupt(list(self._req.pending))

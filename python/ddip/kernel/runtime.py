@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import threading
 import time
 
@@ -20,7 +21,7 @@ from .. import _core
 from ..errors import FailureKind, RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
 from ..labels import LabelledOutput
 from ..messages import dumps, dumps_framed, loads
-from .request import Request, SharedReply, close_fds
+from .request import RESIGNAL_S, Request, SharedReply, close_fds
 
 # Events from _core.Coordinator are _core.Event objects whose kind the runtime has classified
 # (python/src/bind_coordinator.cpp): ev.kind, ev.slot, ev.seq, ev.data, ... What a request's
@@ -354,6 +355,17 @@ class Runtime:
     def signal(self, slots, sig: int):
         for s in slots:
             self.coord.signal(s, sig)
+
+    def interrupt(self, slots):
+        """SIGINT to `slots`; those running a request get it again from its waiter until they
+        reply (Request.resignal): one sent before the rank read its request is lost."""
+        with self.mu:
+            for s in slots:
+                req = self.running.get(s)
+                if req is not None:
+                    req.resignal.add(s)
+                    req.resignal_at = min(req.resignal_at, time.monotonic() + RESIGNAL_S)
+        self.signal(slots, signal.SIGINT)
 
     def abort_collectives(self, slots):
         """Heal's abort, asked of each slot's runtime thread: it raises the rank's abort signal
