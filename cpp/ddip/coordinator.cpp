@@ -315,15 +315,17 @@ void Coordinator::signal(int slot, int sig, bool whole_group) {
 std::optional<Event> Coordinator::next_event(milliseconds timeout) {
   if (timeout.count() <= 0 || !events_.empty()) return events_.pop(timeout);
   auto deadline = Clock::now() + timeout;
-  drive(deadline, 0);
+  if (!drive(deadline, 0)) want_io();  // this wait is on the queue: the loop must run meanwhile
   return events_.pop(left(deadline));
 }
 
 size_t Coordinator::wait_events(std::vector<Event>& out, milliseconds timeout, size_t replies) {
   size_t before = out.size();
   auto deadline = Clock::now() + timeout;
-  if (timeout.count() > 0 && !drive(deadline, replies))
+  if (timeout.count() > 0 && !drive(deadline, replies)) {
+    want_io();  // this wait is on the queue: the loop must run meanwhile
     events_.wait_ready(replies, options_.reply_wait, deadline);
+  }
   events_.pop_all(out);
   return out.size() - before;
 }
@@ -554,29 +556,33 @@ void Coordinator::want_io() {
 }
 
 // A command for the loop: run at once on the main thread when no one else runs the loop (a
-// request's frames leave before send() returns, without waking the IO thread), else by whoever
-// runs it.
+// request's frames leave before send() returns, and no one is woken for them), else posted to
+// whoever runs it.
 void Coordinator::command(EventLoop::Task fn) {
-  loop_.post(std::move(fn));
-  if (!options_.caller_drives) return;
-  if (caller_may_drive_ && ::gettid() == ::getpid()) {
+  if (options_.caller_drives && caller_may_drive_ && ::gettid() == ::getpid()) {
     std::unique_lock turn(drive_, std::try_to_lock);
     if (turn) {
       {
         std::lock_guard t(turn_mu_);
         caller_driving_ = true;
       }
+      bool failed = false;
       try {
-        step(Clock::now());
+        loop_.run_posted();  // what other threads posted before goes first
+        fn();
+      } catch (const std::exception&) {
+        // As a posted command's: it reports through its own means (EventLoop::run_once).
       } catch (...) {
-        caller_failure_ = std::current_exception();
+        caller_failure_ = std::current_exception();  // as the loop's own: the IO thread ends it
         caller_may_drive_ = false;
+        failed = true;
       }
       turn.unlock();
-      leave(!caller_may_drive_);
+      leave(failed);
       return;
     }
   }
+  loop_.post(std::move(fn));
   want_io();  // the IO thread may be parked
 }
 

@@ -59,6 +59,8 @@ class EventLoop {
   void post(Task fn);
   // Any thread: a run_once waiting now (or the next one) returns without waiting.
   void wake();
+  // The loop's thread: the commands posted so far, now (as run_once would, after the fds).
+  void run_posted() { run_commands(); }
   // Any thread: later posts throw; commands already queued still run in the next run_once,
   // unless discard() drops them first.
   void close();

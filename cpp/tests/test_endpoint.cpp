@@ -67,6 +67,27 @@ void fake_faulthandler(int) {
   (void)ignored;
 }
 
+// fake_faulthandler on SIGRTMAX - 1, enabled for `ep`'s stack requests; the signal's earlier
+// action is put back when this goes.
+struct FakeFaulthandler {
+  const int sig = SIGRTMAX - 1;
+  Fd write;
+  struct sigaction old {};
+
+  explicit FakeFaulthandler(Endpoint& ep) {
+    Pipe p = make_pipe();
+    write = std::move(p.write);
+    g_dump_fd = write.get();
+    struct sigaction sa {};
+    sa.sa_handler = fake_faulthandler;
+    if (::sigaction(sig, &sa, &old) != 0) throw std::system_error(errno, std::generic_category());
+    ep.enable_stack_dumps(sig, std::move(p.read));
+  }
+  ~FakeFaulthandler() { ::sigaction(sig, &old, nullptr); }
+  FakeFaulthandler(const FakeFaulthandler&) = delete;
+  FakeFaulthandler& operator=(const FakeFaulthandler&) = delete;
+};
+
 pid_t read_pid(int fd) {
   pid_t pid = 0;
   EXPECT_EQ(::read(fd, &pid, sizeof pid), static_cast<ssize_t>(sizeof pid));
@@ -158,13 +179,7 @@ TEST(Endpoint, AStackRequestTheWaitingCallerReadsIsAnsweredOnTheWatchdogsThread)
   Endpoint ep(d.socket_path(), 0, "");
   Channel server = accept_one(l);
   ASSERT_TRUE(read_frame(server));  // hello
-  int sig = SIGRTMAX - 1;
-  Pipe p = make_pipe();
-  g_dump_fd = p.write.get();
-  struct sigaction sa{}, old{};
-  sa.sa_handler = fake_faulthandler;
-  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
-  ep.enable_stack_dumps(sig, std::move(p.read));
+  FakeFaulthandler dumps(ep);
   std::optional<Frame> got;
   std::thread caller([&] {
     got = ep.recv(10s);  // reads the stack request, hands it to the watchdog, goes on waiting
@@ -173,7 +188,6 @@ TEST(Endpoint, AStackRequestTheWaitingCallerReadsIsAnsweredOnTheWatchdogsThread)
   auto reply = read_frame(server);
   send_frame(server, Frame::make(kRequest, 0, 7, "work"));
   caller.join();
-  ::sigaction(sig, &old, nullptr);
   ASSERT_TRUE(reply);
   EXPECT_EQ(reply->kind, kStacks);
   EXPECT_EQ(reply->seq, 6u);
@@ -223,17 +237,10 @@ TEST(Endpoint, StackRequestIsAnsweredByTheWatchdogWithTheDumpAPythonThreadWrote)
   Endpoint ep(d.socket_path(), 0, "");
   Channel server = accept_one(l);
   ASSERT_TRUE(read_frame(server));  // hello
-  int sig = SIGRTMAX - 1;
-  Pipe p = make_pipe();
-  g_dump_fd = p.write.get();
-  struct sigaction sa{}, old{};
-  sa.sa_handler = fake_faulthandler;
-  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
-  ep.enable_stack_dumps(sig, std::move(p.read));
+  FakeFaulthandler dumps(ep);
   // Nobody calls ep.recv(): this thread is "busy"; the watchdog answers.
   send_frame(server, Frame::make(kStackRequest, 0, 5, ""));
   auto reply = read_frame(server);
-  ::sigaction(sig, &old, nullptr);
   ASSERT_TRUE(reply);
   EXPECT_EQ(reply->kind, kStacks);
   EXPECT_EQ(reply->seq, 5u);
@@ -297,19 +304,13 @@ TEST(Endpoint, StackRequestPutsBackAHandlerOtherCodeResetToTheDefault) {
   Endpoint ep(d.socket_path(), 0, "");
   Channel server = accept_one(l);
   ASSERT_TRUE(read_frame(server));
-  int sig = SIGRTMAX - 1;
-  Pipe p = make_pipe();
-  g_dump_fd = p.write.get();
-  struct sigaction sa{}, old{};
-  sa.sa_handler = fake_faulthandler;
-  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
-  ep.enable_stack_dumps(sig, std::move(p.read));
+  FakeFaulthandler dumps(ep);
+  int sig = dumps.sig;
   ::signal(sig, SIG_DFL);  // what Lightning's _SignalConnector.teardown does
   send_frame(server, Frame::make(kStackRequest, 0, 7, ""));
   auto reply = read_frame(server);  // reaching here at all: the signal did not kill this process
   struct sigaction now{};
   ::sigaction(sig, nullptr, &now);
-  ::sigaction(sig, &old, nullptr);
   ASSERT_TRUE(reply);
   EXPECT_EQ(reply->seq, 7u);
   EXPECT_EQ(reply->data(), "stack of " + std::to_string(::syscall(SYS_gettid)) + "\n");
@@ -325,20 +326,14 @@ TEST(Endpoint, AHandlerAnotherPartInstalledIsLeftAloneAndTheAnswerSaysSo) {
   Endpoint ep(d.socket_path(), 3, "");
   Channel server = accept_one(l);
   ASSERT_TRUE(read_frame(server));
-  int sig = SIGRTMAX - 1;
-  Pipe p = make_pipe();
-  g_dump_fd = p.write.get();
-  struct sigaction sa{}, old{};
-  sa.sa_handler = fake_faulthandler;
-  ASSERT_EQ(::sigaction(sig, &sa, &old), 0);
-  ep.enable_stack_dumps(sig, std::move(p.read));
+  FakeFaulthandler dumps(ep);
+  int sig = dumps.sig;
   ::signal(sig, other_handler);
   g_other_calls = 0;
   send_frame(server, Frame::make(kStackRequest, 0, 8, ""));
   auto reply = read_frame(server);
   struct sigaction now{};
   ::sigaction(sig, nullptr, &now);
-  ::sigaction(sig, &old, nullptr);
   ASSERT_TRUE(reply);
   EXPECT_NE(reply->data().find("rank 3 has another handler for signal " + std::to_string(sig)),
             std::string::npos)
@@ -392,7 +387,6 @@ TEST(Endpoint, HeartbeatsPutBackAResetHandler) {
   auto ack = read_frame(server);
   struct sigaction now{};
   ::sigaction(sig, nullptr, &now);
-  ::sigaction(sig, &old, nullptr);
   ASSERT_TRUE(ack);
   EXPECT_EQ(ack->kind, kHeartbeatAck);
   EXPECT_EQ(now.sa_handler, abort_handler);
