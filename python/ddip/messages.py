@@ -254,6 +254,7 @@ def loads(data, buffers=None):
 
 
 MAX_SEGMENTS = _core.MAX_FDS  # fds one frame can carry
+_NO_SEGMENTS = struct.pack("<I", 0)  # the table of a payload with every buffer in band
 
 
 def dumps_framed(obj, put, discard) -> tuple[bytes, list]:
@@ -262,6 +263,8 @@ def dumps_framed(obj, put, discard) -> tuple[bytes, list]:
     handle; a rank: a fresh memfd, whose fd is its handle). Returns the payload (the segments'
     table, then the pickle) and the handles, to travel with it; discard(handle) undoes a put
     if pickling fails half-way."""
+    if _builtins_only(obj):  # no buffer to take out of band: an empty table, at once
+        return _NO_SEGMENTS + pickle.dumps(obj, PROTOCOL), []
     big = []
 
     def out_of_band(pb: pickle.PickleBuffer) -> bool:
@@ -297,6 +300,8 @@ class _Mapping(mmap.mmap):
 def loads_framed(payload: bytes, fds: list[int], release=None):
     """Unpickles what dumps_framed made. Each segment is mapped privately (writable,
     copy-on-write); release(segment id), if given, is called once nothing refers to it."""
+    if not fds and payload[:4] == _NO_SEGMENTS:  # most requests and replies: nothing to map
+        return pickle.loads(memoryview(payload)[4:])
     buffers = []
     try:
         (count,) = struct.unpack_from("<I", payload)
