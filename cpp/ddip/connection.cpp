@@ -69,13 +69,19 @@ void Connection::on_ready(uint32_t events) {
       failed.emplace(End::kCorrupt, e.what());
     }
     // Frames that arrived whole are delivered, even from a connection that just failed.
+    bool delivered = false;
     while (auto f = channel_.next()) {
       on_frame_(std::move(*f));
       if (!*alive || ended_) return;
+      delivered = true;
     }
     if (failed) return end(failed->first, failed->second);
     if (r == Channel::ReadResult::kEof) return end(End::kClosed, "the connection closed");
     if (r == Channel::ReadResult::kWouldBlock) return;
+    // A frame came: whatever follows it is the loop's to report (level-triggered), which spares
+    // the read that would find the socket empty, the usual case. A sealed channel may hold
+    // bytes it read and has not opened yet, which no readiness would report: it reads on.
+    if (delivered && !channel_.sealed()) return;
   }
 }
 

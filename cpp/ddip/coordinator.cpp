@@ -22,6 +22,14 @@ using std::chrono::milliseconds;
 
 namespace {
 
+// Whether this is the process's main thread: the one caller_drives lets run the loop. Asked
+// once per thread (two syscalls each time otherwise); a thread that fork() copied keeps the
+// answer its parent had, so at worst a child's main thread waits on the queue.
+bool main_thread() {
+  static thread_local const bool is_main = ::gettid() == ::getpid();
+  return is_main;
+}
+
 milliseconds left(Clock::time_point deadline) {
   return std::max(milliseconds(0),
                   std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
@@ -396,7 +404,7 @@ void Coordinator::loop() {
       {
         std::lock_guard t(turn_mu_);
         if (io_turn(Clock::now()))
-          io_wanted_ = false;
+          io_wanted_ = false, io_driving_ = true;
         else
           turn.unlock();
       }
@@ -407,6 +415,10 @@ void Coordinator::loop() {
           stopped = stop_ != Stop::kRunning && advance_stop(Clock::now());
         }
         if (stopped) break;
+        {
+          std::lock_guard t(turn_mu_);
+          io_driving_ = false;
+        }
         turn.unlock();  // to the caller that waits for it
       }
       park();
@@ -491,7 +503,7 @@ void Coordinator::park() {
 // queued or `deadline`; false when it could not (not that thread, closing, the IO thread would
 // not yield in time): the caller then waits on the queue.
 bool Coordinator::drive(Clock::time_point deadline, size_t replies) {
-  if (!caller_may_drive_ || ::gettid() != ::getpid()) return false;
+  if (!caller_may_drive_ || !main_thread()) return false;
   {
     std::lock_guard t(turn_mu_);
     caller_driving_ = true;
@@ -543,11 +555,13 @@ void Coordinator::leave(bool hand_over) {
   }
 }
 
-// Any thread: the IO thread runs the loop now, until a caller waits for it again.
+// Any thread: the IO thread runs the loop now, until a caller waits for it again. Already
+// running it, it has nothing to do: what was posted woke it.
 void Coordinator::want_io() {
   if (!options_.caller_drives) return;
   {
     std::lock_guard t(turn_mu_);
+    if (io_driving_) return;
     io_wanted_ = true;
   }
   uint64_t one = 1;
@@ -559,7 +573,7 @@ void Coordinator::want_io() {
 // request's frames leave before send() returns, and no one is woken for them), else posted to
 // whoever runs it.
 void Coordinator::command(EventLoop::Task fn) {
-  if (options_.caller_drives && caller_may_drive_ && ::gettid() == ::getpid()) {
+  if (options_.caller_drives && caller_may_drive_ && main_thread()) {
     std::unique_lock turn(drive_, std::try_to_lock);
     if (turn) {
       {

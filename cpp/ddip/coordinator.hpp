@@ -210,6 +210,7 @@ class Coordinator {
   std::chrono::steady_clock::time_point caller_left_{};
   bool takeover_armed_ = false;
   bool io_wanted_ = false;                     // the IO thread must run the loop now
+  bool io_driving_ = false;                    // it does, and will see what is posted
   std::atomic<bool> caller_waits_{false};      // the IO thread yields drive_ between two rounds
   std::atomic<bool> caller_may_drive_{false};  // once started, until stopping or a failure
   std::exception_ptr caller_failure_;          // under drive_: what the loop threw on a caller

@@ -1,5 +1,6 @@
 #include "ddip/streams.hpp"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -59,6 +60,16 @@ void RankStreams::read(size_t slot, int stream, bool to_eof) {
 }
 
 void RankStreams::drain(size_t slot, bool to_eof) {
+  Stream& s = streams_[slot];
+  if (!to_eof) {
+    // One look at both pipes first: most replies come with nothing left in them (two reads
+    // that find them empty cost twice that).
+    pollfd fds[2];
+    nfds_t n = 0;
+    for (Fd* fd : {&s.out, &s.err})
+      if (*fd) fds[n++] = {fd->get(), POLLIN, 0};
+    if (n == 0 || ::poll(fds, n, 0) == 0) return;
+  }
   read(slot, RankOutput::kStdout, to_eof);
   read(slot, RankOutput::kStderr, to_eof);
 }
