@@ -52,10 +52,11 @@ constexpr size_t kDumpBytes = size_t(4) << 20;
 // heartbeats, stack and abort requests wait at most this long for a reader.
 constexpr milliseconds kTakeOver{10};
 
-void set_timer(int fd, milliseconds after) {  // 0: disarmed
+void set_timer(int fd, std::chrono::nanoseconds after) {  // at least 1 ns: armed
   itimerspec t{};
-  t.it_value.tv_sec = after.count() / 1000;
-  t.it_value.tv_nsec = (after.count() % 1000) * 1'000'000;
+  long long ns = std::max<long long>(after.count(), 1);
+  t.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+  t.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
   ::timerfd_settime(fd, 0, &t, nullptr);
 }
 
@@ -124,13 +125,16 @@ void Endpoint::send(Frame f) {
 std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
   auto deadline = detail::Clock::now() + std::max(timeout, std::chrono::milliseconds(0));
   std::unique_lock lock(mu_);
-  caller_waiting_ = true;
-  detail::set_timer(timer_.get(), std::chrono::milliseconds(0));
+  caller_waiting_ = true;  // the timer stays armed: the watchdog, woken, sees the caller is back
   struct Away {  // leaving recv(), however: the watchdog reads if the worker stays away
     Endpoint& ep;
     ~Away() {
       ep.caller_waiting_ = false;
-      if (ep.reader_ == Reader::kCaller) detail::set_timer(ep.timer_.get(), detail::kTakeOver);
+      ep.caller_left_ = detail::Clock::now();
+      if (ep.reader_ == Reader::kCaller && !ep.timer_armed_) {
+        detail::set_timer(ep.timer_.get(), detail::kTakeOver);
+        ep.timer_armed_ = true;
+      }
     }
   } away{*this};
   while (true) {
@@ -383,13 +387,24 @@ bool Endpoint::read_frames(detail::Clock::time_point deadline, bool caller) {
     (void)ignored;
   }
   if (p[0].revents == 0) return true;
-  try {
-    if (channel_.read_some() == Channel::ReadResult::kEof) return false;
-  } catch (const std::exception&) {
-    return false;
+  // Read on until a frame is whole (its payload mostly came with its header: no poll between
+  // them), or the socket is empty.
+  bool whole = false;
+  while (!whole) {
+    Channel::ReadResult r;
+    try {
+      r = channel_.read_some();
+    } catch (const std::exception&) {
+      return false;
+    }
+    if (r == Channel::ReadResult::kEof) return false;
+    if (r == Channel::ReadResult::kWouldBlock) break;
+    last_heard_ns_ = detail::now_ns();
+    while (std::optional<Frame> f = channel_.next()) {
+      take(std::move(*f), caller);
+      whole = true;
+    }
   }
-  last_heard_ns_ = detail::now_ns();
-  while (std::optional<Frame> f = channel_.next()) take(std::move(*f), caller);
   return true;
 }
 
@@ -426,7 +441,19 @@ void Endpoint::watch() {
         (void)ignored;
       }
       lock.lock();
-      if (fired && !caller_waiting_ && reader_ == Reader::kCaller) reader_ = Reader::kWatchdog;
+      if (fired) {
+        timer_armed_ = false;
+        // A caller that came back and left again since: the rest of its kTakeOver first.
+        auto away = detail::Clock::now() - caller_left_;
+        if (!caller_waiting_ && reader_ == Reader::kCaller) {
+          if (away >= detail::kTakeOver) {
+            reader_ = Reader::kWatchdog;
+          } else {
+            detail::set_timer(timer_.get(), detail::kTakeOver - away);
+            timer_armed_ = true;
+          }
+        }
+      }
       continue;
     }
     if (hand_back_) {

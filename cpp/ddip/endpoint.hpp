@@ -116,6 +116,10 @@ class Endpoint {
   enum class Reader { kWatchdog, kCaller };
   Reader reader_ = Reader::kWatchdog;
   bool caller_waiting_ = false;  // a thread is in recv()
+  // Armed as the caller leaves recv(), left armed when it comes back (two syscalls a request
+  // less); the watchdog, woken, takes over only if the caller has been away kTakeOver.
+  bool timer_armed_ = false;
+  std::chrono::steady_clock::time_point caller_left_{};
   bool hand_back_ = false;       // recv() asked the watchdog for the channel (and wrote wake_)
   std::deque<Frame> chores_;     // read by the caller, answered by the watchdog (stacks, aborts)
   std::atomic<int64_t> last_heard_ns_{0};  // steady clock: when the kernel last sent anything
