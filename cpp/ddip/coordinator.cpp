@@ -473,16 +473,7 @@ void Coordinator::park() {
       auto now = Clock::now();
       if (io_turn(now)) return;
       // A caller that drives arms the timer as it leaves.
-      if (!caller_driving_ && !takeover_armed_) {
-        auto left =
-            std::chrono::duration_cast<std::chrono::nanoseconds>(kTakeOver - (now - caller_left_));
-        itimerspec t{};
-        t.it_value.tv_sec = static_cast<time_t>(left.count() / 1'000'000'000);
-        t.it_value.tv_nsec =
-            static_cast<long>(std::max<long long>(left.count() % 1'000'000'000, 1));
-        ::timerfd_settime(takeover_.get(), 0, &t, nullptr);
-        takeover_armed_ = true;
-      }
+      if (!caller_driving_ && !takeover_armed_) arm_takeover(kTakeOver - (now - caller_left_));
     }
     pollfd fds[2] = {{takeover_.get(), POLLIN, 0}, {io_wake_.get(), POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0 && errno != EINTR)
@@ -499,15 +490,29 @@ void Coordinator::park() {
   }
 }
 
+// turn_mu_ held: the IO thread's takeover timer fires `after` from now (at least 1 ns: armed).
+void Coordinator::arm_takeover(Clock::duration after) {
+  auto ns =
+      std::max<long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(after).count(), 1);
+  itimerspec t{};
+  t.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+  t.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+  ::timerfd_settime(takeover_.get(), 0, &t, nullptr);
+  takeover_armed_ = true;
+}
+
+// turn_mu_ not held: a caller wants the loop, or has it (what io_turn() reads).
+void Coordinator::enter() {
+  std::lock_guard t(turn_mu_);
+  caller_driving_ = true;
+}
+
 // A caller (the process's main thread, waiting for events) runs the loop until an event is
 // queued or `deadline`; false when it could not (not that thread, closing, the IO thread would
 // not yield in time): the caller then waits on the queue.
 bool Coordinator::drive(Clock::time_point deadline, size_t replies) {
   if (!caller_may_drive_ || !main_thread()) return false;
-  {
-    std::lock_guard t(turn_mu_);
-    caller_driving_ = true;
-  }
+  enter();
   std::unique_lock turn(drive_, std::try_to_lock);
   if (!turn) {  // the IO thread runs the loop: it yields between two rounds
     caller_waits_ = true;
@@ -521,8 +526,7 @@ bool Coordinator::drive(Clock::time_point deadline, size_t replies) {
         auto ready = events_.ready_at(replies, options_.reply_wait);
         if ((ready && *ready <= Clock::now()) || Clock::now() >= deadline) break;
         step(ready ? std::min(*ready, deadline) : deadline);
-        if (stop_ != Stop::kRunning) caller_may_drive_ = false;
-        if (!caller_may_drive_) break;
+        if (!caller_may_drive_) break;  // begin_stop() ran: the rest is the IO thread's
       }
     } catch (...) {
       caller_failure_ = std::current_exception();
@@ -541,12 +545,7 @@ void Coordinator::leave(bool hand_over) {
     caller_driving_ = false;
     caller_left_ = Clock::now();
     if (hand_over) io_wanted_ = true;
-    if (!hand_over && !takeover_armed_) {
-      itimerspec t{};
-      t.it_value.tv_nsec = std::chrono::duration_cast<std::chrono::nanoseconds>(kTakeOver).count();
-      ::timerfd_settime(takeover_.get(), 0, &t, nullptr);
-      takeover_armed_ = true;
-    }
+    if (!hand_over && !takeover_armed_) arm_takeover(kTakeOver);
   }
   if (hand_over) {
     uint64_t one = 1;
@@ -576,10 +575,7 @@ void Coordinator::command(EventLoop::Task fn) {
   if (options_.caller_drives && caller_may_drive_ && main_thread()) {
     std::unique_lock turn(drive_, std::try_to_lock);
     if (turn) {
-      {
-        std::lock_guard t(turn_mu_);
-        caller_driving_ = true;
-      }
+      enter();
       bool failed = false;
       try {
         loop_.run_posted();  // what other threads posted before goes first

@@ -226,7 +226,9 @@ class Coordinator {
   bool io_turn(std::chrono::steady_clock::time_point now) const;  // turn_mu_ held
   void park();
   bool drive(std::chrono::steady_clock::time_point deadline, size_t replies);
+  void enter();
   void leave(bool hand_over);
+  void arm_takeover(std::chrono::steady_clock::duration after);
   void hold(std::unique_lock<std::timed_mutex>& turn) noexcept;
   void want_io();
   void command(EventLoop::Task fn);

@@ -135,6 +135,29 @@ Event hello_of(Coordinator& c, int slot) {
   }
 }
 
+// The thread each event was queued on (CoordinatorOptions::on_event runs on the one that queues).
+class QueuedOn {
+ public:
+  explicit QueuedOn(CoordinatorOptions& o) {
+    o.on_event = [this] {
+      std::lock_guard lock(mu_);
+      ids_.push_back(std::this_thread::get_id());
+    };
+  }
+  size_t count() {
+    std::lock_guard lock(mu_);
+    return ids_.size();
+  }
+  std::vector<std::thread::id> since(size_t from) {
+    std::lock_guard lock(mu_);
+    return {ids_.begin() + static_cast<long>(from), ids_.end()};
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::thread::id> ids_;
+};
+
 // A process that ptrace-attaches to `pid` and then does nothing: once killed, `pid` stays a
 // zombie that only this tracer could reap, as under a debugger that does not let go.
 pid_t hold_with_tracer(pid_t pid) {
@@ -318,33 +341,19 @@ TEST(Coordinator, TakeEventsTakesEverythingQueuedWithoutWaiting) {
 TEST(Coordinator, TheWaitingMainThreadRunsTheLoopAndTheIoThreadTakesOverWhenItIsAway) {
   auto o = options(1);
   o.caller_drives = true;
-  std::mutex mu;
-  std::vector<std::thread::id> queued_on;
-  o.on_event = [&] {
-    std::lock_guard lock(mu);
-    queued_on.push_back(std::this_thread::get_id());
-  };
+  QueuedOn queued(o);
   Coordinator c(std::move(o));
   hello_of(c, 0);
   auto here = std::this_thread::get_id();
-  auto queued_since = [&](size_t from) {
-    std::lock_guard lock(mu);
-    return std::vector<std::thread::id>(queued_on.begin() + static_cast<long>(from),
-                                        queued_on.end());
-  };
-  auto count = [&] {
-    std::lock_guard lock(mu);
-    return queued_on.size();
-  };
   // Waited for: every event of the request (its output and its reply) was queued here.
-  size_t before = count();
+  size_t before = queued.count();
   Event e = request(c, 0, 1, "echo:2");
   EXPECT_EQ(e.frame.data(), "echoed");
-  auto waited = queued_since(before);
+  auto waited = queued.since(before);
   ASSERT_FALSE(waited.empty());
   for (auto id : waited) EXPECT_EQ(id, here);
   // Not waited for: the reply still comes, queued by another thread.
-  before = count();
+  before = queued.count();
   c.send(0, Frame::make(kRequest, 0, 2, "echo:1"));
   std::vector<Event> got;
   bool done = false;
@@ -357,13 +366,13 @@ TEST(Coordinator, TheWaitingMainThreadRunsTheLoopAndTheIoThreadTakesOverWhenItIs
     if (!done) std::this_thread::sleep_for(1ms);
   }
   ASSERT_TRUE(done);
-  auto unwaited = queued_since(before);
+  auto unwaited = queued.since(before);
   ASSERT_FALSE(unwaited.empty());
   EXPECT_NE(unwaited.back(), here);
   // And the main thread takes the loop back for the next wait.
-  before = count();
+  before = queued.count();
   EXPECT_EQ(request(c, 0, 3, "echo:1").frame.data(), "echoed");
-  EXPECT_EQ(queued_since(before).back(), here);
+  EXPECT_EQ(queued.since(before).back(), here);
 }
 
 // wait_events: a request's replies are taken together, however far apart they come, as long as
@@ -401,28 +410,20 @@ TEST(Coordinator, AWaitForRepliesTakesThemTogether) {
 TEST(Coordinator, OnlyTheMainThreadRunsTheLoop) {
   auto o = options(1);
   o.caller_drives = true;
-  std::mutex mu;
-  std::vector<std::thread::id> queued_on;
-  o.on_event = [&] {
-    std::lock_guard lock(mu);
-    queued_on.push_back(std::this_thread::get_id());
-  };
+  QueuedOn queued(o);
   Coordinator c(std::move(o));
   hello_of(c, 0);
   std::thread::id other;
   size_t before = 0;
   std::thread t([&] {
     other = std::this_thread::get_id();
-    {
-      std::lock_guard lock(mu);
-      before = queued_on.size();
-    }
+    before = queued.count();
     EXPECT_EQ(request(c, 0, 1, "echo:1").frame.data(), "echoed");
   });
   t.join();
-  std::lock_guard lock(mu);
-  ASSERT_GT(queued_on.size(), before);
-  for (size_t k = before; k < queued_on.size(); ++k) EXPECT_NE(queued_on[k], other);
+  auto during = queued.since(before);
+  ASSERT_FALSE(during.empty());
+  for (auto id : during) EXPECT_NE(id, other);
 }
 
 TEST(Coordinator, ADeadWorkersSegmentsAreReleased) {
