@@ -126,6 +126,11 @@ bool EventQueue::empty() const {
 std::optional<std::chrono::steady_clock::time_point> EventQueue::ready_at(
     size_t replies, std::chrono::steady_clock::duration window) const {
   std::lock_guard lock(mu_);
+  return ready_locked(replies, window);
+}
+
+std::optional<std::chrono::steady_clock::time_point> EventQueue::ready_locked(
+    size_t replies, std::chrono::steady_clock::duration window) const {
   if (events_.empty()) return std::nullopt;
   return replies_ >= replies ? first_at_ : first_at_ + window;
 }
@@ -135,10 +140,9 @@ bool EventQueue::wait_ready(size_t replies, std::chrono::steady_clock::duration 
   std::unique_lock lock(mu_);
   while (!closed_) {
     auto until = deadline;
-    if (!events_.empty()) {
-      auto at = replies_ >= replies ? first_at_ : first_at_ + window;
-      if (at <= std::chrono::steady_clock::now()) break;
-      until = std::min(until, at);
+    if (auto at = ready_locked(replies, window)) {
+      if (*at <= std::chrono::steady_clock::now()) break;
+      until = std::min(until, *at);
     }
     if (cv_.wait_until(lock, until) == std::cv_status::timeout && until == deadline) break;
   }

@@ -92,6 +92,8 @@ class EventQueue {
 
   static Event note(size_t slot, const std::string& what);
   void taken(const Event& e);  // with mu_ held
+  std::optional<std::chrono::steady_clock::time_point> ready_locked(  // ready_at, mu_ held
+      size_t replies, std::chrono::steady_clock::duration window) const;
 };
 
 }  // namespace ddip

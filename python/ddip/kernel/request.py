@@ -104,8 +104,8 @@ class Request:
         self.last_reply: SharedReply | None = None  # the last reply without buffers, for the next alike
         self.shown_after_interrupt: dict[int, int] = {}  # slot -> bytes of output shown since
         self.unshown: dict[int, int] = {}  # slot -> bytes kept but not shown (SHOWN_AFTER_INTERRUPT)
-        # Ranks g.interrupt() interrupted: while they still run it, their waiter sends SIGINT
-        # again at resignal_at, then every RESIGNAL_S (see there).
+        # Ranks interrupted (by the waiter, or g.interrupt()): while they still run it, their
+        # waiter sends SIGINT again at resignal_at, then every RESIGNAL_S (see there).
         self.resignal: set[int] = set()
         self.resignal_at = float("inf")
 
@@ -178,7 +178,6 @@ class _Waiting:
         self.next_look = 0.0  # when to read the ranks' collectives again, after a rank raised
         self.look = None  # (seq, slots) of the collectives asked and not all answered yet
         self.paused_from = _paused_s()
-        self.next_signal = float("inf")  # when the interrupted ranks still running get SIGINT again
 
     def interrupt_pending(self, reason):
         req = self.req
@@ -189,15 +188,9 @@ class _Waiting:
         req.why, req.interrupted_at = reason, time.monotonic()
         for debugger in DEBUGGERS:
             debugger.let_go([self.rt.rank_ids[s] for s in req.pending])
-        self.signal_pending()
-
-    def signal_pending(self):
-        """SIGINT to the ranks still running the request, again RESIGNAL_S later (see there)."""
-        self.next_signal = time.monotonic() + RESIGNAL_S
-        coord = self.rt.coord
-        if coord is not None:
-            for s in self.req.pending:
-                coord.signal(s, signal.SIGINT)
+        req.resignal |= req.pending
+        req.resignal_at = req.interrupted_at  # now, and again while they still run it
+        self._resignal(req.interrupted_at)
 
     def until_done(self):
         """Returns once every rank replied, or the grace after interrupting them ran out."""
@@ -221,9 +214,7 @@ class _Waiting:
                         self.rt.pump(0)
                         drain(self.rt, req, self.cb)
                         return
-                    if now >= self.next_signal:
-                        self.signal_pending()
-                    wake = min(end, self.next_signal)
+                    wake = min(end, self._resignal(now))
                 else:
                     wake = self._act(now)
                     if wake is None:
@@ -242,8 +233,8 @@ class _Waiting:
                 self.interrupt_pending("ctrl-c")
 
     def _resignal(self, now) -> float:
-        """SIGINT again to the ranks g.interrupt() interrupted that still run the request; when
-        to look again."""
+        """SIGINT, when resignal_at has come, to the interrupted ranks that still run the request
+        (again RESIGNAL_S later); when to look again."""
         req, coord = self.req, self.rt.coord
         if now >= req.resignal_at:
             again = req.resignal & req.pending
