@@ -461,7 +461,8 @@ void Channel::sealed_header() {
     if (e > left) throw std::runtime_error("corrupt TCP frame (fd length)");
     left -= e;
     auto& r = in.fds[i];
-    r.fd = detail::memfd_sized(e);
+    if (buffers_) r.fd = buffers_(e);
+    if (!r.fd) r.fd = detail::memfd_sized(e);
     r.size = e;
   }
 }
@@ -489,6 +490,7 @@ Frame Channel::sealed_frame() {
               "sealing a buffer received over TCP");
       }
       f.fds->push_back(std::move(r.fd));
+      f.fd_bytes.push_back(r.size);  // a pooled memfd may be larger
     }
   }
   in_.reset();

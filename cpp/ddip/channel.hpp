@@ -10,16 +10,18 @@
 //
 // The first MAC is checked before anything is allocated for the lengths announced, so a forged
 // header costs the receiver at most 208 bytes and the link, never memory. The fds' bytes are
-// written straight from the fds (mapped, never copied into a buffer) and received into fresh
-// sealed memfds (written in through the small stage), the MAC fed as they stream, so a frame
-// looks the same to both ends either way. A "ref" stands for a segment sent before on the same link (kSegment): the receiver keeps
-// those, and the frame's refs name them (HostLinks sends a buffer once per host).
+// written straight from the fds (mapped, never copied into a buffer) and received into sealed
+// memfds, fresh or the receiver's own (receive_buffers_from), written in through the small stage,
+// the MAC fed as they stream, so a frame looks the same to both ends either way. A "ref" stands for
+// a segment sent before on the same link (kSegment): the receiver keeps those, and the frame's refs
+// name them (HostLinks sends a buffer once per host).
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,7 +66,7 @@ struct Frame {
   // (recvmsg's MSG_CTRUNC). `fds` holds those that arrived.
   bool truncated = false;
   // On a sealed channel, how many bytes of each fd travel (a pooled segment is larger than what
-  // it holds); empty: each fd's whole size.
+  // it holds); empty: each fd's whole size. A frame read from one says how many came.
   std::vector<size_t> fd_bytes;
   // On a sealed channel: where refs[i] != 0, the frame's i-th fd is the segment of that id, sent
   // before on the same channel (kSegment) and kept by the receiver, which fills it in; fds[i] is
@@ -119,6 +121,10 @@ class Channel {
   // after its handshake). A frame that fails to verify makes read_some() throw AuthError.
   void seal(LinkKeys keys);
   bool sealed() const { return send_mac_.enabled(); }
+  // Where a sealed channel receives a buffer of n bytes: a memfd of at least n bytes from
+  // `source` (a host agent's segment pool, whose pages a later push reuses), or a fresh one when
+  // it gives an empty Fd or none is set.
+  void receive_buffers_from(std::function<Fd(size_t)> source) { buffers_ = std::move(source); }
   // The largest frame a sealed channel accepts: a length beyond it is corruption, and must not
   // make us allocate before the frame's MAC is checked.
   static constexpr uint64_t kMaxSealedFrame = uint64_t(1) << 36;
@@ -174,6 +180,7 @@ class Channel {
   FrameMac send_mac_, recv_mac_;
   std::unique_ptr<Incoming> in_;
   std::unique_ptr<char[]> stage_;  // sealed: what one read brought (kStageBytes)
+  std::function<Fd(size_t)> buffers_;
 
   void finish_frame();
   void seal_into(Outgoing& o, Frame f);

@@ -38,6 +38,7 @@ class Connection {
   void read_now() { on_ready(EPOLLIN); }
   int fd() const { return channel_.fd(); }
   const Channel& channel() const { return channel_; }
+  Channel& channel() { return channel_; }
 
  private:
   EventLoop& loop_;

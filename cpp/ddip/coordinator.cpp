@@ -59,6 +59,7 @@ struct Coordinator::Slot {
 Coordinator::Coordinator(CoordinatorOptions options)
     : options_(std::move(options)),
       events_(options_.workers.size(), options_.max_unread_output, options_.on_event),
+      pool_(options_.pool ? *options_.pool : own_pool_),
       supervisor_(options_.kill_wait) {
   if (options_.workers.empty()) throw std::invalid_argument("a group needs at least one worker");
   dir_ = std::make_unique<RuntimeDir>();

@@ -50,6 +50,9 @@ struct CoordinatorOptions {
   // Pooled shared-memory segments unused this long are freed (a 3 GiB push must not pin 3 GiB
   // for the group's life); 0: kept until the pool's own limit.
   std::chrono::milliseconds pool_idle{5000};
+  // The segment pool to use (not owned: it must outlive the Coordinator); null: one of its own.
+  // A host agent's, which its link receives buffers into before its workers start.
+  SegmentPool* pool = nullptr;
   // Output of one worker waiting unread in the event queue beyond this is dropped (and the drop
   // reported in the stream): a rank printing while the notebook reads nothing must not grow the
   // kernel's memory without bound.
@@ -176,7 +179,8 @@ class Coordinator {
   std::string socket_path_;
   std::vector<pid_t> pids_;
   EventQueue events_;  // thread-safe: filled by the IO thread, taken by the owner
-  SegmentPool pool_;   // thread-safe
+  SegmentPool own_pool_;
+  SegmentPool& pool_;  // thread-safe: options_.pool, else own_pool_
 
   // Shared between the IO thread and callers.
   mutable std::mutex mu_;

@@ -50,43 +50,6 @@ std::vector<std::string> merged_environment(const std::vector<std::string>& addi
   return out;
 }
 
-// The buffers the kernel sent this host once (kSegment) for several of its workers' frames:
-// each is one memfd, handed to every worker whose frame refers to it, as a local rank gets a
-// pooled segment; dropped when the kernel says no later frame refers to it (kForget).
-class HostSegments {
- public:
-  // Keeps or drops a segment, or fills in the fds a worker's frame refers to. Empty, or why the
-  // frame can't be right (the link is then not to be trusted).
-  std::string take(Frame& f) {
-    if (f.kind == kSegment) {
-      if (!f.fds || f.fds->size() != 1 || !(*f.fds)[0])
-        return "the kernel sent a segment without its buffer";
-      kept_[f.seq] = std::move((*f.fds)[0]);
-      return {};
-    }
-    if (f.kind == kForget) {
-      kept_.erase(f.seq);
-      return {};
-    }
-    for (size_t i = 0; i < f.refs.size(); ++i) {
-      if (f.refs[i] == 0) continue;
-      auto it = kept_.find(f.refs[i]);
-      if (it == kept_.end() || !f.fds || i >= f.fds->size())
-        return "the kernel referred to segment " + std::to_string(f.refs[i]) +
-               ", which it never sent";
-      int fd = ::fcntl(it->second.get(), F_DUPFD_CLOEXEC, 0);
-      if (fd < 0)
-        return std::string("could not keep a segment for a worker: ") + std::strerror(errno);
-      (*f.fds)[i] = Fd(fd);
-    }
-    f.refs.clear();
-    return {};
-  }
-
- private:
-  std::map<uint64_t, Fd> kept_;
-};
-
 // What a failed or stopped rank template says about why (rank/template.py's JSON "reason", else
 // the text itself), on one line.
 std::string template_reason(const std::string& detail) {
@@ -362,7 +325,9 @@ class HostAgent::Relay {
   std::optional<Coordinator> coord_;
   std::vector<int> global_;   // local worker index -> the kernel's slot
   std::map<int, int> local_;  // the kernel's slot -> local worker index
-  detail::HostSegments segments_;
+  // Where the link receives buffers, and the workers' Coordinator keeps them (keep_segment).
+  // Before coord_: it outlives it.
+  SegmentPool pool_;
   ReplyGather gather_{options_.ticket.reply_window_ms > 0
                           ? std::chrono::milliseconds(options_.ticket.reply_window_ms)
                           : ReplyGather::kWindow};
@@ -383,8 +348,10 @@ class HostAgent::Relay {
   SpawnSpec on_this_host(SpawnSpec spec) const;
   bool serving() const;
   void ack_host_heartbeat(const Frame& f);
-  void to_worker(int l, Frame f);
-  void fan_out(Frame f);
+  void keep_segment(Frame& f);
+  std::string refer(Frame& f, std::vector<uint64_t>& segments);
+  void to_worker(int l, Frame f, const std::vector<uint64_t>& segments);
+  void fan_out(Frame f, const std::vector<uint64_t>& segments);
   // Gathered replies that are due (`all`: every one held), and the timer for the next.
   void send_replies(bool all = false);
   void before_worker(int slot);  // its held reply goes before anything else of the worker's
@@ -402,6 +369,7 @@ HostAgent::Relay::Relay(HostAgent& agent, Channel channel)
   link_ = std::make_unique<Connection>(
       loop_, std::move(channel), [this](Frame f) { on_frame(std::move(f)); },
       [this](Connection::End how, const std::string& why) { on_link_end(how, why); });
+  link_->channel().receive_buffers_from([this](size_t n) { return pool_.take_buffer(n); });
   loop_.at(last_frame_ + options_.kernel_timeout, [this] { watch_kernel(); });
   if (agent_.lifeline_ >= 0)
     loop_.try_watch(agent_.lifeline_, EPOLLIN, [this](uint32_t) { on_lifeline(); });
@@ -454,17 +422,46 @@ void HostAgent::Relay::on_frame(Frame f) {
     if (f.kind != kSpawn) return lose("the kernel's first frame was not the list of workers");
     return start_workers(f);
   }
-  if (f.kind == kSegment || f.kind == kForget || !f.refs.empty()) {
-    std::string bad = segments_.take(f);
-    if (!bad.empty()) return lose(bad);
-    if (f.kind == kSegment || f.kind == kForget) return;
-  }
+  if (f.kind == kSegment) return keep_segment(f);
+  if (f.kind == kForget) return pool_.release(f.seq);  // the kernel's reference
+  std::vector<uint64_t> segments;
+  if (std::string bad = refer(f, segments); !bad.empty()) return lose(bad);
   if (f.kind == kHeartbeat && f.rank == kHostRank) return ack_host_heartbeat(f);
   if (f.kind == kSpawn) return start_again(f);
-  if (f.kind == kFanOut) return fan_out(std::move(f));
+  if (f.kind == kFanOut) return fan_out(std::move(f), segments);
   auto it = local_.find(f.rank);
   if (it == local_.end()) return;  // not one of ours: nothing to do with it
-  to_worker(it->second, std::move(f));
+  to_worker(it->second, std::move(f), segments);
+}
+
+// A buffer the kernel sends once per host (kSegment), for the frames that name it (refs): kept in
+// the workers' Coordinator's pool under the kernel's id, which the workers' releases name. It
+// returns to that pool once the kernel forgot it (kForget) and every worker that got it released
+// it or exited; the link receives the next buffer into it (receive_buffers_from). So a push
+// after the first reuses this host's pages: no rank frees 8 MiB of them as it lets go of a
+// copy, and the agent allocates none.
+void HostAgent::Relay::keep_segment(Frame& f) {
+  if (!f.fds || f.fds->size() != 1 || !(*f.fds)[0])
+    return lose("the kernel sent a segment without its buffer");
+  try {
+    pool_.adopt(f.seq, std::move((*f.fds)[0]), f.fd_bytes.empty() ? 0 : f.fd_bytes[0]);
+  } catch (const std::exception& e) {
+    lose(std::string("could not keep a segment for the workers: ") + e.what());
+  }
+}
+
+// The segments a frame names in place of its fds, taken out of it; or why the frame can't be
+// right (the link is then not to be trusted).
+std::string HostAgent::Relay::refer(Frame& f, std::vector<uint64_t>& segments) {
+  if (f.refs.empty()) return {};
+  for (uint64_t id : f.refs)
+    if (id == 0 || !pool_.contains(id))
+      return "the kernel referred to segment " + std::to_string(id) + ", which it never sent";
+  segments = std::move(f.refs);
+  f.refs.clear();
+  f.fds.reset();
+  f.fd_bytes.clear();
+  return {};
 }
 
 // A worker's spec from the kernel, as it runs here.
@@ -491,6 +488,7 @@ void HostAgent::Relay::start_workers(const Frame& f) {
   send_notes();
   last_frame_ = Clock::now();  // a wait for the template is no silence of the kernel's
   co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
+  co.pool = &pool_;
   co.on_event = [this] {
     try {
       loop_.post([this] { on_worker_events(); });
@@ -566,7 +564,7 @@ void HostAgent::Relay::ack_host_heartbeat(const Frame& f) {
   send(Frame::make(kHeartbeatAck, kHostRank, f.seq, encode_slots(fresh)));
 }
 
-void HostAgent::Relay::to_worker(int l, Frame f) {
+void HostAgent::Relay::to_worker(int l, Frame f, const std::vector<uint64_t>& segments) {
   try {
     if (f.kind == kHeartbeat) {
       if (vouched(l)) send(Frame::make(kHeartbeatAck, f.rank, f.seq));
@@ -574,7 +572,7 @@ void HostAgent::Relay::to_worker(int l, Frame f) {
       auto [sig, whole] = decode_signal(f.data());
       coord_->signal(l, sig, whole);
     } else if (f.kind != kSpawn) {
-      coord_->send(l, std::move(f));
+      coord_->send(l, std::move(f), segments);
     }
   } catch (const std::exception&) {
     // The worker is gone (its exit is on its way to the kernel) or the group is stopping.
@@ -583,7 +581,7 @@ void HostAgent::Relay::to_worker(int l, Frame f) {
 
 // One frame for several workers here: written to each (one command to the workers' IO thread,
 // the payload and the buffers shared); a request's replies are gathered (ReplyGather).
-void HostAgent::Relay::fan_out(Frame f) {
+void HostAgent::Relay::fan_out(Frame f, const std::vector<uint64_t>& segments) {
   FanOut out;
   try {
     out = decode_fan_out(f.data());
@@ -607,7 +605,7 @@ void HostAgent::Relay::fan_out(Frame f) {
   inner.fds = std::move(f.fds);
   if (out.kind == kRequest && replying.size() > 1) gather_.expect(f.seq, replying);
   try {
-    coord_->send(locals, std::move(inner));
+    coord_->send(locals, std::move(inner), segments);
   } catch (const std::exception&) {
     // The group is stopping: its workers' exits are on their way to the kernel.
   }

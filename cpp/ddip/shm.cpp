@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,20 +14,34 @@
 #include <vector>
 
 namespace ddip {
+namespace {
+
+// A memfd of `size` bytes, sealed against resizing: a rank that shrank it would make every other
+// mapping of it fault (SIGBUS) on the lost pages.
+Fd sealed_memfd(size_t size) {
+  Fd fd(check(::memfd_create("ddip-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING), "memfd_create",
+              "creating a shared-memory segment"));
+  check(::ftruncate(fd.get(), static_cast<off_t>(size)), "ftruncate",
+        "sizing a shared-memory segment");
+  check(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), "fcntl(F_ADD_SEALS)",
+        "sealing a shared-memory segment's size");
+  return fd;
+}
+
+size_t segment_size(size_t n) { return std::max(SegmentPool::kMinSegment, std::bit_ceil(n)); }
+
+}  // namespace
 
 Segment::Segment(size_t size) : size_(size) {
-  fd_ = Fd(check(::memfd_create("ddip-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING), "memfd_create",
-                 "creating a shared-memory segment"));
-  check(::ftruncate(fd_.get(), static_cast<off_t>(size)), "ftruncate",
-        "sizing a shared-memory segment");
-  check(::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), "fcntl(F_ADD_SEALS)",
-        "sealing a shared-memory segment's size");
+  fd_ = sealed_memfd(size);
   addr_ = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
   if (addr_ == MAP_FAILED) {
     addr_ = nullptr;
     throw_errno("mmap", "mapping a shared-memory segment");
   }
 }
+
+Segment::Segment(Fd fd, size_t size) : fd_(std::move(fd)), size_(size) {}
 
 Segment::Segment(Segment&& o) noexcept
     : fd_(std::move(o.fd_)),
@@ -43,13 +58,20 @@ Segment& Segment::operator=(Segment&& o) noexcept {
   return *this;
 }
 
+Fd Segment::release() {
+  if (addr_) ::munmap(addr_, size_);
+  addr_ = nullptr;
+  size_ = 0;
+  return std::move(fd_);
+}
+
 Segment::~Segment() {
   if (addr_) ::munmap(addr_, size_);
 }
 
 uint64_t SegmentPool::put(const void* data, size_t n) {
   // Sizes are rounded up to a power of two so that freed segments fit later requests.
-  size_t want = std::max(kMinSegment, std::bit_ceil(n));
+  size_t want = segment_size(n);
   std::optional<Segment> seg;
   {
     std::lock_guard lock(mu_);
@@ -84,10 +106,51 @@ void SegmentPool::release(uint64_t id) {
   if (--it->second.refs > 0) return;
   Segment seg = std::move(it->second.segment);
   used_.erase(it);
+  keep_free(std::move(seg));
+}
+
+void SegmentPool::keep_free(Segment seg) {
   if (free_bytes_ + seg.size() > keep_free_) return;  // freed here
   free_bytes_ += seg.size();
   size_t size = seg.size();
   free_.emplace(size, Unused{std::move(seg), std::chrono::steady_clock::now()});
+}
+
+Fd SegmentPool::take_buffer(size_t n) {
+  size_t want = segment_size(n);
+  std::optional<Segment> seg;
+  {
+    std::lock_guard lock(mu_);
+    auto it = free_.find(want);
+    if (it == free_.end()) {
+      ++created_;
+    } else {
+      seg.emplace(std::move(it->second.segment));
+      free_bytes_ -= want;
+      free_.erase(it);
+    }
+  }
+  if (!seg) return sealed_memfd(want);
+  return seg->release();  // its mapping here, if any, goes outside the lock; its pages stay
+}
+
+void SegmentPool::adopt(uint64_t id, Fd fd, size_t length) {
+  struct stat st {};
+  check(::fstat(fd.get(), &st), "fstat", "keeping a received buffer");
+  Segment seg(std::move(fd), static_cast<size_t>(st.st_size));
+  std::lock_guard lock(mu_);
+  auto it = used_.find(id);
+  if (it == used_.end()) {
+    used_.emplace(id, Entry{std::move(seg), 1, length});
+    return;
+  }
+  ++it->second.refs;
+  keep_free(std::move(seg));
+}
+
+bool SegmentPool::contains(uint64_t id) const {
+  std::lock_guard lock(mu_);
+  return used_.count(id) > 0;
 }
 
 size_t SegmentPool::trim(std::chrono::steady_clock::duration max_idle,

@@ -23,6 +23,9 @@ class Segment {
   // A memfd of `size` bytes, mapped shared and writable here, sealed against resizing: a rank
   // that shrank it would make every other mapping of it fault (SIGBUS) on the lost pages.
   explicit Segment(size_t size);
+  // A memfd made elsewhere (`size`: its size), not mapped here: a buffer received from another
+  // host, which this process only hands on.
+  Segment(Fd fd, size_t size);
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
   Segment(Segment&& o) noexcept;
@@ -30,7 +33,9 @@ class Segment {
   ~Segment();
 
   int fd() const { return fd_.get(); }
-  char* data() const { return static_cast<char*>(addr_); }
+  char* data() const { return static_cast<char*>(addr_); }  // null when not mapped here
+  // The memfd, unmapped here: the segment is empty after.
+  Fd release();
   size_t size() const { return size_; }
 
  private:
@@ -53,6 +58,15 @@ class SegmentPool {
   void retain(uint64_t id);
   // One reference fewer; at zero the segment returns to the pool. Unknown ids are ignored.
   void release(uint64_t id);
+  // A memfd of at least `n` bytes to receive a buffer into: a free segment's (taken out of the
+  // pool), or a fresh one. It returns to the pool only through adopt(). Thread-safe.
+  Fd take_buffer(size_t n);
+  // Keeps the memfd `fd` (from take_buffer, filled in) as segment `id`, an id the sender chose,
+  // holding one reference for the caller; a second adopt() of an id still in use only adds a
+  // reference (the buffer is the same). A pool takes ids either from put() or from adopt(), never
+  // both: a host agent adopts the kernel's ids, so that its workers' releases name them.
+  void adopt(uint64_t id, Fd fd, size_t length);
+  bool contains(uint64_t id) const;
   // A new fd for the segment, for sending (the frame owns and closes it).
   Fd dup_fd(uint64_t id) const;
   // The bytes put() stored in it (the segment itself may be larger): what a TCP link sends.
@@ -79,6 +93,7 @@ class SegmentPool {
     Segment segment;
     std::chrono::steady_clock::time_point since;
   };
+  void keep_free(Segment seg);  // with mu_ held: kept for reuse, or freed beyond the limit
   std::unordered_map<uint64_t, Entry> used_;
   std::multimap<size_t, Unused> free_;  // by size
   size_t free_bytes_ = 0;

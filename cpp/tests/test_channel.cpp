@@ -408,6 +408,38 @@ TEST(SealedFrames, BuffersOfEverySizeAroundTheStageArriveIntactFrameAfterFrame) 
   EXPECT_LE(receiver.buffered_bytes(), Channel::kStageBytes);
 }
 
+TEST(SealedFrames, BuffersAreReceivedIntoTheMemfdsTheReceiverGives) {
+  auto [sender, receiver] = sealed_pair();
+  std::vector<size_t> asked;
+  std::vector<int> given;
+  receiver.receive_buffers_from([&](size_t n) {
+    asked.push_back(n);
+    if (asked.size() == 2) return Fd();  // none to give: a fresh one
+    Fd m(::memfd_create("given", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ::ftruncate(m.get(), static_cast<off_t>(n + 4096));  // larger than asked, as a pool's are
+    ::pwrite(m.get(), "stale", 5, static_cast<off_t>(n));
+    given.push_back(m.get());
+    return m;
+  });
+  Frame f = Frame::make(kRequest, 1, 4, "table");
+  f.fds = std::make_shared<std::vector<Fd>>();
+  f.fds->push_back(memfd_holding("first buffer"));
+  f.fds->push_back(memfd_holding("second buffer"));
+  f.fds->push_back(memfd_holding("third"));
+  sender.send(std::move(f));
+  auto got = receiver.recv();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(asked, (std::vector<size_t>{12, 13, 5}));
+  ASSERT_TRUE(got->fds);
+  ASSERT_EQ(got->fds->size(), 3u);
+  EXPECT_EQ((*got->fds)[0].get(), given[0]) << "the very memfd given";
+  EXPECT_EQ((*got->fds)[2].get(), given[1]);
+  EXPECT_EQ(contents((*got->fds)[0].get()).substr(0, 12), "first buffer");
+  EXPECT_EQ(contents((*got->fds)[1].get()), "second buffer");
+  EXPECT_EQ(contents((*got->fds)[2].get()).substr(0, 5), "third");
+  EXPECT_EQ(got->fd_bytes, (std::vector<size_t>{12, 13, 5})) << "what came, in a larger memfd";
+}
+
 TEST(SealedFrames, RefsTravelAsIdsBesideInlineBuffers) {
   auto [sender, receiver] = sealed_pair();
   Frame f = Frame::make(kRequest, 1, 4, "table");

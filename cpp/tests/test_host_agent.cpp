@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,7 +32,9 @@ using namespace std::chrono_literals;
 
 namespace {
 // Requests: "echo:TEXT" prints TEXT on stdout and stderr, then replies "pid"; "exit:N" exits
-// with N after a line on stderr; "segment" replies with the first fd's contents; "memfd:TEXT"
+// with N after a line on stderr; "segment" replies with the first fd's text (a pooled segment
+// is larger than what it holds: up to the first NUL); "inode..."
+// with its inode; "memfd:TEXT"
 // replies with a memfd holding TEXT; "env:NAME" replies with that variable's value.
 int worker_main() {
   int slot = std::atoi(std::getenv("DDIP_TEST_SLOT"));
@@ -51,9 +54,19 @@ int worker_main() {
       if (f.fds && !f.fds->empty()) {
         char buf[64] = {};
         ssize_t n = ::pread((*f.fds)[0].get(), buf, sizeof buf, 0);
-        got.assign(buf, n > 0 ? static_cast<size_t>(n) : 0);
+        got.assign(buf, n > 0 ? ::strnlen(buf, static_cast<size_t>(n)) : 0);  // the bytes put
       }
       ep.send(Frame::make(kDone, slot, f.seq, got));
+    } else if (req.rfind("inode", 0) == 0) {
+      // "inode:ID" replies with the inode of the segment it got; "inode-release:ID" lets go of
+      // it first, as a rank whose array is gone does.
+      struct stat st {};
+      if (f.fds && !f.fds->empty()) ::fstat((*f.fds)[0].get(), &st);
+      if (req.rfind("inode-release:", 0) == 0) {
+        uint64_t id = std::stoull(req.substr(14));
+        ep.send(Frame::make(kRelease, slot, 0, std::string(reinterpret_cast<char*>(&id), 8)));
+      }
+      ep.send(Frame::make(kDone, slot, f.seq, std::to_string(st.st_ino)));
     } else if (req.rfind("env:", 0) == 0) {
       const char* v = std::getenv(req.c_str() + 4);
       ep.send(Frame::make(kDone, slot, f.seq, v ? v : "(unset)"));
@@ -180,7 +193,7 @@ TEST(HostAgent, BuffersTravelInBandBothWays) {
   c.pool().release(id);
   auto done = wait_for(c, Event::kFrame, 2, 10s, kDone);
   ASSERT_TRUE(done.last);
-  EXPECT_EQ(done.last->frame.data(), "segment bytes");  // only the bytes put, not the segment
+  EXPECT_EQ(done.last->frame.data(), "segment bytes");
   EXPECT_EQ(c.pool().in_use(), 0u) << "a remote slot holds no segment once its frame is copied";
   c.send(2, Frame::make(kRequest, 2, 2, "memfd:reply bytes"));
   done = wait_for(c, Event::kFrame, 2, 10s, kDone);
@@ -218,6 +231,39 @@ TEST(HostAgent, OneSegmentReachesEveryWorkerOfAHostFromTheAgentsOneCopy) {
   c.send(std::vector<int>{2, 1}, Frame::make(kRequest, 0, 4, "segment"), {id});
   c.pool().release(id);
   EXPECT_EQ(replies(4), (std::map<int, std::string>{{1, "later bytes"}, {2, "later bytes"}}));
+  c.close();
+}
+
+// The agent keeps a segment in a pool of its own: once its workers released it and the kernel
+// forgot it, the host's next segment is received into the same memfd (no pages freed by a worker,
+// none allocated by the agent); one a worker still holds is not reused.
+TEST(HostAgent, AHostsNextSegmentIsReceivedIntoOneItsWorkersReleased) {
+  Coordinator c(options());
+  const std::string bytes(3 << 20, 'p');
+  auto push = [&](uint64_t seq, const std::string& what) {
+    uint64_t id = c.pool().put(bytes.data(), bytes.size());
+    c.send(std::vector<int>{1, 2}, Frame::make(kRequest, 0, seq, what + std::to_string(id)), {id});
+    c.pool().release(id);
+    std::set<std::string> inodes;
+    std::set<int> replied;
+    auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (replied.size() < 2 && std::chrono::steady_clock::now() < deadline) {
+      auto e = c.next_event(100ms);
+      if (e && e->kind == Event::kFrame && e->frame.kind == kDone && e->frame.seq == seq) {
+        inodes.insert(e->frame.data());
+        replied.insert(e->slot);
+        replied.insert(e->slots.begin(), e->slots.end());  // gathered by the host's agent
+      }
+    }
+    EXPECT_EQ(replied, (std::set<int>{1, 2}));
+    EXPECT_EQ(inodes.size(), 1u) << "one copy for the host";
+    return inodes.empty() ? std::string() : *inodes.begin();
+  };
+  std::string first = push(1, "inode-release:");
+  std::string second = push(2, "inode:");  // kept by both workers
+  EXPECT_EQ(second, first) << "received into the pages of the one its workers released";
+  std::string third = push(3, "inode:");
+  EXPECT_NE(third, second) << "the workers still hold the second";
   c.close();
 }
 

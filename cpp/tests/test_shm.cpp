@@ -62,6 +62,50 @@ TEST(SegmentPool, ASegmentIsReusedOnlyAfterEveryReferenceIsReleased) {
   pool.release(999);  // unknown ids are ignored (a rank can't corrupt the pool)
 }
 
+// A host agent's pool: buffers received from another host are kept under the sender's ids, and
+// the next buffer is received into the pages of one every holder let go of.
+TEST(SegmentPool, AnAdoptedBufferReturnsToThePoolAndIsReceivedIntoAgain) {
+  auto inode = [](int fd) {
+    struct stat st {};
+    EXPECT_EQ(::fstat(fd, &st), 0);
+    return st.st_ino;
+  };
+  SegmentPool pool;
+  Fd first = pool.take_buffer(3 << 20);
+  struct stat st {};
+  ASSERT_EQ(::fstat(first.get(), &st), 0);
+  EXPECT_EQ(st.st_size, 4 << 20) << "sized as put() sizes a segment, so that later ones fit";
+  ASSERT_EQ(::pwrite(first.get(), "pushed", 6, 0), 6);
+  ino_t ino = inode(first.get());
+  pool.adopt(41, std::move(first), 3 << 20);  // the sender's id; its reference is ours
+  EXPECT_TRUE(pool.contains(41));
+  EXPECT_EQ(pool.length(41), size_t(3) << 20);
+  Fd worker = pool.dup_fd(41);
+  char buf[6];
+  ASSERT_EQ(::pread(worker.get(), buf, 6, 0), 6);
+  EXPECT_EQ(std::string(buf, 6), "pushed");
+  pool.retain(41);   // a worker holds it
+  pool.release(41);  // the sender forgot it
+  Fd second = pool.take_buffer(3 << 20);
+  EXPECT_NE(inode(second.get()), ino) << "a worker still holds the first: not reused";
+  pool.release(41);  // the worker's release
+  EXPECT_FALSE(pool.contains(41));
+  EXPECT_EQ(pool.created(), 2u);
+  Fd third = pool.take_buffer(4 << 20);
+  EXPECT_EQ(inode(third.get()), ino) << "received into the first's pages";
+  EXPECT_EQ(pool.created(), 2u);
+  EXPECT_EQ(pool.free_bytes(), 0u);
+  // The same id sent again while still in use (the sender shipped it twice): one more reference,
+  // the second buffer kept for reuse.
+  pool.adopt(42, std::move(second), 10);
+  pool.adopt(42, std::move(third), 10);
+  EXPECT_EQ(pool.free_bytes(), size_t(4) << 20);
+  pool.release(42);
+  EXPECT_TRUE(pool.contains(42));
+  pool.release(42);
+  EXPECT_FALSE(pool.contains(42));
+}
+
 TEST(SegmentPool, KeepsAtMostTheConfiguredFreeBytes) {
   SegmentPool pool(SegmentPool::kMinSegment);
   std::string a(10, 'a');
