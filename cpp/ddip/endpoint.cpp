@@ -37,11 +37,6 @@ long long env_count(const char* name) {
   return n;
 }
 
-int ms_until(Clock::time_point t) {
-  auto d = std::chrono::duration_cast<milliseconds>(t - Clock::now()).count();
-  return static_cast<int>(std::clamp<long long>(d, 0, 60'000));
-}
-
 // A dump is read until it has been quiet this long (faulthandler writes it in many small
 // writes), but never longer than kDumpMax in all, nor more than kDumpBytes.
 constexpr milliseconds kDumpQuiet{200};
@@ -51,6 +46,10 @@ constexpr size_t kDumpBytes = size_t(4) << 20;
 // How long the worker may be away from recv() before the watchdog reads for it: a request's
 // heartbeats, stack and abort requests wait at most this long for a reader.
 constexpr milliseconds kTakeOver{10};
+// A caller that left recv() empty-handed (its timeout: the binding waits in 50 ms slices, to run
+// Python's signal handlers between them) is taken to be back at once: the watchdog looks only
+// after this long. An idle worker's watchdog then wakes once a second, not once per slice.
+constexpr milliseconds kBackSoon{1000};
 
 void set_timer(int fd, std::chrono::nanoseconds after) {  // at least 1 ns: armed
   itimerspec t{};
@@ -128,12 +127,15 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
   caller_waiting_ = true;  // the timer stays armed: the watchdog, woken, sees the caller is back
   struct Away {  // leaving recv(), however: the watchdog reads if the worker stays away
     Endpoint& ep;
+    bool with_frame = false;  // off to work on it; else back at once (kBackSoon)
     ~Away() {
       ep.caller_waiting_ = false;
       ep.caller_left_ = detail::Clock::now();
-      if (ep.reader_ == Reader::kCaller && !ep.timer_armed_) {
-        detail::set_timer(ep.timer_.get(), detail::kTakeOver);
+      if (ep.reader_ != Reader::kCaller) return;
+      if (with_frame ? !ep.timer_armed_ || ep.timer_long_ : !ep.timer_armed_) {
+        detail::set_timer(ep.timer_.get(), with_frame ? detail::kTakeOver : detail::kBackSoon);
         ep.timer_armed_ = true;
+        ep.timer_long_ = !with_frame;
       }
     }
   } away{*this};
@@ -141,6 +143,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
     if (!inbox_.empty()) {
       Frame f = std::move(inbox_.front());
       inbox_.pop_front();
+      away.with_frame = true;
       return f;
     }
     if (closed_) throw EndpointClosed("the kernel closed the connection");
@@ -308,7 +311,7 @@ std::string Endpoint::dump_stacks() {
     auto wait_until = deadline;
     if (!out.empty()) wait_until = std::min(deadline, detail::Clock::now() + detail::kDumpQuiet);
     pollfd p{fd, POLLIN, 0};
-    int rc = ::poll(&p, 1, detail::ms_until(wait_until));
+    int rc = ::poll(&p, 1, poll_timeout_ms(wait_until));
     if (rc < 0 && errno == EINTR) continue;
     if (rc <= 0) break;  // quiet: the dump is complete (or the deadline passed)
     ssize_t n = ::read(fd, buf, sizeof buf);
@@ -374,7 +377,7 @@ bool Endpoint::read_frames(detail::Clock::time_point deadline, bool caller) {
   auto silent_until = detail::Clock::time_point(detail::Clock::duration(heard)) + timeout;
   if (timeout.count() > 0) deadline = std::min(deadline, silent_until);
   pollfd p[2] = {{channel_.fd(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-  int wait_ms = deadline == detail::Clock::time_point::max() ? -1 : detail::ms_until(deadline);
+  int wait_ms = deadline == detail::Clock::time_point::max() ? -1 : poll_timeout_ms(deadline);
   int rc = ::poll(p, caller ? 1 : 2, wait_ms);
   if (rc < 0) return errno == EINTR;  // the caller's Python checks its signals
   if (rc == 0) {
@@ -442,7 +445,7 @@ void Endpoint::watch() {
       }
       lock.lock();
       if (fired) {
-        timer_armed_ = false;
+        timer_armed_ = timer_long_ = false;
         // A caller that came back and left again since: the rest of its kTakeOver first.
         auto away = detail::Clock::now() - caller_left_;
         if (!caller_waiting_ && reader_ == Reader::kCaller) {

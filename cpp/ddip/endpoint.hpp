@@ -119,6 +119,7 @@ class Endpoint {
   // Armed as the caller leaves recv(), left armed when it comes back (two syscalls a request
   // less); the watchdog, woken, takes over only if the caller has been away kTakeOver.
   bool timer_armed_ = false;
+  bool timer_long_ = false;  // armed for kBackSoon: the caller left empty-handed
   std::chrono::steady_clock::time_point caller_left_{};
   bool hand_back_ = false;       // recv() asked the watchdog for the channel (and wrote wake_)
   std::deque<Frame> chores_;     // read by the caller, answered by the watchdog (stacks, aborts)

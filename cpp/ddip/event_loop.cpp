@@ -78,11 +78,7 @@ void EventLoop::cancel(TimerId id) {
 void EventLoop::run_once(std::optional<Clock::time_point> deadline) {
   std::optional<Clock::time_point> wake = deadline;
   if (!timers_.empty()) wake = wake ? std::min(*wake, timers_.begin()->first) : timers_.begin()->first;
-  int timeout = -1;
-  if (wake) {
-    auto ms = std::chrono::ceil<std::chrono::milliseconds>(*wake - Clock::now()).count();
-    timeout = static_cast<int>(std::clamp<long long>(ms, 0, 60'000));
-  }
+  int timeout = wake ? poll_timeout_ms(*wake) : -1;
   epoll_event evs[64];
   int n = ::epoll_wait(epoll_.get(), evs, 64, timeout);
   if (n < 0 && errno != EINTR) throw_errno("epoll_wait", "waiting in an event loop");

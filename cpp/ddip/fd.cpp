@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <system_error>
 
@@ -32,6 +33,12 @@ Pipe make_pipe(bool nonblocking_read) {
 void set_nonblocking(int fd) {
   int flags = check(::fcntl(fd, F_GETFL), "fcntl(F_GETFL)", "making an fd non-blocking");
   check(::fcntl(fd, F_SETFL, flags | O_NONBLOCK), "fcntl(F_SETFL)", "making an fd non-blocking");
+}
+
+int poll_timeout_ms(std::chrono::steady_clock::time_point deadline) {
+  auto ms =
+      std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  return static_cast<int>(std::clamp<long long>(ms.count(), 0, 60'000));
 }
 
 }  // namespace ddip

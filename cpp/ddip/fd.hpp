@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -66,5 +67,9 @@ ReadEnd read_available(int fd, char* buf, size_t size, Take&& take) {
 // A close-on-exec pipe; `nonblocking_read` makes the read end O_NONBLOCK.
 Pipe make_pipe(bool nonblocking_read = false);
 void set_nonblocking(int fd);
+
+// poll()'s and epoll_wait()'s timeout until `deadline`: rounded up, so that a wait never ends
+// just before its deadline and spins on poll(0) through the last millisecond; at most a minute.
+int poll_timeout_ms(std::chrono::steady_clock::time_point deadline);
 
 }  // namespace ddip

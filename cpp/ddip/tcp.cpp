@@ -36,18 +36,12 @@ AddrInfo resolve(const std::string& host, uint16_t port, int flags) {
   return AddrInfo(out);
 }
 
-int ms_left(Deadline deadline) {
-  auto d = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
-                                                                 std::chrono::steady_clock::now());
-  return static_cast<int>(std::clamp<long long>(d.count(), 0, 60'000));
-}
-
 // Waits for `events` on fd; false when the deadline passed first.
 bool wait_for(int fd, short events, Deadline deadline) {
   while (true) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     pollfd p{fd, events, 0};
-    int rc = ::poll(&p, 1, ms_left(deadline));
+    int rc = ::poll(&p, 1, poll_timeout_ms(deadline));
     if (rc < 0 && errno == EINTR) continue;
     check(rc, "poll", "waiting on a TCP connection");
     if (rc > 0) return true;

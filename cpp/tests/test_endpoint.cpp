@@ -1,3 +1,4 @@
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/syscall.h>
@@ -6,6 +7,8 @@
 
 #include <csignal>
 #include <cstdio>
+#include <fstream>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -88,6 +91,25 @@ struct FakeFaulthandler {
   FakeFaulthandler& operator=(const FakeFaulthandler&) = delete;
 };
 
+std::set<std::string> threads() {
+  std::set<std::string> out;
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') out.insert(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+// How many times thread `tid` of this process went to sleep.
+long sleeps(const std::string& tid) {
+  std::ifstream status("/proc/self/task/" + tid + "/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
+  return -1;
+}
+
 pid_t read_pid(int fd) {
   pid_t pid = 0;
   EXPECT_EQ(::read(fd, &pid, sizeof pid), static_cast<ssize_t>(sizeof pid));
@@ -121,6 +143,47 @@ TEST(Endpoint, SaysHelloAndExchangesFrames) {
   ASSERT_TRUE(done);
   EXPECT_EQ(done->rank, 4);  // the endpoint stamps its own rank
   EXPECT_EQ(done->data(), "result");
+}
+
+// The binding waits in 50 ms slices (Python's signal handlers run between them): an idle worker's
+// caller leaves recv() empty-handed at each, and is back at once. Its watchdog must sleep on, not
+// wake once per slice to find the caller back.
+TEST(Endpoint, AnIdleCallerWaitingInSlicesLeavesTheWatchdogAsleep) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  auto before = threads();
+  Endpoint ep(d.socket_path(), 0, "");
+  std::string watchdog;
+  for (const auto& tid : threads())
+    if (!before.count(tid)) watchdog = tid;
+  ASSERT_FALSE(watchdog.empty());
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  // A first request, served: the watchdog's timer is armed as the caller leaves with it.
+  send_frame(server, Frame::make(kRequest, 0, 1, "work"));
+  ASSERT_TRUE(ep.recv(5s));
+  EXPECT_FALSE(ep.recv(30ms));  // back, and the timer fired meanwhile: the watchdog looked once
+  long slept = sleeps(watchdog);
+  for (int i = 0; i < 20; ++i) EXPECT_FALSE(ep.recv(25ms));
+  EXPECT_LE(sleeps(watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
+}
+
+// A caller that left empty-handed and does not come back (it went to work after all): the
+// watchdog still takes the channel over, and answers the kernel's heartbeats.
+TEST(Endpoint, ACallerThatLeftEmptyHandedAndStaysAwayHasItsHeartbeatsAnswered) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  Endpoint ep(d.socket_path(), 0, "");
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  send_frame(server, Frame::make(kRequest, 0, 1, "work"));
+  ASSERT_TRUE(ep.recv(5s));
+  EXPECT_FALSE(ep.recv(1ms));  // empty-handed, and then away for good
+  send_frame(server, Frame::make(kHeartbeat, 0, 78, ""));
+  auto ack = read_frame(server);
+  ASSERT_TRUE(ack);
+  EXPECT_EQ(ack->kind, kHeartbeatAck);
+  EXPECT_EQ(ack->seq, 78u);
 }
 
 TEST(Endpoint, WatchdogAnswersHeartbeatsWhileTheCallerIsBusy) {

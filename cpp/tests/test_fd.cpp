@@ -39,3 +39,13 @@ TEST(Fd, CheckThrowsWithCallDoingAndErrno) {
     EXPECT_EQ(e.code().value(), EBADF);
   }
 }
+
+TEST(Fd, PollTimeoutRoundsUpSoAWaitNeverEndsBeforeItsDeadline) {
+  auto now = std::chrono::steady_clock::now();
+  // Truncated, 300 us would be poll(0): a waiter would spin through its last millisecond.
+  EXPECT_EQ(poll_timeout_ms(now + std::chrono::microseconds(300)), 1);
+  EXPECT_GE(poll_timeout_ms(now + std::chrono::milliseconds(5)), 4);
+  EXPECT_LE(poll_timeout_ms(now + std::chrono::milliseconds(5)), 5);
+  EXPECT_EQ(poll_timeout_ms(now - std::chrono::seconds(1)), 0);
+  EXPECT_EQ(poll_timeout_ms(now + std::chrono::hours(2)), 60'000);
+}
