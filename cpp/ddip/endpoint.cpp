@@ -51,9 +51,9 @@ constexpr milliseconds kTakeOver{10};
 // after this long. An idle worker's watchdog then wakes once a second, not once per slice.
 constexpr milliseconds kBackSoon{1000};
 
-void set_timer(int fd, std::chrono::nanoseconds after) {  // at least 1 ns: armed
+void set_timer(int fd, std::chrono::nanoseconds after) {  // 0: disarmed
   itimerspec t{};
-  long long ns = std::max<long long>(after.count(), 1);
+  long long ns = after.count();
   t.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
   t.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
   ::timerfd_settime(fd, 0, &t, nullptr);
@@ -122,15 +122,26 @@ void Endpoint::send(Frame f) {
 }
 
 std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
-  auto deadline = detail::Clock::now() + std::max(timeout, std::chrono::milliseconds(0));
+  const auto entered = detail::Clock::now();
+  auto deadline = entered + std::max(timeout, std::chrono::milliseconds(0));
   std::unique_lock lock(mu_);
-  caller_waiting_ = true;  // the timer stays armed: the watchdog, woken, sees the caller is back
+  caller_waiting_ = true;
+  // The timer stays armed (the watchdog, woken, sees the caller is back), unless the caller's
+  // last wait outlasted it: requests come slower than kTakeOver apart (a notebook's cells, or many
+  // ranks on few cores), so it would only wake the watchdog once per request. One syscall instead.
+  if (timer_armed_ && !timer_long_ && reader_ == Reader::kCaller &&
+      last_wait_ >= detail::kTakeOver) {
+    detail::set_timer(timer_.get(), std::chrono::nanoseconds(0));
+    timer_armed_ = false;
+  }
   struct Away {  // leaving recv(), however: the watchdog reads if the worker stays away
     Endpoint& ep;
+    detail::Clock::time_point entered;
     bool with_frame = false;  // off to work on it; else back at once (kBackSoon)
     ~Away() {
       ep.caller_waiting_ = false;
       ep.caller_left_ = detail::Clock::now();
+      ep.last_wait_ = ep.caller_left_ - entered;
       if (ep.reader_ != Reader::kCaller) return;
       if (with_frame ? !ep.timer_armed_ || ep.timer_long_ : !ep.timer_armed_) {
         detail::set_timer(ep.timer_.get(), with_frame ? detail::kTakeOver : detail::kBackSoon);
@@ -138,7 +149,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
         ep.timer_long_ = !with_frame;
       }
     }
-  } away{*this};
+  } away{*this, entered};
   while (true) {
     if (!inbox_.empty()) {
       Frame f = std::move(inbox_.front());

@@ -120,6 +120,7 @@ class Endpoint {
   // less); the watchdog, woken, takes over only if the caller has been away kTakeOver.
   bool timer_armed_ = false;
   bool timer_long_ = false;  // armed for kBackSoon: the caller left empty-handed
+  std::chrono::steady_clock::duration last_wait_{};  // the caller's last time in recv()
   std::chrono::steady_clock::time_point caller_left_{};
   bool hand_back_ = false;       // recv() asked the watchdog for the channel (and wrote wake_)
   std::deque<Frame> chores_;     // read by the caller, answered by the watchdog (stacks, aborts)

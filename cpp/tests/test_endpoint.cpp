@@ -168,6 +168,39 @@ TEST(Endpoint, AnIdleCallerWaitingInSlicesLeavesTheWatchdogAsleep) {
   EXPECT_LE(sleeps(watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
 }
 
+// Requests that come further apart than the takeover (a notebook's cells; many ranks on few
+// cores): the timer armed as the caller leaves with one is disarmed when it is back, rather than
+// wake the watchdog once per request to find it back.
+TEST(Endpoint, RequestsFarApartLeaveTheWatchdogAsleep) {
+  RuntimeDir d;
+  Listener l(d.socket_path());
+  auto before = threads();
+  Endpoint ep(d.socket_path(), 0, "");
+  std::string watchdog;
+  for (const auto& tid : threads())
+    if (!before.count(tid)) watchdog = tid;
+  ASSERT_FALSE(watchdog.empty());
+  Channel server = accept_one(l);
+  ASSERT_TRUE(read_frame(server));  // hello
+  send_frame(server, Frame::make(kRequest, 0, 0, "work"));
+  ASSERT_TRUE(ep.recv(5s));
+  long slept = -1;
+  std::thread kernel([&server] {
+    for (uint64_t seq = 1; seq <= 10; ++seq) {
+      std::this_thread::sleep_for(30ms);  // the pace of the requests, which the test is about
+      send_frame(server, Frame::make(kRequest, 0, seq, "work"));
+    }
+  });
+  for (uint64_t seq = 1; seq <= 10; ++seq) {
+    auto f = ep.recv(5s);
+    ASSERT_TRUE(f);
+    EXPECT_EQ(f->seq, seq);
+    if (seq == 1) slept = sleeps(watchdog);  // from the second wait on, the last one was long
+  }
+  kernel.join();
+  EXPECT_LE(sleeps(watchdog) - slept, 2) << "the watchdog woke once per request";
+}
+
 // A caller that left empty-handed and does not come back (it went to work after all): the
 // watchdog still takes the channel over, and answers the kernel's heartbeats.
 TEST(Endpoint, ACallerThatLeftEmptyHandedAndStaysAwayHasItsHeartbeatsAnswered) {
