@@ -590,7 +590,7 @@ class _Tap:
                 if len(buf) < 24:
                     break
                 length, nfds = struct.unpack_from("<Q", buf)[0], struct.unpack_from("<H", buf, 18)[0]
-                skip = 24 + 8 * nfds + 32 + length + 32
+                skip = 24 + 8 * nfds + 32 + length + 16  # header MAC (HMAC), body's (AES-GCM tag)
         kernel.close()
 
     def close(self):

@@ -9,6 +9,7 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -17,7 +18,8 @@ namespace ddip {
 namespace detail {
 namespace {
 
-constexpr std::string_view kMagic{"ddiplnk1", 8};
+// "2": bodies are authenticated with AES-GCM's tag; a peer of version 1 fails the handshake.
+constexpr std::string_view kMagic{"ddiplnk2", 8};
 constexpr std::string_view kHostLabel = "ddip host";
 constexpr std::string_view kKernelLabel = "ddip kernel";
 
@@ -32,6 +34,13 @@ struct Libcrypto {
   decltype(&::HMAC_Init_ex) hmac_init;
   decltype(&::HMAC_Update) hmac_update;
   decltype(&::HMAC_Final) hmac_final;
+  decltype(&::EVP_aes_256_gcm) aes_256_gcm;
+  decltype(&::EVP_CIPHER_CTX_new) cipher_ctx_new;
+  decltype(&::EVP_CIPHER_CTX_free) cipher_ctx_free;
+  decltype(&::EVP_EncryptInit_ex) encrypt_init;
+  decltype(&::EVP_EncryptUpdate) encrypt_update;
+  decltype(&::EVP_EncryptFinal_ex) encrypt_final;
+  decltype(&::EVP_CIPHER_CTX_ctrl) cipher_ctrl;
   decltype(&::CRYPTO_memcmp) memcmp;
   decltype(&::ERR_get_error) get_error;
   decltype(&::ERR_error_string_n) error_string;
@@ -74,6 +83,13 @@ Libcrypto open_libcrypto() {
   bind(c.hmac_init, "HMAC_Init_ex");
   bind(c.hmac_update, "HMAC_Update");
   bind(c.hmac_final, "HMAC_Final");
+  bind(c.aes_256_gcm, "EVP_aes_256_gcm");
+  bind(c.cipher_ctx_new, "EVP_CIPHER_CTX_new");
+  bind(c.cipher_ctx_free, "EVP_CIPHER_CTX_free");
+  bind(c.encrypt_init, "EVP_EncryptInit_ex");
+  bind(c.encrypt_update, "EVP_EncryptUpdate");
+  bind(c.encrypt_final, "EVP_EncryptFinal_ex");
+  bind(c.cipher_ctrl, "EVP_CIPHER_CTX_ctrl");
   bind(c.memcmp, "CRYPTO_memcmp");
   bind(c.get_error, "ERR_get_error");
   bind(c.error_string, "ERR_error_string_n");
@@ -138,51 +154,68 @@ bool same_mac(std::string_view a, std::string_view b) {
   return a.size() == b.size() && detail::libcrypto().memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-HmacStream::HmacStream(std::string_view key) {
+BodyMac::BodyMac(std::string_view key, std::string_view nonce) {
   const detail::Libcrypto& c = detail::libcrypto();
-  HMAC_CTX* ctx = c.hmac_ctx_new();
-  if (!ctx) detail::throw_openssl("HMAC_CTX_new");
-  if (c.hmac_init(ctx, key.data(), static_cast<int>(key.size()), c.sha256(), nullptr) != 1) {
-    c.hmac_ctx_free(ctx);
-    detail::throw_openssl("HMAC_Init_ex");
+  if (key.size() != 32 || nonce.size() != 12)
+    throw std::invalid_argument("BodyMac needs a 32-byte key and a 12-byte nonce");
+  EVP_CIPHER_CTX* ctx = c.cipher_ctx_new();
+  if (!ctx) detail::throw_openssl("EVP_CIPHER_CTX_new");
+  if (c.encrypt_init(ctx, c.aes_256_gcm(), nullptr,
+                     reinterpret_cast<const unsigned char*>(key.data()),
+                     reinterpret_cast<const unsigned char*>(nonce.data())) != 1) {
+    c.cipher_ctx_free(ctx);
+    detail::throw_openssl("EVP_EncryptInit_ex");
   }
   ctx_ = ctx;
 }
 
-HmacStream::HmacStream(HmacStream&& o) noexcept : ctx_(o.ctx_) { o.ctx_ = nullptr; }
+BodyMac::BodyMac(BodyMac&& o) noexcept : ctx_(o.ctx_) { o.ctx_ = nullptr; }
 
-HmacStream& HmacStream::operator=(HmacStream&& o) noexcept {
+BodyMac& BodyMac::operator=(BodyMac&& o) noexcept {
   if (this != &o) {
-    if (ctx_) detail::libcrypto().hmac_ctx_free(static_cast<HMAC_CTX*>(ctx_));
+    if (ctx_) detail::libcrypto().cipher_ctx_free(static_cast<EVP_CIPHER_CTX*>(ctx_));
     ctx_ = o.ctx_;
     o.ctx_ = nullptr;
   }
   return *this;
 }
 
-HmacStream::~HmacStream() {
-  if (ctx_) detail::libcrypto().hmac_ctx_free(static_cast<HMAC_CTX*>(ctx_));
+BodyMac::~BodyMac() {
+  if (ctx_) detail::libcrypto().cipher_ctx_free(static_cast<EVP_CIPHER_CTX*>(ctx_));
 }
 
-void HmacStream::update(std::string_view bytes) {
-  if (!ctx_) throw std::logic_error("HmacStream used after final()");
-  if (!bytes.empty() &&
-      detail::libcrypto().hmac_update(static_cast<HMAC_CTX*>(ctx_),
-                                      reinterpret_cast<const unsigned char*>(bytes.data()),
-                                      bytes.size()) != 1)
-    detail::throw_openssl("HMAC_Update");
+void BodyMac::update(std::string_view bytes) {
+  if (!ctx_) throw std::logic_error("BodyMac used after final()");
+  // Additional data, in as many pieces as it comes (all of it before any plaintext: there is none).
+  while (!bytes.empty()) {
+    int n = static_cast<int>(std::min<size_t>(bytes.size(), size_t(1) << 30));
+    int out = 0;
+    if (detail::libcrypto().encrypt_update(static_cast<EVP_CIPHER_CTX*>(ctx_), nullptr, &out,
+                                           reinterpret_cast<const unsigned char*>(bytes.data()),
+                                           n) != 1)
+      detail::throw_openssl("EVP_EncryptUpdate");
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
 }
 
-std::string HmacStream::final() {
-  if (!ctx_) throw std::logic_error("HmacStream::final() twice");
-  std::string out(kMacBytes, '\0');
-  unsigned int len = 0;
-  int ok = detail::libcrypto().hmac_final(static_cast<HMAC_CTX*>(ctx_),
-                                          reinterpret_cast<unsigned char*>(out.data()), &len);
-  detail::libcrypto().hmac_ctx_free(static_cast<HMAC_CTX*>(ctx_));
+std::string BodyMac::final() {
+  if (!ctx_) throw std::logic_error("BodyMac::final() twice");
+  const detail::Libcrypto& c = detail::libcrypto();
+  auto* ctx = static_cast<EVP_CIPHER_CTX*>(ctx_);
+  std::string tag(kBodyMacBytes, '\0');
+  int out = 0;
+  unsigned char none[16];
+  bool ok =
+      c.encrypt_final(ctx, none, &out) == 1 &&
+      c.cipher_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kBodyMacBytes), tag.data()) == 1;
+  c.cipher_ctx_free(ctx);
   ctx_ = nullptr;
-  if (ok != 1 || len != kMacBytes) detail::throw_openssl("HMAC_Final");
-  return out;
+  if (!ok) detail::throw_openssl("EVP_EncryptFinal_ex");
+  return tag;
+}
+
+FrameMac::FrameMac(std::string key) : key_(std::move(key)) {
+  if (!key_.empty()) body_key_ = hmac_sha256(key_, {"ddip frame body gmac key"});
 }
 
 std::string FrameMac::header_mac(std::string_view header) const {
@@ -198,11 +231,10 @@ void FrameMac::verify_header(std::string_view header, std::string_view mac) cons
         "anything was allocated for the length it announced");
 }
 
-HmacStream FrameMac::body_mac(std::string_view header) const {
-  char count[sizeof count_];
-  std::memcpy(count, &count_, sizeof count_);
-  HmacStream s(key_);
-  s.update(std::string_view(count, sizeof count));
+BodyMac FrameMac::body_mac(std::string_view header) const {
+  char nonce[12] = {};  // the frame's count: unique under this direction's key
+  std::memcpy(nonce, &count_, sizeof count_);
+  BodyMac s(body_key_, std::string_view(nonce, sizeof nonce));
   s.update(header);
   return s;
 }

@@ -25,6 +25,7 @@ namespace ddip {
 
 inline constexpr size_t kKeyBytes = 32;
 inline constexpr size_t kMacBytes = 32;
+inline constexpr size_t kBodyMacBytes = 16;  // AES-GCM's tag
 inline constexpr size_t kNonceBytes = 32;
 
 class AuthError : public std::runtime_error {
@@ -39,18 +40,21 @@ std::string hmac_sha256(std::string_view key, std::initializer_list<std::string_
 // Constant-time comparison (CRYPTO_memcmp); false when the sizes differ.
 bool same_mac(std::string_view a, std::string_view b);
 
-// HMAC-SHA256 fed piece by piece (a sealed frame's body is authenticated as it streams).
-class HmacStream {
+// A sealed frame's body MAC: AES-256-GCM's tag (GMAC) over what it is fed, all of it taken as
+// additional data (nothing is encrypted). It runs at several GB/s with AES-NI and PCLMULQDQ, where
+// HMAC-SHA256 ran at 1.8 and took 45% of the CPU of a push across hosts. `nonce` (12 bytes) must
+// never repeat under one key: FrameMac makes it of the frame's count.
+class BodyMac {
  public:
-  explicit HmacStream(std::string_view key);
-  HmacStream(HmacStream&&) noexcept;
-  HmacStream& operator=(HmacStream&&) noexcept;
-  ~HmacStream();
+  BodyMac(std::string_view key, std::string_view nonce);
+  BodyMac(BodyMac&&) noexcept;
+  BodyMac& operator=(BodyMac&&) noexcept;
+  ~BodyMac();
   void update(std::string_view bytes);
-  std::string final();  // once
+  std::string final();  // kBodyMacBytes; once
 
  private:
-  void* ctx_ = nullptr;  // HMAC_CTX, opaque here so that no OpenSSL header leaks
+  void* ctx_ = nullptr;  // EVP_CIPHER_CTX, opaque here so that no OpenSSL header leaks
 };
 
 // The frame keys of one authenticated connection.
@@ -64,26 +68,27 @@ struct LinkKeys {
 class FrameMac {
  public:
   FrameMac() = default;
-  explicit FrameMac(std::string key) : key_(std::move(key)) {}
+  explicit FrameMac(std::string key);
   bool enabled() const { return !key_.empty(); }
-  // The MAC of the next frame, made of `header` and `body`.
+  // The MAC of the next frame, made of `header` and `body` (HMAC-SHA256: ddip run's frames over a
+  // launcher's stdio, small ones).
   std::string sign(std::string_view header, std::string_view body);
   // Throws AuthError unless `mac` is that of the next frame.
   void verify(std::string_view header, std::string_view body, std::string_view mac);
-
   // A sealed channel's frame in two parts, so that a receiver trusts the header (and the length
   // it announces) before it allocates anything for the body: the header's own MAC, then the
   // body's, made with the same count (domain-separated), after which the count moves on.
   std::string header_mac(std::string_view header) const;
   // Throws AuthError (naming the header) unless `mac` is header_mac(header).
   void verify_header(std::string_view header, std::string_view mac) const;
-  // The MAC of the next frame's body (what sign() would give for it), fed as it streams; then
-  // advance() to the next frame.
-  HmacStream body_mac(std::string_view header) const;
+  // The MAC of the next frame's header and body, fed the body as it streams (a key of its own, the
+  // frame's count its nonce); then advance() to the next frame.
+  BodyMac body_mac(std::string_view header) const;
   void advance() { ++count_; }
 
  private:
   std::string key_;
+  std::string body_key_;  // the bodies' AES key, derived from key_
   uint64_t count_ = 0;
   std::string compute(std::string_view header, std::string_view body) const;
 };

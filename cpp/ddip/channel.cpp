@@ -104,7 +104,7 @@ struct Channel::Incoming {
   size_t head_size = sizeof(detail::WireHeader);  // of what is in `head` when it is complete
   size_t filled = 0;  // of the current stage's piece
   detail::WireHeader h{};
-  std::optional<HmacStream> mac;
+  std::optional<BodyMac> mac;
   std::vector<uint64_t> entries;
   size_t entry = 0;  // the fd being received
   struct Received {
@@ -113,7 +113,7 @@ struct Channel::Incoming {
   };
   std::vector<Received> fds;  // one per entry; empty fd for a ref
   std::shared_ptr<std::string> payload;
-  char body_mac[kMacBytes];
+  char body_mac[kBodyMacBytes];
 
   // Where the next bytes go, and how many the current piece still wants there. An fd's bytes have
   // no address: they are written into it (sealed_take).
@@ -127,7 +127,7 @@ struct Channel::Incoming {
       case kPayload:
         return {payload->data() + filled, payload->size() - filled};
       case kMac:
-        return {body_mac + filled, kMacBytes - filled};
+        return {body_mac + filled, kBodyMacBytes - filled};
     }
     return {nullptr, 0};
   }
@@ -217,14 +217,14 @@ void Channel::seal_into(Outgoing& o, Frame f) {
   o.head.reserve(sizeof h + table.size() + kMacBytes);
   o.head.append(reinterpret_cast<const char*>(&h), sizeof h);
   o.head += table;
-  o.body_mac = std::make_shared<HmacStream>(send_mac_.body_mac(o.head));
+  o.body_mac = std::make_shared<BodyMac>(send_mac_.body_mac(o.head));
   o.head += send_mac_.header_mac(o.head);
   send_mac_.advance();
   o.pieces.push_back({o.head.data(), o.head.size(), false});
   for (auto& m : o.maps)
     if (m->len) o.pieces.push_back({nullptr, m->len, true, m.get()});
   if (!f.data().empty()) o.pieces.push_back({f.payload->data(), f.payload->size(), true});
-  o.pieces.push_back({nullptr, kMacBytes, false, nullptr, true});
+  o.pieces.push_back({nullptr, kBodyMacBytes, false, nullptr, true});
   f.fd_bytes.clear();
   o.frame = std::move(f);  // with its fds, which the windows map
 }
@@ -469,7 +469,7 @@ void Channel::sealed_header() {
 
 Frame Channel::sealed_frame() {
   Incoming& in = *in_;
-  if (!same_mac(in.mac->final(), std::string_view(in.body_mac, kMacBytes)))
+  if (!same_mac(in.mac->final(), std::string_view(in.body_mac, kBodyMacBytes)))
     throw AuthError("a frame failed authentication (wrong key, tampered, replayed or reordered)");
   recv_mac_.advance();
   Frame f;

@@ -6,7 +6,8 @@
 // carries its header. On a sealed channel (TCP, after the link's handshake) no fd can travel:
 //
 //   header (24; its length: the body's) | fd table (u64 per fd: its length, or kRefBit | a
-//   segment id) | MAC of header and table | body (the fds' bytes, the payload) | MAC of it all
+//   segment id) | MAC of header and table | body (the fds' bytes, the payload) | AES-GCM tag of
+//   it all (auth.hpp's BodyMac)
 //
 // The first MAC is checked before anything is allocated for the lengths announced, so a forged
 // header costs the receiver at most 208 bytes and the link, never memory. The fds' bytes are
@@ -153,7 +154,7 @@ class Channel {
     size_t piece = 0, piece_offset = 0;
     std::string head;  // header, its MAC, the fd table
     std::string mac;
-    std::shared_ptr<HmacStream> body_mac;
+    std::shared_ptr<BodyMac> body_mac;
     std::vector<std::shared_ptr<Mapping>> maps;
   };
   struct Incoming;  // a sealed frame being read

@@ -59,6 +59,42 @@ struct Wire {
 
 }  // namespace
 
+TEST(Auth, ABodyMacIsAesGcmsTagOverItsBytesHoweverTheyArePieced) {
+  auto hex = [](const std::string& b) {
+    std::string out;
+    char two[3];
+    for (unsigned char c : b) {
+      std::snprintf(two, sizeof two, "%02x", c);
+      out += two;
+    }
+    return out;
+  };
+  // The GCM specification's test case 13: AES-256, key and IV all zero, nothing at all.
+  BodyMac empty(std::string(32, '\0'), std::string(12, '\0'));
+  EXPECT_EQ(hex(empty.final()), "530f8afbc74536b9a963b4f1c4cb738b");
+  // Its test case 14's key and IV with our bytes as additional data: one piece or many, one tag.
+  const std::string key(32, '\x42'), nonce(12, '\x07');
+  std::string bytes(100000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 131 + 7);
+  BodyMac whole(key, nonce);
+  whole.update(bytes);
+  std::string tag = whole.final();
+  EXPECT_EQ(tag.size(), kBodyMacBytes);
+  BodyMac pieces(key, nonce);
+  for (size_t at = 0, n = 1; at < bytes.size(); at += n, n = n * 3 + 1)
+    pieces.update(std::string_view(bytes).substr(at, n));
+  EXPECT_EQ(pieces.final(), tag);
+  // Another nonce, another key, one more byte: another tag.
+  for (auto [k, n, b] :
+       {std::tuple{key, std::string(12, '\x08'), bytes},
+        std::tuple{std::string(32, '\x43'), nonce, bytes}, std::tuple{key, nonce, bytes + "x"}}) {
+    BodyMac other(k, n);
+    other.update(b);
+    EXPECT_NE(other.final(), tag);
+  }
+  EXPECT_THROW(BodyMac(std::string(16, 'k'), nonce), std::invalid_argument);
+}
+
 TEST(Auth, HandshakeAuthenticatesBothEnds) {
   KernelHandshake kernel(kKey);
   HostHandshake host(kKey, 7);

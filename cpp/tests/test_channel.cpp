@@ -466,16 +466,16 @@ TEST(SealedFrames, TamperingWithAnyPartFailsTheFrame) {
   // Offsets into the frame's bytes: header, fd table, their MAC, a buffer, payload, body MAC.
   const size_t a = 200000, b = 10, payload = 5000;
   const size_t head = 24 + 16 + kMacBytes;  // header, fd table, their MAC
-  const size_t total = head + a + b + payload + kMacBytes;
+  const size_t total = head + a + b + payload + kBodyMacBytes;
   struct Case {
     const char* part;
     size_t offset;
     bool header;
   };
-  for (Case c : {Case{"length", 0, true}, Case{"kind", 16, true}, Case{"fd table", 24 + 3, true},
-                 Case{"header MAC", 24 + 16 + 5, true}, Case{"buffer", head + 150000, false},
-                 Case{"payload", total - kMacBytes - 7, false},
-                 Case{"body MAC", total - 5, false}}) {
+  for (Case c :
+       {Case{"length", 0, true}, Case{"kind", 16, true}, Case{"fd table", 24 + 3, true},
+        Case{"header MAC", 24 + 16 + 5, true}, Case{"buffer", head + 150000, false},
+        Case{"payload", total - kBodyMacBytes - 7, false}, Case{"body MAC", total - 5, false}}) {
     SCOPED_TRACE(c.part);
     auto [s, s_far] = channel_pair();
     auto [r, r_far] = channel_pair();
