@@ -108,6 +108,18 @@ const Libcrypto& libcrypto() {
   throw std::runtime_error(std::string(call) + " failed: " + buf);
 }
 
+// Another release's handshake (the magic's last character is the link protocol's version): says
+// so, rather than that the peer is no ddip at all.
+void same_version(std::string_view message, const char* peer) {
+  std::string_view stem = kMagic.substr(0, kMagic.size() - 1);
+  if (message.size() < kMagic.size() || message.substr(0, stem.size()) != stem ||
+      message[stem.size()] == kMagic.back())
+    return;
+  throw AuthError(std::string("the ") + peer + " speaks link protocol " + message[stem.size()] +
+                  " and this ddip speaks " + kMagic.back() +
+                  ": install the same ddip release on every host (pip show ddip)");
+}
+
 std::string_view u32_bytes(const uint32_t& v) {
   return {reinterpret_cast<const char*>(&v), sizeof v};
 }
@@ -264,6 +276,7 @@ KernelHandshake::KernelHandshake(std::string key)
 }
 
 KernelHandshake::Accepted KernelHandshake::accept(std::string_view response) const {
+  detail::same_version(response, "host's agent");
   if (response.size() != kResponseBytes || response.substr(0, 8) != detail::kMagic)
     throw AuthError("not a ddip host's response");
   std::string_view host_nonce = response.substr(8, kNonceBytes);
@@ -284,6 +297,7 @@ HostHandshake::HostHandshake(std::string key, uint32_t host)
 }
 
 std::string HostHandshake::respond(std::string_view challenge) {
+  detail::same_version(challenge, "kernel");
   if (challenge.size() != KernelHandshake::kChallengeBytes ||
       challenge.substr(0, 8) != detail::kMagic)
     throw AuthError("not a ddip kernel's challenge");

@@ -131,6 +131,36 @@ TEST(Auth, WrongKeyIsRejectedByTheHost) {
   EXPECT_THROW(host.verify(std::string(kMacBytes, 'x')), AuthError);
 }
 
+TEST(Auth, AnotherReleasesHandshakeIsNamedAsSuch) {
+  KernelHandshake kernel(kKey);
+  HostHandshake host(kKey, 0);
+  std::string response = host.respond(kernel.challenge());
+  response[7] = '1';  // an agent of the release before bodies were authenticated by AES-GCM
+  try {
+    kernel.accept(response);
+    FAIL() << "accepted another link protocol";
+  } catch (const AuthError& e) {
+    EXPECT_STREQ(e.what(),
+                 "the host's agent speaks link protocol 1 and this ddip speaks 2: install the same "
+                 "ddip release on every host (pip show ddip)");
+  }
+  std::string challenge = kernel.challenge();
+  challenge[7] = '3';
+  HostHandshake other(kKey, 0);
+  EXPECT_THROW(
+      {
+        try {
+          other.respond(challenge);
+        } catch (const AuthError& e) {
+          EXPECT_NE(std::string(e.what()).find("the kernel speaks link protocol 3"),
+                    std::string::npos);
+          throw;
+        }
+      },
+      AuthError);
+  EXPECT_THROW(kernel.accept(std::string(KernelHandshake::kResponseBytes, 'x')), AuthError);
+}
+
 TEST(Auth, ResponseForAnotherChallengeIsRejected) {
   // A recorded response is worth nothing: the next connection's challenge differs.
   KernelHandshake first(kKey), second(kKey);
