@@ -307,6 +307,23 @@ void Coordinator::send(const std::vector<int>& slots, Frame frame,
   });
 }
 
+void Coordinator::catch_up_output(const std::vector<int>& slots) {
+  auto done = std::make_shared<std::promise<void>>();
+  auto ran = done->get_future();
+  try {
+    command([this, slots, done] {
+      for (int slot : slots)
+        if (slot >= 0 && static_cast<size_t>(slot) < slots_.size() && !slots_[slot].exited &&
+            !(links_ && links_->remote(slot)))
+          streams_->read_now(static_cast<size_t>(slot));
+      done->set_value();
+    });
+  } catch (const std::runtime_error&) {
+    return;  // the loop is closing: nothing more will be read
+  }
+  ran.wait_for(std::chrono::milliseconds(250));
+}
+
 void Coordinator::signal(int slot, int sig, bool whole_group) {
   if (slot >= static_cast<int>(slots_.size()))
     throw std::out_of_range("no worker slot " + std::to_string(slot));

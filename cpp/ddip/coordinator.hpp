@@ -125,6 +125,13 @@ class Coordinator {
   // that replied alike (Event::slots).
   void send(const std::vector<int>& slots, Frame frame, const std::vector<uint64_t>& segments = {});
   SegmentPool& pool() { return pool_; }
+  // Reads what these workers' output pipes hold now into the event queue, and returns once it
+  // did (on the main thread at once, the usual case; else the IO thread's, waited for up to
+  // 250 ms: a loop that no longer runs must not hold a request up). Called before a request is
+  // sent, so that what a rank printed while idle is told apart from what it prints running the
+  // request, however late the pipes were read. Workers on other hosts are left out: their output
+  // comes over their host's link.
+  void catch_up_output(const std::vector<int>& slots);
   // Signal one worker (its process group when whole_group), or every worker when slot < 0.
   void signal(int slot, int sig, bool whole_group = false);
   // Next event, waiting up to `timeout`; nullopt on timeout or once closed and drained. With

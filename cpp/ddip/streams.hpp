@@ -38,6 +38,8 @@ class RankStreams {
   void after_output(size_t slot, Event e);
   // A display frame: at its marker's place in stdout, before what was printed after it.
   void display(size_t slot, Event e);
+  // What the rank's pipes hold now is read and emitted (a partial line stays pending).
+  void read_now(size_t slot) { drain(slot, false); }
   // Everything the rank printed so far is emitted, held text included (`to_eof`: read its pipes
   // to their end, for a rank that exited).
   void catch_up(size_t slot, bool to_eof);

@@ -290,6 +290,10 @@ void init_coordinator(nb::module_& m) {
            [](ddip::Coordinator& c) {
              return nb::make_tuple(c.pool().in_use(), c.pool().free_bytes(), c.pool().created());
            })
+      .def("catch_up_output", &ddip::Coordinator::catch_up_output, "slots"_a,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Reads what these workers' output pipes hold now into the event queue; returns once "
+           "it did.")
       .def("signal", &ddip::Coordinator::signal, "slot"_a, "sig"_a, "whole_group"_a = false)
       .def(
           "next_event",

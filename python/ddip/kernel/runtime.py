@@ -311,6 +311,11 @@ class Runtime:
         """Sends `msg` (a request record of ddip.messages) to `slots` as one request; raises
         (sending nothing) when one of them is dead, stopped or busy (RankDeadError,
         RankUnresponsiveError, RankBusyError), or `msg` can't be pickled."""
+        coord = self.coord
+        if coord is not None:
+            # What the ranks printed while idle and is still in their pipes is read now, and shown
+            # as theirs before this request's output, not taken for the request's own.
+            coord.catch_up_output(slots)
         self.pump(0)
         self.show_background()
         with self.mu:
