@@ -312,10 +312,12 @@ void Coordinator::catch_up_output(const std::vector<int>& slots) {
   auto ran = done->get_future();
   try {
     command([this, slots, done] {
+      std::vector<size_t> here;
       for (int slot : slots)
         if (slot >= 0 && static_cast<size_t>(slot) < slots_.size() && !slots_[slot].exited &&
             !(links_ && links_->remote(slot)))
-          streams_->read_now(static_cast<size_t>(slot));
+          here.push_back(static_cast<size_t>(slot));
+      streams_->read_now(here);
       done->set_value();
     });
   } catch (const std::runtime_error&) {

@@ -74,6 +74,21 @@ void RankStreams::drain(size_t slot, bool to_eof) {
   read(slot, RankOutput::kStderr, to_eof);
 }
 
+void RankStreams::read_now(const std::vector<size_t>& slots) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<size_t, int>> whose;
+  for (size_t slot : slots) {
+    Stream& s = streams_[slot];
+    if (s.out)
+      fds.push_back({s.out.get(), POLLIN, 0}), whose.emplace_back(slot, RankOutput::kStdout);
+    if (s.err)
+      fds.push_back({s.err.get(), POLLIN, 0}), whose.emplace_back(slot, RankOutput::kStderr);
+  }
+  if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) return;
+  for (size_t i = 0; i < fds.size(); ++i)
+    if (fds[i].revents) read(whose[i].first, whose[i].second, false);
+}
+
 void RankStreams::flush_partial(size_t slot, bool force) {
   Stream& s = streams_[slot];
   for (auto stream : {RankOutput::kStdout, RankOutput::kStderr})

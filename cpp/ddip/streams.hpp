@@ -38,8 +38,9 @@ class RankStreams {
   void after_output(size_t slot, Event e);
   // A display frame: at its marker's place in stdout, before what was printed after it.
   void display(size_t slot, Event e);
-  // What the rank's pipes hold now is read and emitted (a partial line stays pending).
-  void read_now(size_t slot) { drain(slot, false); }
+  // What these ranks' pipes hold now is read and emitted (a partial line stays pending): one
+  // poll for all of them, then a read of each that has something.
+  void read_now(const std::vector<size_t>& slots);
   // Everything the rank printed so far is emitted, held text included (`to_eof`: read its pipes
   // to their end, for a rank that exited).
   void catch_up(size_t slot, bool to_eof);
