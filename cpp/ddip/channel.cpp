@@ -499,16 +499,16 @@ Frame Channel::sealed_frame() {
 
 Channel::ReadResult Channel::read_some() {
   if (sealed()) return read_sealed();
-  char* dst;
-  size_t want;
-  if (reading_payload_) {
-    dst = reading_payload_->data() + payload_filled_;
-    want = reading_payload_->size() - payload_filled_;
-  } else {
-    dst = header_ + header_filled_;
-    want = sizeof header_ - header_filled_;
-  }
-  iovec iov{dst, want};
+  // The rest of a large payload is read straight into it; anything else through a small buffer,
+  // so that a frame's header and payload (and whatever frames follow) come in one recvmsg, and
+  // every byte read is taken into its frame at once (nothing waits here that no readiness would
+  // report). A frame's fds come with its first byte: the kernel hands over one frame's fds per
+  // recvmsg and stops after them, so they are the last frame's that begins in it, in order.
+  const size_t left = reading_payload_ ? reading_payload_->size() - payload_filled_ : 0;
+  const bool direct = left >= kReadBytes;
+  if (!direct && !read_buf_) read_buf_ = std::make_unique<char[]>(kReadBytes);
+  iovec iov{direct ? reading_payload_->data() + payload_filled_ : read_buf_.get(),
+            direct ? left : kReadBytes};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -530,31 +530,50 @@ Channel::ReadResult Channel::read_some() {
     const int* in = reinterpret_cast<const int*>(CMSG_DATA(c));
     for (size_t i = 0; i < count; ++i) received_fds_.emplace_back(in[i]);
   }
-  // The kernel drops fds it cannot install here (EMFILE, or RLIMIT_NOFILE): the frame whose
-  // header this read belongs to is delivered marked, with the fds that did arrive. Our control
-  // buffer fits kMaxFdsPerFrame, the most a sender may attach, so that is the only cause.
-  if (msg.msg_flags & MSG_CTRUNC) reading_truncated_ = true;
+  // The kernel drops fds it cannot install here (EMFILE, or RLIMIT_NOFILE): the next frame that
+  // lacks some of its fds is delivered marked, with those that did arrive. Our control buffer fits
+  // kMaxFdsPerFrame, the most a sender may attach, so that is the only cause.
+  if (msg.msg_flags & MSG_CTRUNC) fds_dropped_ = true;
   if (n == 0) return ReadResult::kEof;
-  if (reading_payload_) {
+  if (direct) {
     payload_filled_ += static_cast<size_t>(n);
-  } else {
-    header_filled_ += static_cast<size_t>(n);
-    if (header_filled_ == sizeof header_) {
-      detail::WireHeader h;
-      std::memcpy(&h, header_, sizeof h);
-      if (h.nfds > kMaxFdsPerFrame) throw std::runtime_error("corrupt frame header (fd count)");
-      reading_.emplace();
-      reading_->kind = h.kind;
-      reading_->rank = h.rank;
-      reading_->seq = h.seq;
-      reading_nfds_ = h.nfds;
-      reading_payload_ = std::make_shared<std::string>(h.length, '\0');
-      payload_filled_ = 0;
-      header_filled_ = 0;
-    }
+    if (payload_filled_ == reading_payload_->size()) finish_frame();
+    return ReadResult::kProgress;
   }
-  if (reading_payload_ && payload_filled_ == reading_payload_->size()) finish_frame();
+  const char* at = read_buf_.get();
+  size_t rest = static_cast<size_t>(n);
+  while (rest > 0) {
+    if (!reading_payload_) {
+      size_t k = std::min(rest, sizeof header_ - header_filled_);
+      std::memcpy(header_ + header_filled_, at, k);
+      header_filled_ += k;
+      at += k;
+      rest -= k;
+      if (header_filled_ < sizeof header_) break;
+      start_frame();
+    }
+    size_t k = std::min(rest, reading_payload_->size() - payload_filled_);
+    std::memcpy(reading_payload_->data() + payload_filled_, at, k);
+    payload_filled_ += k;
+    at += k;
+    rest -= k;
+    if (payload_filled_ == reading_payload_->size()) finish_frame();
+  }
   return ReadResult::kProgress;
+}
+
+void Channel::start_frame() {
+  detail::WireHeader h;
+  std::memcpy(&h, header_, sizeof h);
+  if (h.nfds > kMaxFdsPerFrame) throw std::runtime_error("corrupt frame header (fd count)");
+  reading_.emplace();
+  reading_->kind = h.kind;
+  reading_->rank = h.rank;
+  reading_->seq = h.seq;
+  reading_nfds_ = h.nfds;
+  reading_payload_ = std::make_shared<std::string>(h.length, '\0');
+  payload_filled_ = 0;
+  header_filled_ = 0;
 }
 
 void Channel::finish_frame() {
@@ -562,8 +581,10 @@ void Channel::finish_frame() {
   f.payload = std::move(reading_payload_);
   size_t nfds = reading_nfds_;
   if (received_fds_.size() < nfds) {
-    if (!reading_truncated_) throw std::runtime_error("frame announced fds that did not arrive");
+    if (!fds_dropped_) throw std::runtime_error("frame announced fds that did not arrive");
     nfds = received_fds_.size();
+    f.truncated = true;
+    fds_dropped_ = false;
   }
   if (nfds > 0) {
     f.fds = std::make_shared<std::vector<Fd>>();
@@ -572,8 +593,6 @@ void Channel::finish_frame() {
       received_fds_.pop_front();
     }
   }
-  f.truncated = reading_truncated_;
-  reading_truncated_ = false;
   reading_.reset();
   reading_payload_.reset();
   complete_.push_back(std::move(f));

@@ -112,6 +112,9 @@ class Channel {
   // One recvmsg. Complete frames are collected for next().
   ReadResult read_some();
   std::optional<Frame> next();
+  // A frame is whole and waiting for next(): one read may bring several, so a caller that polls
+  // the socket before recv() must look here first.
+  bool has_frame() const { return !complete_.empty(); }
   // Blocking: read until a frame is complete; nullopt on EOF.
   std::optional<Frame> recv();
 
@@ -175,7 +178,9 @@ class Channel {
   std::shared_ptr<std::string> reading_payload_;
   size_t payload_filled_ = 0;
   uint16_t reading_nfds_ = 0;
-  bool reading_truncated_ = false;
+  bool fds_dropped_ = false;          // the kernel could not install some fds (MSG_CTRUNC)
+  std::unique_ptr<char[]> read_buf_;  // kReadBytes: where a plain channel's reads land first
+  static constexpr size_t kReadBytes = 16 * 1024;
   std::deque<Fd> received_fds_;
   std::deque<Frame> complete_;
   FrameMac send_mac_, recv_mac_;
@@ -183,6 +188,7 @@ class Channel {
   std::unique_ptr<char[]> stage_;  // sealed: what one read brought (kStageBytes)
   std::function<Fd(size_t)> buffers_;
 
+  void start_frame();  // the header is complete: its frame begins
   void finish_frame();
   void seal_into(Outgoing& o, Frame f);
 };

@@ -489,11 +489,13 @@ void ForkServer::failed(std::string why) {
 std::optional<ForkServer::Request> ForkServer::next(std::chrono::milliseconds timeout) {
   if (!sock_) throw EndOfKernel();
   while (true) {
-    pollfd p{sock_->fd(), POLLIN, 0};
-    int rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
-    if (rc < 0 && errno == EINTR) return std::nullopt;
-    if (rc < 0) throw_errno("poll", "waiting for a fork request");
-    if (rc == 0) return std::nullopt;
+    if (!sock_->has_frame()) {  // else the last read brought this one in already
+      pollfd p{sock_->fd(), POLLIN, 0};
+      int rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
+      if (rc < 0 && errno == EINTR) return std::nullopt;
+      if (rc < 0) throw_errno("poll", "waiting for a fork request");
+      if (rc == 0) return std::nullopt;
+    }
     auto f = sock_->recv();
     if (!f) {
       sock_.reset();

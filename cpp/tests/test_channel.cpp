@@ -80,6 +80,40 @@ TEST(Channel, PassesFileDescriptors) {
   EXPECT_EQ(c, 'x');
 }
 
+// A plain channel reads through a small buffer: one recvmsg brings a frame's header and payload
+// and the frames after it, up to and with the next frame that carries fds (the kernel hands over
+// one frame's fds per recvmsg, and stops after them), each frame with its own fds.
+TEST(Channel, OneReadDeliversEveryFrameItBroughtEachWithItsFds) {
+  auto [a, b] = channel_pair();
+  a.send(Frame::make(kRequest, 1, 1, "first"));
+  a.send(Frame::make(kRequest, 1, 2, ""));
+  Frame with = Frame::make(kRequest, 1, 3, "third, with two fds");
+  with.fds = std::make_shared<std::vector<Fd>>();
+  Pipe p1 = make_pipe(), p2 = make_pipe();
+  with.fds->push_back(std::move(p1.write));
+  with.fds->push_back(std::move(p2.write));
+  a.send(std::move(with));
+  a.send(Frame::make(kRequest, 1, 4, "fourth"));
+  ASSERT_EQ(b.read_some(), Channel::ReadResult::kProgress);
+  std::vector<uint64_t> seqs;
+  std::vector<size_t> fds;
+  while (auto f = b.next()) {
+    seqs.push_back(f->seq);
+    fds.push_back(f->fds ? f->fds->size() : 0);
+    if (f->seq == 3) {
+      EXPECT_EQ(f->data(), "third, with two fds");
+    }
+  }
+  EXPECT_EQ(seqs, (std::vector<uint64_t>{1, 2, 3})) << "one read, three frames";
+  EXPECT_EQ(fds, (std::vector<size_t>{0, 0, 2}));
+  EXPECT_FALSE(b.has_frame());
+  ASSERT_EQ(b.read_some(), Channel::ReadResult::kProgress);
+  auto fourth = b.next();
+  ASSERT_TRUE(fourth);
+  EXPECT_EQ(fourth->data(), "fourth");
+  EXPECT_FALSE(fourth->fds);
+}
+
 TEST(Channel, EofWhenThePeerCloses) {
   auto pair = channel_pair();
   {
