@@ -69,21 +69,23 @@ Segment::~Segment() {
   if (addr_) ::munmap(addr_, size_);
 }
 
+std::optional<Segment> SegmentPool::take_free(size_t size) {
+  std::lock_guard lock(mu_);
+  auto it = free_.find(size);
+  if (it == free_.end()) {
+    ++created_;  // the caller makes one
+    return std::nullopt;
+  }
+  Segment seg = std::move(it->second.segment);
+  free_bytes_ -= size;
+  free_.erase(it);
+  return seg;
+}
+
 uint64_t SegmentPool::put(const void* data, size_t n) {
   // Sizes are rounded up to a power of two so that freed segments fit later requests.
   size_t want = segment_size(n);
-  std::optional<Segment> seg;
-  {
-    std::lock_guard lock(mu_);
-    auto it = free_.find(want);
-    if (it != free_.end()) {
-      seg.emplace(std::move(it->second.segment));
-      free_bytes_ -= want;
-      free_.erase(it);
-    } else {
-      ++created_;
-    }
-  }
+  std::optional<Segment> seg = take_free(want);  // mapped: a pool that puts never adopts
   if (!seg) seg.emplace(want);
   if (n > 0) std::memcpy(seg->data(), data, n);  // the one copy, outside the lock
   std::lock_guard lock(mu_);
@@ -118,18 +120,7 @@ void SegmentPool::keep_free(Segment seg) {
 
 Fd SegmentPool::take_buffer(size_t n) {
   size_t want = segment_size(n);
-  std::optional<Segment> seg;
-  {
-    std::lock_guard lock(mu_);
-    auto it = free_.find(want);
-    if (it == free_.end()) {
-      ++created_;
-    } else {
-      seg.emplace(std::move(it->second.segment));
-      free_bytes_ -= want;
-      free_.erase(it);
-    }
-  }
+  std::optional<Segment> seg = take_free(want);
   if (!seg) return sealed_memfd(want);
   return seg->release();  // its mapping here, if any, goes outside the lock; its pages stay
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "ddip/fd.hpp"
@@ -94,6 +95,8 @@ class SegmentPool {
     std::chrono::steady_clock::time_point since;
   };
   void keep_free(Segment seg);  // with mu_ held: kept for reuse, or freed beyond the limit
+  // A free segment of exactly `size` bytes, out of the pool; none: the caller makes one (counted).
+  std::optional<Segment> take_free(size_t size);
   std::unordered_map<uint64_t, Entry> used_;
   std::multimap<size_t, Unused> free_;  // by size
   size_t free_bytes_ = 0;

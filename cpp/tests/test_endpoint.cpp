@@ -110,6 +110,28 @@ long sleeps(const std::string& tid) {
   return -1;
 }
 
+// An Endpoint and the kernel's end of its socket; `watchdog`: the thread it started (its tid).
+struct Served {
+  RuntimeDir dir;
+  Listener listener{dir.socket_path()};
+  std::set<std::string> before = threads();
+  Endpoint ep{dir.socket_path(), 0, ""};
+  std::string watchdog;
+  Channel server{Fd()};
+
+  // Its hello read and a first request served: the caller left recv() with it (the watchdog's
+  // timer armed).
+  void first_request() {
+    for (const auto& tid : threads())
+      if (!before.count(tid)) watchdog = tid;
+    ASSERT_FALSE(watchdog.empty());
+    server = accept_one(listener);
+    ASSERT_TRUE(read_frame(server));  // hello
+    send_frame(server, Frame::make(kRequest, 0, 0, "work"));
+    ASSERT_TRUE(ep.recv(5s));
+  }
+};
+
 pid_t read_pid(int fd) {
   pid_t pid = 0;
   EXPECT_EQ(::read(fd, &pid, sizeof pid), static_cast<ssize_t>(sizeof pid));
@@ -149,41 +171,23 @@ TEST(Endpoint, SaysHelloAndExchangesFrames) {
 // caller leaves recv() empty-handed at each, and is back at once. Its watchdog must sleep on, not
 // wake once per slice to find the caller back.
 TEST(Endpoint, AnIdleCallerWaitingInSlicesLeavesTheWatchdogAsleep) {
-  RuntimeDir d;
-  Listener l(d.socket_path());
-  auto before = threads();
-  Endpoint ep(d.socket_path(), 0, "");
-  std::string watchdog;
-  for (const auto& tid : threads())
-    if (!before.count(tid)) watchdog = tid;
-  ASSERT_FALSE(watchdog.empty());
-  Channel server = accept_one(l);
-  ASSERT_TRUE(read_frame(server));  // hello
-  // A first request, served: the watchdog's timer is armed as the caller leaves with it.
-  send_frame(server, Frame::make(kRequest, 0, 1, "work"));
-  ASSERT_TRUE(ep.recv(5s));
+  Served s;
+  ASSERT_NO_FATAL_FAILURE(s.first_request());
+  Endpoint& ep = s.ep;
   EXPECT_FALSE(ep.recv(30ms));  // back, and the timer fired meanwhile: the watchdog looked once
-  long slept = sleeps(watchdog);
+  long slept = sleeps(s.watchdog);
   for (int i = 0; i < 20; ++i) EXPECT_FALSE(ep.recv(25ms));
-  EXPECT_LE(sleeps(watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
+  EXPECT_LE(sleeps(s.watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
 }
 
 // Requests that come further apart than the takeover (a notebook's cells; many ranks on few
 // cores): the timer armed as the caller leaves with one is disarmed when it is back, rather than
 // wake the watchdog once per request to find it back.
 TEST(Endpoint, RequestsFarApartLeaveTheWatchdogAsleep) {
-  RuntimeDir d;
-  Listener l(d.socket_path());
-  auto before = threads();
-  Endpoint ep(d.socket_path(), 0, "");
-  std::string watchdog;
-  for (const auto& tid : threads())
-    if (!before.count(tid)) watchdog = tid;
-  ASSERT_FALSE(watchdog.empty());
-  Channel server = accept_one(l);
-  ASSERT_TRUE(read_frame(server));  // hello
-  send_frame(server, Frame::make(kRequest, 0, 0, "work"));
-  ASSERT_TRUE(ep.recv(5s));
+  Served s;
+  ASSERT_NO_FATAL_FAILURE(s.first_request());
+  Endpoint& ep = s.ep;
+  Channel& server = s.server;
   long slept = -1;
   std::thread kernel([&server] {
     for (uint64_t seq = 1; seq <= 10; ++seq) {
@@ -195,22 +199,19 @@ TEST(Endpoint, RequestsFarApartLeaveTheWatchdogAsleep) {
     auto f = ep.recv(5s);
     ASSERT_TRUE(f);
     EXPECT_EQ(f->seq, seq);
-    if (seq == 1) slept = sleeps(watchdog);  // from the second wait on, the last one was long
+    if (seq == 1) slept = sleeps(s.watchdog);  // from the second wait on, the last one was long
   }
   kernel.join();
-  EXPECT_LE(sleeps(watchdog) - slept, 2) << "the watchdog woke once per request";
+  EXPECT_LE(sleeps(s.watchdog) - slept, 2) << "the watchdog woke once per request";
 }
 
 // A caller that left empty-handed and does not come back (it went to work after all): the
 // watchdog still takes the channel over, and answers the kernel's heartbeats.
 TEST(Endpoint, ACallerThatLeftEmptyHandedAndStaysAwayHasItsHeartbeatsAnswered) {
-  RuntimeDir d;
-  Listener l(d.socket_path());
-  Endpoint ep(d.socket_path(), 0, "");
-  Channel server = accept_one(l);
-  ASSERT_TRUE(read_frame(server));  // hello
-  send_frame(server, Frame::make(kRequest, 0, 1, "work"));
-  ASSERT_TRUE(ep.recv(5s));
+  Served s;
+  ASSERT_NO_FATAL_FAILURE(s.first_request());
+  Endpoint& ep = s.ep;
+  Channel& server = s.server;
   EXPECT_FALSE(ep.recv(1ms));  // empty-handed, and then away for good
   send_frame(server, Frame::make(kHeartbeat, 0, 78, ""));
   auto ack = read_frame(server);
