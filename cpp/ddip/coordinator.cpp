@@ -512,12 +512,8 @@ void Coordinator::park() {
 
 // turn_mu_ held: the IO thread's takeover timer fires `after` from now (at least 1 ns: armed).
 void Coordinator::arm_takeover(Clock::duration after) {
-  auto ns =
-      std::max<long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(after).count(), 1);
-  itimerspec t{};
-  t.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
-  t.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
-  ::timerfd_settime(takeover_.get(), 0, &t, nullptr);
+  set_timer(takeover_.get(),
+            std::max<std::chrono::nanoseconds>(after, std::chrono::nanoseconds(1)));
   takeover_armed_ = true;
 }
 

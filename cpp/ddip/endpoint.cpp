@@ -51,14 +51,6 @@ constexpr milliseconds kTakeOver{10};
 // after this long. An idle worker's watchdog then wakes once a second, not once per slice.
 constexpr milliseconds kBackSoon{1000};
 
-void set_timer(int fd, std::chrono::nanoseconds after) {  // 0: disarmed
-  itimerspec t{};
-  long long ns = after.count();
-  t.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
-  t.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
-  ::timerfd_settime(fd, 0, &t, nullptr);
-}
-
 int64_t now_ns() { return Clock::now().time_since_epoch().count(); }
 
 }  // namespace
@@ -131,7 +123,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
   // ranks on few cores), so it would only wake the watchdog once per request. One syscall instead.
   if (timer_armed_ && !timer_long_ && reader_ == Reader::kCaller &&
       last_wait_ >= detail::kTakeOver) {
-    detail::set_timer(timer_.get(), std::chrono::nanoseconds(0));
+    set_timer(timer_.get(), std::chrono::nanoseconds(0));
     timer_armed_ = false;
   }
   struct Away {  // leaving recv(), however: the watchdog reads if the worker stays away
@@ -144,7 +136,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
       ep.last_wait_ = ep.caller_left_ - entered;
       if (ep.reader_ != Reader::kCaller) return;
       if (with_frame ? !ep.timer_armed_ || ep.timer_long_ : !ep.timer_armed_) {
-        detail::set_timer(ep.timer_.get(), with_frame ? detail::kTakeOver : detail::kBackSoon);
+        set_timer(ep.timer_.get(), with_frame ? detail::kTakeOver : detail::kBackSoon);
         ep.timer_armed_ = true;
         ep.timer_long_ = !with_frame;
       }
@@ -463,7 +455,7 @@ void Endpoint::watch() {
           if (away >= detail::kTakeOver) {
             reader_ = Reader::kWatchdog;
           } else {
-            detail::set_timer(timer_.get(), detail::kTakeOver - away);
+            set_timer(timer_.get(), detail::kTakeOver - away);
             timer_armed_ = true;
           }
         }

@@ -1,6 +1,7 @@
 #include "ddip/fd.hpp"
 
 #include <fcntl.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +40,14 @@ int poll_timeout_ms(std::chrono::steady_clock::time_point deadline) {
   auto ms =
       std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
   return static_cast<int>(std::clamp<long long>(ms.count(), 0, 60'000));
+}
+
+void set_timer(int fd, std::chrono::nanoseconds after) {
+  itimerspec t{};
+  long long ns = std::max<long long>(after.count(), 0);
+  t.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+  t.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+  ::timerfd_settime(fd, 0, &t, nullptr);
 }
 
 }  // namespace ddip

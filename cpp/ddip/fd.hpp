@@ -72,4 +72,7 @@ void set_nonblocking(int fd);
 // just before its deadline and spins on poll(0) through the last millisecond; at most a minute.
 int poll_timeout_ms(std::chrono::steady_clock::time_point deadline);
 
+// Arms the timerfd `fd` to fire once, `after` from now; 0 (or less) disarms it.
+void set_timer(int fd, std::chrono::nanoseconds after);
+
 }  // namespace ddip
