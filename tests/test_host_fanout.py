@@ -8,7 +8,9 @@ Needs root, iproute2 and openssh (as test_multihost.py); skipped otherwise.
 
 from __future__ import annotations
 
+import collections
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -77,6 +79,38 @@ def test_each_rank_gets_its_own_value_and_output_alike_ones_too(group):
     values[0].append(3)
     assert values[1] == [1, 2]
     assert _reply_frames(group) - before == 2 * len(HOSTS)
+
+
+def _calls(group, ranks) -> collections.Counter:
+    """The functions the notebook calls during one run("pass") to `ranks`, counted (after a first
+    run to warm up): Python functions by their code, C functions by name."""
+    group.run("pass", ranks=ranks)
+    counts = collections.Counter()
+
+    def count(frame, event, arg):
+        if event == "call":
+            self = frame.f_locals.get("self")
+            counts[(frame.f_code.co_filename, frame.f_code.co_name, type(self).__name__)] += 1
+        elif event == "c_call":
+            counts[("C", arg.__qualname__, None)] += 1
+
+    sys.setprofile(count)
+    try:
+        group.run("pass", ranks=ranks)
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def test_the_notebooks_work_per_request_grows_with_the_hosts_not_the_ranks(group):
+    # Four ranks per host against one: the same number of frames each way. The one call per rank
+    # left is making its RankResult (and its list of displays); replies that came alike are
+    # handed to every rank of their host in one pass.
+    one_per_host = _calls(group, [h * PER_HOST for h in range(len(HOSTS))])
+    every = _calls(group, None)
+    grew = {key: every[key] - one_per_host[key] for key in every
+            if every[key] - one_per_host[key] >= N - len(HOSTS)}
+    assert set(grew) <= {("<string>", "__init__", "RankResult"), ("C", "list", None)}, grew
 
 
 def test_errors_on_some_ranks_are_each_ranks_own(group):

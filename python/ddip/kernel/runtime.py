@@ -203,6 +203,18 @@ class Runtime:
         """A reply that several ranks of one host sent alike, gathered by its agent (ev.slots):
         each of their requests gets it, to be unpickled once for all (request.SharedReply)."""
         shared = SharedReply(ev.data)
+        slots, running, state = ev.slots, self.running, self.state
+        reqs = set(map(running.get, slots))
+        if len(reqs) == 1:  # the usual case: one request's ranks, in one pass with no call per rank
+            req = reqs.pop()
+            if req is None or req.seq != ev.seq:
+                return  # a reply to a request its ranks no longer run (cannot happen)
+            for slot in slots:
+                del running[slot]
+                if state[slot] == "busy":
+                    state[slot] = "idle"
+            req.mailbox.append(("done alike", slots, shared))
+            return
         by_request: dict[Request, list[int]] = {}
         for slot in ev.slots:
             req = self.running.get(slot)
@@ -342,9 +354,10 @@ class Runtime:
             finally:
                 for segment in segments:  # the frames hold their own references now
                     coord.release(segment)
+            self.running.update(dict.fromkeys(slots, request))
+            state = self.state
             for s in slots:
-                self.running[s] = request
-                self.state[s] = "busy"
+                state[s] = "busy"
         return request
 
     def answer(self, slot: int, req: Request, msg) -> bool:
