@@ -57,9 +57,9 @@ struct CoordinatorOptions {
   // reported in the stream): a rank printing while the notebook reads nothing must not grow the
   // kernel's memory without bound.
   size_t max_unread_output = size_t(16) << 20;
-  // Called on the thread that runs the loop each time an event is queued (a host agent wakes its
-  // own loop with it); must not block, nor call back into this Coordinator.
-  std::function<void()> on_event;
+  // Called on the thread that runs the loop each time an event is queued, with what it is (a host
+  // agent wakes its own loop with it); must not block, nor call back into this Coordinator.
+  std::function<void(const Pushed&)> on_event;
   // The process's main thread, while it waits in next_event(), runs the loop itself, and the IO
   // thread takes it over once that thread has been away kTakeOver (or for closing, a failure, a
   // respawn). A kernel waits for every reply: its own wait reading them saves the two thread

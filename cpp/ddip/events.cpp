@@ -23,7 +23,8 @@ Event Event::of_frame(int slot, Frame f) {
   return e;
 }
 
-EventQueue::EventQueue(size_t slots, size_t max_unread_output, std::function<void()> on_push)
+EventQueue::EventQueue(size_t slots, size_t max_unread_output,
+                       std::function<void(const Pushed&)> on_push)
     : max_unread_(max_unread_output),
       on_push_(std::move(on_push)),
       unread_(slots, 0),
@@ -53,6 +54,7 @@ Event EventQueue::note(size_t slot, const std::string& what) {
 }
 
 void EventQueue::push(Event e) {
+  Pushed pushed;
   {
     std::lock_guard lock(mu_);
     if (events_.empty()) first_at_ = std::chrono::steady_clock::now();  // a note may go first
@@ -86,11 +88,15 @@ void EventQueue::push(Event e) {
         }
       }
     }
-    replies_ += replies_in(e);
+    pushed.replies = replies_in(e);
+    pushed.plain_reply =
+        e.kind == Event::kFrame && e.frame.kind == kDone && (!e.frame.fds || e.frame.fds->empty());
+    pushed.seq = e.frame.seq;
+    replies_ += pushed.replies;
     events_.push_back(std::move(e));
   }
   cv_.notify_all();
-  if (on_push_) on_push_();
+  if (on_push_) on_push_(pushed);
 }
 
 std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {

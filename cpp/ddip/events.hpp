@@ -43,6 +43,13 @@ struct Event {
   static Event of_frame(int slot, Frame f);  // kFrame, or kTruncated for a frame that lost fds
 };
 
+// What EventQueue's on_push is told of the event it just queued.
+struct Pushed {
+  size_t replies = 0;        // the workers whose reply (or end) it is, as ready_at counts them
+  bool plain_reply = false;  // a request's reply (kDone) without buffers: one an agent may gather
+  uint64_t seq = 0;          // its frame's sequence number (a frame's)
+};
+
 // Thread-safe. Output of one worker waiting unread beyond `max_unread_output` bytes is dropped,
 // and the drop reported in its stderr: a rank printing while nobody reads must not grow the
 // kernel's memory without bound. Once dropping, all its output is dropped until the reader has
@@ -52,7 +59,8 @@ class EventQueue {
   // Queued output of one worker and stream is joined up to this many bytes per event.
   static constexpr size_t kJoinedOutput = size_t(64) << 10;
   // `on_push`: called after each event is queued, on the pushing thread (must not block).
-  EventQueue(size_t slots, size_t max_unread_output, std::function<void()> on_push = {});
+  EventQueue(size_t slots, size_t max_unread_output,
+             std::function<void(const Pushed&)> on_push = {});
   void push(Event e);
   // The next event, waiting up to `timeout` (0: only looks); nullopt on timeout, or at once once
   // closed and drained.
@@ -79,7 +87,7 @@ class EventQueue {
 
  private:
   const size_t max_unread_;
-  std::function<void()> on_push_;
+  std::function<void(const Pushed&)> on_push_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   std::deque<Event> events_;

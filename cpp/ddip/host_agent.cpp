@@ -332,6 +332,13 @@ class HostAgent::Relay {
                           ? std::chrono::milliseconds(options_.ticket.reply_window_ms)
                           : ReplyGather::kWindow};
   EventLoop::TimerId gather_timer_ = 0;
+  // What the workers' IO thread reads to wake this one for a gathered request's first reply and
+  // its last, not for each (on_event): that request's seq, how many of its replies are still to
+  // be queued, and whether this thread was woken for it already and holds its replies (their
+  // window's timer wakes it, if the last is late). At 8 ranks a host, 3 wakes a request, not 9.
+  std::atomic<uint64_t> gather_seq_{0};
+  std::atomic<long> gather_left_{0};
+  std::atomic<bool> quiet_{false};
   std::vector<bool> exited_;
   size_t alive_ = 0;
   bool link_lost_ = false, failed_ = false, kernel_closed_ = false;
@@ -489,7 +496,12 @@ void HostAgent::Relay::start_workers(const Frame& f) {
   last_frame_ = Clock::now();  // a wait for the template is no silence of the kernel's
   co.heartbeat_timeout = std::chrono::milliseconds(0);  // the kernel judges, from our acks
   co.pool = &pool_;
-  co.on_event = [this] {
+  co.on_event = [this](const Pushed& p) {
+    if (p.plain_reply && p.seq == gather_seq_.load()) {
+      long left =
+          gather_left_.fetch_sub(static_cast<long>(p.replies)) - static_cast<long>(p.replies);
+      if (left > 0 && quiet_.exchange(true)) return;  // taken with the last, or at the window's end
+    }
     try {
       loop_.post([this] { on_worker_events(); });
     } catch (const std::runtime_error&) {
@@ -603,7 +615,11 @@ void HostAgent::Relay::fan_out(Frame f, const std::vector<uint64_t>& segments) {
   Frame inner = Frame::make(out.kind, 0, f.seq);
   inner.payload = std::make_shared<const std::string>(std::move(out.payload));
   inner.fds = std::move(f.fds);
-  if (out.kind == kRequest && replying.size() > 1) gather_.expect(f.seq, replying);
+  if (out.kind == kRequest && replying.size() > 1) {
+    gather_.expect(f.seq, replying);
+    gather_left_ = static_cast<long>(replying.size());  // before the seq: see on_event
+    gather_seq_ = f.seq;
+  }
   try {
     coord_->send(locals, std::move(inner), segments);
   } catch (const std::exception&) {
@@ -620,7 +636,7 @@ void HostAgent::Relay::send_replies(bool all) {
   if (auto due = gather_.next_due())
     gather_timer_ = loop_.at(*due, [this] {
       gather_timer_ = 0;
-      send_replies();
+      on_worker_events();  // with the replies that woke no one (on_event)
     });
 }
 
@@ -648,12 +664,21 @@ void HostAgent::Relay::watch_kernel() {
 }
 
 void HostAgent::Relay::on_worker_events() {
-  while (coord_ && alive_ > 0) {
+  while (true) {
+    while (coord_ && alive_ > 0) {
+      auto e = coord_->next_event(std::chrono::milliseconds(0));
+      if (!e) break;
+      on_worker_event(*e);
+    }
+    send_replies();  // those that this batch of events completed
+    // Holding replies, this thread is woken by their window's timer, or the last of them. Else
+    // the next reply wakes it: one queued before quiet_ was cleared woke no one, and is taken now.
+    if (gather_.next_due() || !coord_ || alive_ == 0) return;
+    quiet_ = false;
     auto e = coord_->next_event(std::chrono::milliseconds(0));
-    if (!e) break;
+    if (!e) return;
     on_worker_event(*e);
   }
-  send_replies();  // those that this batch of events completed
 }
 
 void HostAgent::Relay::on_worker_event(Event& e) {

@@ -139,7 +139,7 @@ Event hello_of(Coordinator& c, int slot) {
 class QueuedOn {
  public:
   explicit QueuedOn(CoordinatorOptions& o) {
-    o.on_event = [this] {
+    o.on_event = [this](const Pushed&) {
       std::lock_guard lock(mu_);
       ids_.push_back(std::this_thread::get_id());
     };

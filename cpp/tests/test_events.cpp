@@ -1,10 +1,11 @@
-#include "ddip/events.hpp"
-
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
-#include <atomic>
 #include <thread>
+#include <tuple>
+#include <vector>
 
+#include "ddip/events.hpp"
 #include "ddip/output.hpp"
 
 using namespace ddip;
@@ -43,14 +44,29 @@ TEST(EventQueue, APushFromAnotherThreadWakesAWaiter) {
   EXPECT_EQ(e->text, "late");
 }
 
-TEST(EventQueue, CallsOnPushForEveryEventQueued) {
-  std::atomic<int> pushes{0};
-  EventQueue q(1, 10, [&] { ++pushes; });
+TEST(EventQueue, CallsOnPushForEveryEventQueuedSayingWhatItIs) {
+  std::vector<Pushed> pushes;
+  EventQueue q(1, 10, [&](const Pushed& p) { pushes.push_back(p); });
   q.push(Event::output(0, 1, "12345"));
-  Event frame;
-  frame.kind = Event::kFrame;
-  q.push(std::move(frame));
-  EXPECT_EQ(pushes, 2);
+  q.push(Event::of_frame(0, Frame::make(kDone, 0, 7, "reply")));
+  Frame with_buffer = Frame::make(kDone, 0, 8, "reply");
+  with_buffer.fds = std::make_shared<std::vector<Fd>>();
+  with_buffer.fds->emplace_back(::memfd_create("buffer", MFD_CLOEXEC));
+  q.push(Event::of_frame(0, std::move(with_buffer)));
+  q.push(Event::of_frame(0, Frame::make(kDisplay, 0, 9, "shown")));
+  Event exited;
+  exited.kind = Event::kExited;
+  q.push(std::move(exited));
+  ASSERT_EQ(pushes.size(), 5u);
+  auto said = [&](size_t i) {
+    return std::tuple(pushes[i].replies, pushes[i].plain_reply, pushes[i].seq);
+  };
+  EXPECT_EQ(said(0), std::tuple(size_t(0), false, uint64_t(0)));  // output
+  EXPECT_EQ(said(1), std::tuple(size_t(1), true, uint64_t(7)));   // a reply an agent may gather
+  EXPECT_EQ(said(2), std::tuple(size_t(1), false, uint64_t(8)));  // one that carries a buffer
+  EXPECT_EQ(said(3), std::tuple(size_t(0), false, uint64_t(9)));  // a display: no reply
+  EXPECT_FALSE(pushes[4].plain_reply);                            // an exit: no reply will come
+  EXPECT_EQ(pushes[4].replies, 1u);
 }
 
 TEST(EventQueue, UnreadOutputBeyondTheCapIsDroppedAndTheDropReported) {

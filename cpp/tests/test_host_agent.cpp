@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
@@ -67,6 +68,18 @@ int worker_main() {
         ep.send(Frame::make(kRelease, slot, 0, std::string(reinterpret_cast<char*>(&id), 8)));
       }
       ep.send(Frame::make(kDone, slot, f.seq, std::to_string(st.st_ino)));
+    } else if (req.rfind("after:", 0) == 0) {
+      // "after:MS" replies "ok" after (its slot x MS) ms: a host's replies one after another
+      std::this_thread::sleep_for(std::chrono::milliseconds(slot * std::atoi(req.c_str() + 6)));
+      ep.send(Frame::make(kDone, slot, f.seq, "ok"));
+    } else if (req.rfind("gate:", 0) == 0) {
+      // "gate:SLOT:PATH": that slot replies once PATH exists (up to 30 s), the others at once
+      size_t colon = req.find(':', 5);
+      bool gated = std::atoi(req.substr(5, colon - 5).c_str()) == slot;
+      std::string path = req.substr(colon + 1);
+      for (int i = 0; gated && i < 3000 && ::access(path.c_str(), F_OK) != 0; ++i)
+        std::this_thread::sleep_for(10ms);
+      ep.send(Frame::make(kDone, slot, f.seq, gated ? "released" : "quick"));
     } else if (req.rfind("env:", 0) == 0) {
       const char* v = std::getenv(req.c_str() + 4);
       ep.send(Frame::make(kDone, slot, f.seq, v ? v : "(unset)"));
@@ -160,6 +173,61 @@ Seen wait_for(Coordinator& c, Event::Kind kind, int slot, std::chrono::milliseco
     }
   }
   return seen;
+}
+
+// Slot 0 here, slots 1 to 4 on one other host, whose agent gathers their replies to a request.
+CoordinatorOptions four_on_a_host() {
+  CoordinatorOptions o = options();
+  for (int s = 3; s < 5; ++s) o.workers.push_back(worker(s));
+  o.hosts[0].slots = {1, 2, 3, 4};
+  return o;
+}
+
+// The slots that said hello, waiting for `n` of them (up to 20 s).
+std::set<int> hellos(Coordinator& c, size_t n) {
+  std::set<int> said;
+  for (auto until = std::chrono::steady_clock::now() + 20s;
+       said.size() < n && std::chrono::steady_clock::now() < until;)
+    if (auto e = c.next_event(100ms); e && e->kind == Event::kFrame && e->frame.kind == kHello)
+      said.insert(e->slot);
+  return said;
+}
+
+// Every event of request `seq` until each of `slots` has replied (up to `limit`).
+struct Replies {
+  std::map<int, std::string> reply;      // by worker
+  std::vector<std::vector<int>> events;  // each reply event's workers
+  std::map<int, std::string> out;        // each worker's stdout before its reply
+  bool output_after_reply = false;
+};
+
+Replies replies(Coordinator& c, uint64_t seq, const std::set<int>& slots,
+                std::chrono::milliseconds limit = 10s) {
+  Replies r;
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (r.reply.size() < slots.size() && std::chrono::steady_clock::now() < deadline) {
+    auto e = c.next_event(100ms);
+    if (!e) continue;
+    if (e->kind == Event::kOutput && e->stream == 1) {
+      r.out[e->slot] += e->text;
+      if (r.reply.count(e->slot)) r.output_after_reply = true;
+    }
+    if (e->kind != Event::kFrame || e->frame.kind != kDone || e->frame.seq != seq) continue;
+    std::vector<int> who = e->slots.empty() ? std::vector<int>{e->slot} : e->slots;
+    EXPECT_EQ(who.front(), e->slot);
+    for (int slot : who) r.reply[slot] = e->frame.data();
+    r.events.push_back(who);
+  }
+  return r;
+}
+
+// How many times a thread went to sleep (it waits for something, then is woken).
+long sleeps_of(pid_t pid, pid_t tid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/task/" + std::to_string(tid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::stol(line.substr(24));
+  return -1;
 }
 
 bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
@@ -270,45 +338,13 @@ TEST(HostAgent, AHostsNextSegmentIsReceivedIntoOneItsWorkersReleased) {
 // Four workers on one host: a request to all of them is one frame on the link, and their replies
 // one frame back, alike ones as one event naming them all, each worker's output before it.
 TEST(HostAgent, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFrame) {
-  CoordinatorOptions o = options();
-  for (int s = 3; s < 5; ++s) o.workers.push_back(worker(s));
-  o.hosts[0].slots = {1, 2, 3, 4};
+  CoordinatorOptions o = four_on_a_host();
   o.reply_window = 60s;  // every reply is held until the host's last: one frame, however slow
   Coordinator c(std::move(o));
-  std::set<int> hellos;
-  for (auto until = std::chrono::steady_clock::now() + 20s;
-       hellos.size() < 5 && std::chrono::steady_clock::now() < until;)
-    if (auto e = c.next_event(100ms); e && e->kind == Event::kFrame && e->frame.kind == kHello)
-      hellos.insert(e->slot);
-  ASSERT_EQ(hellos, (std::set<int>{0, 1, 2, 3, 4}));
-  // Every event of request `seq` until each of `slots` has replied.
-  struct Replies {
-    std::map<int, std::string> reply;      // by worker
-    std::vector<std::vector<int>> events;  // each reply event's workers
-    std::map<int, std::string> out;        // each worker's stdout before its reply
-    bool output_after_reply = false;
-  };
-  auto replies = [&c](uint64_t seq, std::set<int> slots) {
-    Replies r;
-    auto deadline = std::chrono::steady_clock::now() + 10s;
-    while (r.reply.size() < slots.size() && std::chrono::steady_clock::now() < deadline) {
-      auto e = c.next_event(100ms);
-      if (!e) continue;
-      if (e->kind == Event::kOutput && e->stream == 1) {
-        r.out[e->slot] += e->text;
-        if (r.reply.count(e->slot)) r.output_after_reply = true;
-      }
-      if (e->kind != Event::kFrame || e->frame.kind != kDone || e->frame.seq != seq) continue;
-      std::vector<int> who = e->slots.empty() ? std::vector<int>{e->slot} : e->slots;
-      EXPECT_EQ(who.front(), e->slot);
-      for (int slot : who) r.reply[slot] = e->frame.data();
-      r.events.push_back(who);
-    }
-    return r;
-  };
+  ASSERT_EQ(hellos(c, 5), (std::set<int>{0, 1, 2, 3, 4}));
   uint64_t before = c.host_reply_frames();
   c.send(std::vector<int>{1, 2, 3, 4}, Frame::make(kRequest, 0, 5, "env:DDIP_TEST_AGENT"));
-  Replies same = replies(5, {1, 2, 3, 4});
+  Replies same = replies(c, 5, {1, 2, 3, 4});
   EXPECT_EQ(same.reply, (std::map<int, std::string>{{1, "1"}, {2, "1"}, {3, "1"}, {4, "1"}}));
   ASSERT_EQ(same.events.size(), 1u) << "four alike replies are one event";
   EXPECT_EQ(std::set<int>(same.events[0].begin(), same.events[0].end()),
@@ -317,7 +353,7 @@ TEST(HostAgent, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFram
   // Replies that differ (each worker's pid) are entries of their own, each with its output first.
   before = c.host_reply_frames();
   c.send(std::vector<int>{2, 3, 4}, Frame::make(kRequest, 0, 6, "echo:hi"));
-  Replies differ = replies(6, {2, 3, 4});
+  Replies differ = replies(c, 6, {2, 3, 4});
   EXPECT_EQ(differ.reply.size(), 3u);
   EXPECT_EQ(differ.events.size(), 3u);
   for (int slot : {2, 3, 4}) EXPECT_EQ(differ.out[slot], "hi\n") << "worker " << slot;
@@ -325,8 +361,58 @@ TEST(HostAgent, AHostsAgentFansARequestOutAndGathersItsWorkersRepliesIntoOneFram
   EXPECT_EQ(c.host_reply_frames() - before, 1u);
   // One worker's reply goes by itself, as before.
   c.send(3, Frame::make(kRequest, 3, 7, "env:DDIP_TEST_SLOT"));
-  Replies one = replies(7, {3});
+  Replies one = replies(c, 7, {3});
   EXPECT_EQ(one.reply, (std::map<int, std::string>{{3, "3"}}));
+  c.close();
+}
+
+TEST(HostAgent, AHostsAgentIsWokenForAGatheredRequestsFirstAndLastReplyNotForEach) {
+  CoordinatorOptions o = four_on_a_host();
+  o.reply_window = 60s;
+  o.heartbeat_interval = 1000ms;  // the host's heartbeat wakes its agent too: rarely, here
+  o.heartbeat_timeout = 10s;
+  Coordinator c(std::move(o));
+  ASSERT_EQ(hellos(c, 5).size(), 5u);
+  // The agent: the parent of its workers, whose main thread relays (the workers' IO thread
+  // queues their replies).
+  c.send(1, Frame::make(kRequest, 1, 1, "echo:pid"));
+  Replies first = replies(c, 1, {1});
+  ASSERT_EQ(first.reply.size(), 1u);
+  pid_t agent = parent_of(std::stoi(first.reply[1]));
+  ASSERT_GT(agent, 1);
+  long before = sleeps_of(agent, agent);
+  ASSERT_GE(before, 0);
+  // Replies 20 ms apart (slot x 20 ms): each would be a wake of its own.
+  constexpr int kRequests = 10;
+  for (uint64_t seq = 10; seq < 10 + kRequests; ++seq) {
+    c.send(std::vector<int>{1, 2, 3, 4}, Frame::make(kRequest, 0, seq, "after:20"));
+    Replies r = replies(c, seq, {1, 2, 3, 4});
+    ASSERT_EQ(r.reply.size(), 4u) << "request " << seq;
+    ASSERT_EQ(r.events.size(), 1u) << "one gathered reply";
+  }
+  long wakes = sleeps_of(agent, agent) - before;
+  // Each request: its frame from the kernel, its first reply (the window starts) and its last.
+  // Woken for each reply, it would be 5 a request.
+  EXPECT_LE(wakes, 3 * kRequests + 5) << "the agent's relaying thread woke " << wakes << " times";
+  c.close();
+}
+
+TEST(HostAgent, RepliesThatWokeNoOneGoOutAtTheirWindowsEndWhileARankStillRuns) {
+  CoordinatorOptions o = four_on_a_host();
+  o.reply_window = 100ms;
+  Coordinator c(std::move(o));
+  ASSERT_EQ(hellos(c, 5).size(), 5u);
+  std::string gate = ::testing::TempDir() + "ddip-gate-" + std::to_string(::getpid());
+  ::unlink(gate.c_str());
+  c.send(std::vector<int>{1, 2, 3, 4}, Frame::make(kRequest, 0, 3, "gate:4:" + gate));
+  // The three quick replies reach the kernel while slot 4 waits at its gate: the agent was woken
+  // for the first, and the window's end brings those queued after it.
+  Replies quick = replies(c, 3, {1, 2, 3}, 20s);
+  EXPECT_EQ(quick.reply, (std::map<int, std::string>{{1, "quick"}, {2, "quick"}, {3, "quick"}}));
+  std::ofstream(gate) << "open";
+  Replies late = replies(c, 3, {4}, 20s);
+  ::unlink(gate.c_str());
+  EXPECT_EQ(late.reply, (std::map<int, std::string>{{4, "released"}}));
   c.close();
 }
 
