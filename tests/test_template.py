@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -28,6 +29,23 @@ def ready_template():
     yield
     if template._handle.status()[0] != "ready" or template._modules != template.DEFAULT_MODULES:
         template.prewarm()
+
+
+def test_an_idle_template_sleeps(tmp_path):
+    # It waits for fork requests in C++, in slices of a second (a signal ends the wait itself, so
+    # its Python handlers run at once), not 20 times a second.
+    pid = template._handle.status()[1]
+
+    def sleeps():
+        with open(f"/proc/{pid}/task/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+
+    before = sleeps()
+    time.sleep(2)  # the idle time measured
+    woke = sleeps() - before
+    assert woke <= 6, f"the idle template woke {woke} times in 2 s"
+    with ddip.Group(n=1, backend=None) as g:  # and it still forks at once
+        assert g.run("import ddip.template as t; t.forked")[0].value is True
 
 
 def test_forked_ranks_are_the_kernels_children_with_their_own_state(tmp_path, monkeypatch):

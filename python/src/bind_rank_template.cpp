@@ -105,8 +105,11 @@ void init_rank_template(nb::module_& m) {
       .def(
           "next",
           [](ddip::ForkServer& s, double timeout_ms) -> nb::object {
+            // A signal ends next()'s wait (the template has one thread: it gets them all), so
+            // an idle template need not wake to look for one.
             auto r = ddip_python::wait_in_slices<ddip::ForkServer::Request>(
-                timeout_ms, [&](std::chrono::milliseconds slice) { return s.next(slice); });
+                timeout_ms, [&](std::chrono::milliseconds slice) { return s.next(slice); },
+                ddip_python::kInterruptibleSlice);
             if (!r) return nb::none();
             return nb::cast(std::move(*r));
           },
