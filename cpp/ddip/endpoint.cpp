@@ -46,9 +46,9 @@ constexpr size_t kDumpBytes = size_t(4) << 20;
 // How long the worker may be away from recv() before the watchdog reads for it: a request's
 // heartbeats, stack and abort requests wait at most this long for a reader.
 constexpr milliseconds kTakeOver{10};
-// A caller that left recv() empty-handed (its timeout: the binding waits in 50 ms slices, to run
-// Python's signal handlers between them) is taken to be back at once: the watchdog looks only
-// after this long. An idle worker's watchdog then wakes once a second, not once per slice.
+// A caller that left recv() empty-handed (its timeout: the binding waits in 1 s slices, or a
+// signal, whose Python handler it runs) is taken to be back at once: the watchdog looks only
+// after this long. An idle worker's watchdog then wakes once a second at most.
 constexpr milliseconds kBackSoon{1000};
 
 int64_t now_ns() { return Clock::now().time_since_epoch().count(); }
