@@ -718,6 +718,14 @@ void HostLinks::signal_launchers(int sig) {
 }
 
 void HostLinks::close() {
+  // The port is freed now, not when the last reference to a closed group is dropped (a
+  // traceback's frame may hold it until the garbage collector runs).
+  if (accept_timer_) loop_.cancel(accept_timer_);
+  accept_timer_ = 0;
+  if (tcp_) {
+    loop_.unwatch(tcp_->fd());
+    tcp_->close();
+  }
   for (auto& [link, timer] : launcher_grace_) loop_.cancel(timer);
   launcher_grace_.clear();
   flush_rejection_log("before the group closed");

@@ -16,6 +16,8 @@ class TcpListener {
   // Non-blocking, on `address` (an IPv4 or IPv6 literal) and `port` (0: any free one).
   TcpListener(const std::string& address, uint16_t port);
   int fd() const { return sock_.get(); }
+  // Stops listening now (the port is free); address() and port() still say where it was.
+  void close() { sock_ = Fd(); }
   const std::string& address() const { return address_; }
   uint16_t port() const { return port_; }
   // A new non-blocking connection, with "address:port" of its peer in `peer`; an empty Fd when

@@ -511,7 +511,14 @@ TEST(HostAgent, CloseEndsEveryRemoteWorker) {
     auto done = wait_for(c, Event::kFrame, 2, 10s, kDone);
     ASSERT_TRUE(done.last);
     worker = std::stoi(done.last->frame.data());
+    std::string address = c.link_address();
+    uint16_t port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
     EXPECT_TRUE(c.close().empty());
+    // Its port is free once it is closed, while the object still lives (a Python traceback may
+    // hold it): nothing listens there.
+    EXPECT_EQ(c.link_address(), address);
+    EXPECT_THROW(connect_tcp("127.0.0.1", port, 2000ms), std::exception)
+        << "the closed group still listens on " << address;
   }
   for (int i = 0; i < 30 && alive(worker); ++i) std::this_thread::sleep_for(100ms);
   EXPECT_FALSE(alive(worker));
