@@ -383,7 +383,7 @@ TEST(HostAgent, AHostsAgentIsWokenForAGatheredRequestsFirstAndLastReplyNotForEac
   long before = sleeps_of(agent, agent);
   ASSERT_GE(before, 0);
   // Replies 20 ms apart (slot x 20 ms): each would be a wake of its own.
-  constexpr int kRequests = 10;
+  constexpr int kRequests = 20;
   for (uint64_t seq = 10; seq < 10 + kRequests; ++seq) {
     c.send(std::vector<int>{1, 2, 3, 4}, Frame::make(kRequest, 0, seq, "after:20"));
     Replies r = replies(c, seq, {1, 2, 3, 4});
@@ -391,9 +391,10 @@ TEST(HostAgent, AHostsAgentIsWokenForAGatheredRequestsFirstAndLastReplyNotForEac
     ASSERT_EQ(r.events.size(), 1u) << "one gathered reply";
   }
   long wakes = sleeps_of(agent, agent) - before;
-  // Each request: its frame from the kernel, its first reply (the window starts) and its last.
-  // Woken for each reply, it would be 5 a request.
-  EXPECT_LE(wakes, 3 * kRequests + 5) << "the agent's relaying thread woke " << wakes << " times";
+  // Each request: its frame from the kernel, its first reply (the window starts) and its last;
+  // besides, the host's heartbeat, and a lock the workers' thread holds now and then (more often
+  // on a loaded machine). Woken for each reply, it would be 5 a request at least.
+  EXPECT_LE(wakes, 4 * kRequests + 5) << "the agent's relaying thread woke " << wakes << " times";
   c.close();
 }
 
