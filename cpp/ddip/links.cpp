@@ -61,14 +61,12 @@ HostLinks::HostLinks(EventLoop& loop, Supervisor& supervisor, SegmentPool& pool,
 
 HostLinks::~HostLinks() {
   *alive_ = false;
-  close();
-  if (accept_timer_) loop_.cancel(accept_timer_);
+  close();  // the listener and its accept timer too
   for (auto& l : links_) {
     if (!l.launcher_exited && !l.standing) loop_.unwatch(supervisor_.child(l.child).pidfd());
     for (Fd* fd : {&l.out, &l.err})
       if (*fd) loop_.unwatch(fd->get());
   }
-  if (tcp_) loop_.unwatch(tcp_->fd());
 }
 
 std::string HostLinks::address() const {
