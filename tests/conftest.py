@@ -1,8 +1,10 @@
 import io
 import os
+import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +59,24 @@ def alive(pid: int) -> bool:
 # below, longest first, so that neither worker is left with a long file at the end (longest
 # processing time first); files not listed follow in name order. Run without xdist, the order is
 # pytest's own. (xdist's own grouping, --dist loadgroup, renames node ids, which pytest 9 ignores.)
+# The `ddip` launcher beside this Python (a virtual environment's bin), else the one on PATH (an
+# install with pip's --target, as on the GPU machine).
+DDIP = (str(Path(sys.executable).with_name("ddip")) if Path(sys.executable).with_name("ddip").exists()
+        else shutil.which("ddip") or str(Path(sys.executable).with_name("ddip")))
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return tuple(int(x) for x in version("torch").split(".")[:2]) >= (major, minor)
+    except (PackageNotFoundError, ValueError):
+        return False
+
+
+# ddip run follows torch 2.13's torchrun (torch/distributed/run.py), the reference; where an older
+# torchrun (the GPU machine's 2.11) differs, the tests that compare with it say so.
+TORCHRUN_IS_THE_REFERENCE = _torch_at_least(2, 13)
+
 SLURM_FILES = {"test_slurm", "test_slurm_nodes", "test_slurm_node_lost", "test_slurm_alloc"}
 LONGEST_FIRST = ["test_run_nodes", "slurm", "test_browser", "test_magics", "test_heal", "test_multihost",
                  "test_docs", "test_run", "test_group", "test_debugger", "test_collectives",
@@ -104,8 +124,34 @@ def no_leftover_workers():
     # Other hosts' standing agents live as long as the kernel, by design: let them go first, so
     # that what stays is a leftover (and letting go is checked to leave nothing).
     ddip.hosts.release()
-    assert wait_until(lambda: children_of(os.getpid()) <= before, 10), \
-        f"leftover child processes: {children_of(os.getpid()) - before}"
+    assert wait_until(lambda: {p for p in children_of(os.getpid()) - before if _ours(p)} == set(), 10), \
+        f"leftover child processes: {describe(p for p in children_of(os.getpid()) - before if _ours(p))}"
+
+
+def _ours(pid: int) -> bool:
+    """Open MPI's singleton daemon (orted) is not ddip's: mpi4py starts it when a process first
+    imports mpi4py.MPI (Lightning's MPIEnvironment probe does, where mpi4py is installed), and it
+    lives as long as that process, here the test's own (the notebook of ranch)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() != "orted"
+    except OSError:
+        return True
+
+
+def describe(pids) -> str:
+    """Each process as `pid (state) command line`: what a leftover is, in the failure message."""
+    out = []
+    for pid in sorted(pids):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+        except OSError:
+            state, cmd = "?", "(gone)"
+        out.append(f"{pid} ({state}) {cmd}")
+    return "; ".join(out)
 
 
 def render(text: str) -> list[str]:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -131,7 +130,7 @@ def test_ranch_collapses_its_childrens_repeats_and_collapse_false_shows_them_raw
     assert "[rank 2] odd one out" in lines and "[ranks" not in raw
 
 
-DDIP = str(Path(sys.executable).with_name("ddip"))
+from conftest import DDIP  # noqa: E402
 LINES = ("import os\nr = os.environ['RANK']\nprint('same line')\nprint('odd one out' if r == '2' else 'same again')\n")
 
 

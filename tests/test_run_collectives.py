@@ -15,12 +15,11 @@ import os
 import re
 import sys
 import textwrap
-from pathlib import Path
 
 import pexpect
 import pytest
 
-DDIP = str(Path(sys.executable).with_name("ddip"))
+from conftest import DDIP  # noqa: E402
 PY = sys.executable
 
 # Rank 1 skips the second all_reduce, which rank 0 waits in. `{issue}` issues rank 0's
@@ -155,15 +154,18 @@ def test_the_hook_leaves_the_ranks_environment_as_the_user_gave_it_and_its_child
         exec(open({str(tmp_path / "probe.py")!r}).read().replace("sys.argv[1]", "'rank'"))
         subprocess.run([sys.executable, {str(tmp_path / "probe.py")!r}, "child"], check=True)
     """)
-    p = launcher(["run", "-n", "1", PY, rank], env={"PYTHONPATH": "/the/users/own"})
+    # The user's own entry, then where this Python finds ddip when that is PYTHONPATH (an install
+    # with pip's --target): the hook is ddip's, found as the rank finds ddip.
+    own = os.pathsep.join(filter(None, ["/the/users/own", os.environ.get("PYTHONPATH")]))
+    p = launcher(["run", "-n", "1", PY, rank], env={"PYTHONPATH": own})
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     seen = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in out.splitlines()}
     # The rank: its own thread waits for SIGURG; nothing of the hook shows in what it reads.
-    assert seen["rank"] == {"hook": None, "pythonpath": "/the/users/own", "on_path": [], "threads": 2,
+    assert seen["rank"] == {"hook": None, "pythonpath": own, "on_path": [], "threads": 2,
                             "sigurg_blocked": True}, out
     # Its child: no hook, no thread of it; SIGURG blocked as inherited, and never sent to it.
-    assert seen["child"]["hook"] is None and seen["child"]["pythonpath"] == "/the/users/own", out
+    assert seen["child"]["hook"] is None and seen["child"]["pythonpath"] == own, out
     assert seen["child"]["threads"] == 1, out
 
 

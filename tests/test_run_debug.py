@@ -14,12 +14,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pexpect
 import pytest
 
-DDIP = str(Path(sys.executable).with_name("ddip"))
+from conftest import DDIP  # noqa: E402
 PY = sys.executable
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import wait_until
 
-DDIP = str(Path(sys.executable).with_name("ddip"))
+from conftest import DDIP  # noqa: E402
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 PY = sys.executable
 HOST = socket.gethostname()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-DDIP = str(Path(sys.executable).with_name("ddip"))
+from conftest import DDIP, TORCHRUN_IS_THE_REFERENCE  # noqa: E402
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 # What a rank reports: its argv, whether Python runs it unbuffered (-u, as torchrun's), which
@@ -103,7 +103,10 @@ def same_as_torchrun(torchrun, ours, nranks: int) -> dict[int, dict]:
     for r in range(nranks):
         w = {k: v for k, v in want[r].items() if k not in DIFFERENT}
         g = {k: v for k, v in got[r].items() if k not in DIFFERENT}
-        # A random run id is random for each: both UUIDs, one per launch.
+        # A random run id is random for each: both UUIDs, one per launch. torchrun before 2.13
+        # named a run without a rendezvous id "none" where 2.13 (ddip's reference) picks a UUID.
+        if not TORCHRUN_IS_THE_REFERENCE and w["TORCHELASTIC_RUN_ID"] == "none":
+            w["TORCHELASTIC_RUN_ID"] = g["TORCHELASTIC_RUN_ID"]
         if UUID.match(w["TORCHELASTIC_RUN_ID"] or ""):
             assert UUID.match(g["TORCHELASTIC_RUN_ID"] or ""), g
             w["TORCHELASTIC_RUN_ID"] = g["TORCHELASTIC_RUN_ID"] = "uuid"
@@ -201,6 +204,11 @@ def test_log_dir_alone_keeps_every_stream_where_torchrun_keeps_none(tmp_path):
     assert terminal_lines(p.stdout + p.stderr) == ["err of 0", "err of 1", "out of 0", "out of 1"]
 
 
+def ddip_gpu_count() -> int:
+    import ddip
+    return ddip.kernel.group.gpu_count()
+
+
 # The forms that stopped every one of 50 torchrun command lines (issue 32's table), each of which
 # now starts. One launcher per machine (several nodes) is tests/test_run_nodes.py's.
 @pytest.mark.parametrize("args, env, nranks", [
@@ -215,7 +223,8 @@ def test_log_dir_alone_keeps_every_stream_where_torchrun_keeps_none(tmp_path):
     (["--max-restarts", "3", "--nproc-per-node", "2", "train.py"], {}, 2),          # --max-restarts
     (["train.py"], {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "1", "PET_NODE_RANK": "0",
                     "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "{port}"}, 2),  # PET_*
-    (["--nproc-per-node", "auto", "train.py"], {}, len(os.sched_getaffinity(0))),    # auto: CPUs here
+    # auto: as torchrun, the GPUs where there are any, else the CPUs
+    (["--nproc-per-node", "auto", "train.py"], {}, ddip_gpu_count() or len(os.sched_getaffinity(0))),
     (["--nproc_per_node", "cpu", "train.py"], {}, len(os.sched_getaffinity(0))),
 ])
 def test_the_blocker_forms_start(work, args, env, nranks):
