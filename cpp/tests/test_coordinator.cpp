@@ -41,14 +41,18 @@ void flood_then_exit(int) {
 // Requests: "echo:N" prints N lines then replies; "partial:X" prints X without a newline;
 // "exit:N" exits with N after a line on stderr; "hang" replies, then never reads again;
 // "flood-on-term:N" sets the SIGTERM handler above; "fds:N" replies with N fds attached;
-// "env:NAME" replies with the variable's value.
+// "env:NAME" replies with the variable's value; "late:MS" works MS ms, then is "echo:1".
 int worker_main() {
   int rank = std::atoi(std::getenv("DDIP_TEST_RANK"));
   Endpoint ep(std::getenv("DDIP_SOCKET"), rank, "pid=" + std::to_string(::getpid()));
   return test::serve_requests(ep, [&](const Frame& f) {
     const std::string& req = f.data();
-    if (req.rfind("echo:", 0) == 0) {
-      int n = std::atoi(req.c_str() + 5);
+    if (req.rfind("echo:", 0) == 0 || req.rfind("late:", 0) == 0) {
+      int n = 1;
+      if (req[0] == 'l')
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(req.c_str() + 5)));
+      else
+        n = std::atoi(req.c_str() + 5);
       for (int i = 0; i < n; ++i) write_fd(1, "line " + std::to_string(i) + "\n");
       write_fd(2, "to stderr\n");
       ep.send(Frame::make(kDone, rank, f.seq, "echoed"));
@@ -370,11 +374,14 @@ TEST(Coordinator, TheWaitingMainThreadRunsTheLoopAndTheIoThreadTakesOverWhenItIs
   ASSERT_FALSE(unwaited.empty());
   EXPECT_NE(unwaited.back(), here);
   // And the main thread takes the loop back for its waits. The first request's reply may still
-  // be read by the IO thread as it hands the loop over (it yields between two rounds).
+  // be read by the IO thread as it hands the loop over (it yields between two rounds). The
+  // worker works 20 ms before it replies, so that the main thread waits for the reply: one
+  // that came at once could be read by the IO thread before the main thread asked for it (under
+  // load, every time: then the main thread never waited, and never needed the loop).
   bool back_here = false;
   for (uint64_t seq = 3; seq < 13 && !back_here; ++seq) {
     before = queued.count();
-    EXPECT_EQ(request(c, 0, seq, "echo:1").frame.data(), "echoed");
+    EXPECT_EQ(request(c, 0, seq, "late:20").frame.data(), "echoed");
     back_here = queued.since(before).back() == here;
   }
   EXPECT_TRUE(back_here);
