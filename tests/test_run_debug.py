@@ -8,6 +8,7 @@ and its ranks die with it (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -355,3 +356,44 @@ def test_a_rank_left_out_by_tee_still_shows_its_prompts(tmp_path):
     # Its own output is still --show's (the source lines its debugger lists are not).
     assert "[1] rank 1 stops\n" not in out and "[1] rank 1 goes on with x=41" not in out
     assert "[0] rank 0's stdin: nothing" in out
+
+
+def test_a_rank_whose_python_has_no_ddip_is_hooked_and_says_why_it_cannot_stop(tmp_path):
+    # ddip installed in one environment (pipx, a base environment), the ranks' Python another
+    # without it: ddip run's own hook still starts in each rank (found beside the launcher), and a
+    # breakpoint says what is missing and how to fix it, where before it was skipped with only
+    # Python's "Ignoring unimportable $PYTHONBREAKPOINT".
+    bare = tmp_path / "bare"
+    subprocess.run([PY, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    python = str(bare / "bin" / "python")
+    rank = script(tmp_path, """
+        import json, os, signal, sys
+        try:
+            import ddip
+        except ImportError:
+            ddip = None
+        breakpoint()
+        import pdb
+        pdb.set_trace()
+        print("went on", json.dumps({
+            "ddip": ddip is not None, "hook": os.environ.get("DDIP_RUN_HOOK"),
+            "threads": len(os.listdir("/proc/self/task")),
+            "sigurg_blocked": signal.SIGURG in signal.pthread_sigmask(signal.SIG_BLOCK, [])}), flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONBREAKPOINT", "DDIP_RUN_HOOK")}
+    p = subprocess.run([DDIP, "run", "-n", "2", python, rank], capture_output=True, text=True, env=env,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert p.returncode == 0, p.stderr
+    # Each rank: no ddip of its own, and the hook started (its thread, SIGURG blocked, its variable
+    # gone). Both ranks' lines are alike, so they may come as one: "[0,1] went on {...}".
+    seen = {label: json.loads(rest) for label, rest in
+            (line.split(" went on ", 1) for line in p.stdout.splitlines() if " went on " in line)}
+    assert set(seen) in ({"[0,1]"}, {"[0]", "[1]"}), p.stdout
+    assert all(s == {"ddip": False, "hook": None, "threads": 2, "sigurg_blocked": True} for s in seen.values()), \
+        p.stdout
+    for r in (0, 1):
+        said = [line for line in p.stderr.splitlines() if line.startswith(f"[{r}] ddip run: rank {r} reached")]
+        assert len(said) == 2, p.stderr  # breakpoint() and pdb.set_trace()
+        assert f"its Python ({python}) cannot import ddip" in said[0]
+        assert f"{python} -m pip install ddip" in said[0] and "PYTHONBREAKPOINT=0" in said[0]
+    assert "Ignoring unimportable" not in p.stderr

@@ -62,6 +62,37 @@ TEST(RunCollectives, TheStartupHookFileLoadsDdipsHookAndChainsToTheHiddenSitecus
   EXPECT_THROW(write_startup_hook("/proc/no-such-dir"), std::system_error);
 }
 
+// The hook of the package the launcher came with, found from the launcher's path in each layout
+// pip makes, and written into the startup file for ranks whose Python has no ddip.
+TEST(RunCollectives, TheLaunchersOwnHookIsFoundBesideItAndWrittenForRanksWithoutDdip) {
+  namespace fs = std::filesystem;
+  auto root = fs::temp_directory_path() / ("ddip-test-own-hook-" + std::to_string(::getpid()));
+  auto make = [](const fs::path& file) {
+    fs::create_directories(file.parent_path());
+    std::ofstream(file) << "#\n";
+    return file.string();
+  };
+  // A virtual environment (or pipx's): PREFIX/bin/ddip, PREFIX/lib/python3.X/site-packages/ddip.
+  std::string venv = make(root / "venv/lib/python3.12/site-packages/ddip/rank/run_hook.py");
+  EXPECT_EQ(own_hook(root / "venv/bin/ddip"), venv);
+  // Debian's Python under a prefix: dist-packages.
+  std::string deb = make(root / "usr/lib/python3/dist-packages/ddip/rank/run_hook.py");
+  EXPECT_EQ(own_hook(root / "usr/bin/ddip"), deb);
+  // pip install --target DIR: DIR/bin/ddip beside DIR/ddip.
+  std::string target = make(root / "target/ddip/rank/run_hook.py");
+  EXPECT_EQ(own_hook(root / "target/bin/ddip"), target);
+  // The copy inside the package, ddip/bin/ddip (what %%diprun starts).
+  EXPECT_EQ(own_hook(root / "target/ddip/bin/ddip"), target);
+  auto dir = root / "hook";
+  write_startup_hook(dir.string(), venv);
+  std::ifstream in(dir / "sitecustomize.py");
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_NE(text.str().find("OWN_HOOK = \"" + venv + "\""), std::string::npos);
+  EXPECT_NE(text.str().find("hook.IMPORTABLE = False"), std::string::npos);
+  fs::remove_all(root);
+}
+
 TEST(RunCollectives, TheHookGoesFirstOnPythonpathUnlessTheUserTurnedItOff) {
   std::vector<std::string> env = {"PATH=/bin"};
   add_hook_environment(env, "/tmp/d/hook");

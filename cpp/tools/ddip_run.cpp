@@ -632,7 +632,9 @@ bool make_error_files(std::optional<ErrorFiles>& errors, Elastic& elastic,
 // it (said) the ranks run as they would, but can't say where they are at a timeout or Ctrl-C.
 void add_startup_hook(Elastic& elastic, const ErrorFiles& errors, const std::string& prog) {
   try {
-    elastic.hook_dir = write_startup_hook(errors.dir() + "/hook");
+    std::error_code ec;
+    auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    elastic.hook_dir = write_startup_hook(errors.dir() + "/hook", ec ? "" : own_hook(self));
   } catch (const std::exception& e) {
     std::cerr << prog << ": " << e.what()
               << "; the ranks run without it (no picture of their collectives at a timeout or "

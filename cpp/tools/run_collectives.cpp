@@ -38,16 +38,24 @@ def _ddip_run_hook():
     def first(paths):
         return next((p for p in paths if os.path.exists(p)), None)
 
+    # ddip run's own run_hook.py (the package it was installed with), for a rank whose Python
+    # cannot import ddip (ddip installed elsewhere: pipx, another environment); "" if not found.
+    OWN_HOOK = @OWN_HOOK@
     path = first(os.path.join(d or ".", "ddip", "rank", "run_hook.py") for d in sys.path)
     if path is None:
         finds = (getattr(f, "find_spec", None) for f in sys.meta_path)
         spec = next(filter(None, (find("ddip", None) for find in finds if find)), None)
         places = (spec.submodule_search_locations or []) if spec else []
         path = first(os.path.join(d, "rank", "run_hook.py") for d in places)
+    importable = path is not None
+    if path is None and os.path.exists(OWN_HOOK):  # this Python has no ddip: ddip run's own hook
+        path = OWN_HOOK
     if path:  # else a Python without ddip (or without the hook): the rank runs as it would
         hook = type(sys)("_ddip_run_hook")
         hook.__file__ = path
         SourceFileLoader(hook.__name__, path).exec_module(hook)
+        if not importable:
+            hook.IMPORTABLE = False
         hook.start(here)
     elif "DDIP_STORE_FD" in os.environ:  # rank 0's store socket: its own store binds the port
         os.close(int(os.environ.pop("DDIP_STORE_FD")))
@@ -63,14 +71,51 @@ _ddip_run_hook()
 del _ddip_run_hook
 )";
 
+// A Python string literal of `text` (a path: no newline in it, else "").
+std::string python_literal(const std::string& text) {
+  if (text.find_first_of("\n\r") != std::string::npos) return "\"\"";
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '\\' || c == '"') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
 }  // namespace
 
-std::string write_startup_hook(const std::string& dir) {
+std::string own_hook(const std::filesystem::path& launcher) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path bin = launcher.parent_path(), up = bin.parent_path();
+  std::vector<fs::path> candidates = {
+      up / "rank" / "run_hook.py",          // the package's own copy: ddip/bin/ddip
+      up / "ddip" / "rank" / "run_hook.py"  // pip install --target DIR: DIR/bin, DIR/ddip
+  };
+  // A virtual environment (pipx's too), ~/.local or a prefix: PREFIX/bin beside
+  // PREFIX/lib/python3.X/site-packages (dist-packages on Debian's Python).
+  for (const char* lib : {"lib", "lib64"})
+    for (fs::directory_iterator it(up / lib, ec), end; !ec && it != end; it.increment(ec))
+      if (it->path().filename().string().rfind("python3", 0) == 0)
+        for (const char* packages : {"site-packages", "dist-packages"})
+          candidates.push_back(it->path() / packages / "ddip" / "rank" / "run_hook.py");
+#ifdef DDIP_SOURCE_PACKAGE
+  candidates.push_back(fs::path(DDIP_SOURCE_PACKAGE) / "rank" / "run_hook.py");  // editable
+#endif
+  for (const auto& c : candidates)
+    if (fs::is_regular_file(c, ec)) return c.lexically_normal().string();
+  return "";
+}
+
+std::string write_startup_hook(const std::string& dir, const std::string& hook) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   const std::string path = dir + "/sitecustomize.py";
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << kSiteCustomize;
+  std::string text = kSiteCustomize;
+  const std::string mark = "@OWN_HOOK@";
+  text.replace(text.find(mark), mark.size(), python_literal(hook));
+  out << text;
   out.close();
   if (ec || !out)
     throw std::system_error(ec ? ec : std::make_error_code(std::errc::io_error),

@@ -16,6 +16,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
@@ -34,9 +35,16 @@ inline constexpr const char* kRunHookVariable = "DDIP_RUN_HOOK";
 // How long ddip run waits for the ranks' answers before it goes on without the rest.
 inline constexpr std::chrono::milliseconds kStateWait{3000};
 
+// The run_hook.py of the ddip package this launcher (its path) was installed with, for ranks
+// whose Python cannot import ddip (ddip installed in another environment): beside it in the
+// package (ddip/bin/ddip), in a --target folder, or under PREFIX/lib/python3.X beside PREFIX/bin;
+// an editable build's source tree. "" when there is none.
+std::string own_hook(const std::filesystem::path& launcher);
+
 // Writes the sitecustomize.py that starts the hook into `dir` (made if missing); returns `dir`.
+// The rank's own ddip's hook goes first; `hook` (own_hook's) when that Python has no ddip.
 // Throws std::system_error naming the file it could not write.
-std::string write_startup_hook(const std::string& dir);
+std::string write_startup_hook(const std::string& dir, const std::string& hook = "");
 
 // A rank's environment with the hook in `hook_dir` ("": none) added: PYTHONPATH begins with it
 // and DDIP_RUN_HOOK=1; unchanged when the environment already says DDIP_RUN_HOOK=0.

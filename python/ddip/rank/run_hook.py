@@ -22,6 +22,9 @@ import os
 import sys
 
 _RECORD = "\x1eddip state"
+# False: ddip run's sitecustomize loaded this file from ddip run's own installation, because this
+# rank's Python cannot import ddip (installed in another environment): no prompt can open here.
+IMPORTABLE = True
 # PYTHONBREAKPOINT as ddip run sets it (cpp/tools/run_plan.hpp's kBreakpointHook).
 _BREAKPOINT_HOOK = "ddip.rank.run_debug.set_trace"
 
@@ -53,6 +56,8 @@ def start(hook_dir: str) -> None:
     _watch_end(os.path.dirname(os.path.abspath(hook_dir)))
     _take_store_socket()
     if os.environ.get("PYTHONBREAKPOINT") == _BREAKPOINT_HOOK:
+        if not IMPORTABLE:  # breakpoint() would be skipped with only a warning: say why
+            sys.breakpointhook = _no_prompt
         sys.meta_path.insert(0, _PatchPdb())
 
 
@@ -332,11 +337,27 @@ def _collectives():
     return _loaded
 
 
+def _no_prompt(*_args, **_kwargs):
+    """breakpoint() or pdb.set_trace() in a rank whose Python has no ddip: says so, and goes on."""
+    rank = os.environ.get("RANK", "?")
+    text = (f"ddip run: rank {rank} reached a breakpoint but cannot stop there: its Python "
+            f"({sys.executable}) cannot import ddip, which ddip run's prompts need. Install ddip "
+            f"in that environment ({sys.executable} -m pip install ddip), or set "
+            f"PYTHONBREAKPOINT=0 to pass breakpoints by. Going on.\n")
+    try:
+        sys.stderr.flush()
+        os.write(2, text.encode(errors="replace"))
+    except (OSError, ValueError):
+        pass
+
+
 def _set_trace(*, header=None, **_ignored):
     """pdb.set_trace() in a rank of ddip run: ddip.rank.run_debug's, stopping in the caller's
     frame."""
     from importlib import import_module
 
+    if not IMPORTABLE:
+        return _no_prompt()
     module, name = _BREAKPOINT_HOOK.rsplit(".", 1)
     getattr(import_module(module), name)(header=header, frame=sys._getframe().f_back)
 
