@@ -1014,11 +1014,21 @@ def test_lightning_picks_torchelastic_under_ddip_run(launcher, tmp_path):
     pytest.importorskip("lightning")
     # As under torchrun: TorchElasticEnvironment, so devices=1 in two ranks is torchrun's clear
     # error (under another environment it was an IndexError deep inside Lightning).
-    path = script(tmp_path, """
+    # Each rank says which environment it got, then waits for the other's word before launching:
+    # the first rank to fail stops the other, which may not have printed yet (lightning's import
+    # takes seconds).
+    said = tmp_path / "said"
+    said.mkdir()
+    path = script(tmp_path, f"""
+        import os, pathlib, time
         import lightning as L
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False,
                             enable_progress_bar=False, enable_checkpointing=False)
-        print(type(trainer._accelerator_connector.cluster_environment).__name__)
+        print(type(trainer._accelerator_connector.cluster_environment).__name__, flush=True)
+        said = pathlib.Path({str(said)!r})
+        (said / os.environ["RANK"]).touch()
+        while len(list(said.iterdir())) < 2:
+            time.sleep(0.01)
         trainer.strategy.launcher.launch(print)
     """)
     code, out, err = run(launcher, ["run", "-n", "2", PY, path], timeout=180)
