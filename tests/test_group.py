@@ -183,6 +183,52 @@ def test_the_stop_button_right_after_a_request_stops_every_rank(group2):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_ctrl_c_while_the_notebook_takes_in_replies_loses_none(group2):
+    # The stop button's KeyboardInterrupt can land while the runtime hands the replies it took to
+    # their requests (Runtime.pump). Before, the replies left in its inbox waited, and the pump,
+    # marked busy for good, made every later wait wait for it: the ranks had replied, and the
+    # group stayed busy ("did not stop") with every later request refused.
+    rt = group2.runtime
+    landed = []
+
+    def dispatch(ev, real=rt.dispatch):
+        if not landed:
+            landed.append(ev.kind)
+            raise KeyboardInterrupt  # where the stop button's signal was handled
+        return real(ev)
+
+    rt.dispatch = dispatch  # the instance's, for this test
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            group2.run("x = 41")
+    finally:
+        del rt.dispatch
+    assert landed and "did not stop" not in str(e.value), e.value
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+    assert [r.value for r in group2.run("x + 1")] == [42, 42]
+
+
+def test_a_ctrl_c_before_the_wait_begins_still_stops_the_ranks(group2, monkeypatch):
+    # The request is sent, and the stop button's KeyboardInterrupt lands before the wait for it
+    # has begun (here: as it reads the debuggers' paused time, where one landed under load).
+    # Before, it left the ranks running the request with no one to interrupt them.
+    import ddip.kernel.request as request
+
+    landed = []
+
+    def paused_s(real=request._paused_s):
+        if not landed:
+            landed.append(True)
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(request, "_paused_s", paused_s)
+    with pytest.raises(KeyboardInterrupt) as e:
+        group2.run("while True:\n    pass")
+    assert landed and "did not stop" not in str(e.value), e.value
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+
+
 def test_interrupt_right_after_a_request_stops_it(group2):
     # g.interrupt() can reach a rank before its request does (an idle rank ignores SIGINT): the
     # request's waiter sends it again until the rank stops.

@@ -36,7 +36,7 @@ from .collectives import CollectivePicture, Stacks
 from .panel_view import RankStatus
 from .stragglers import LAST as _LAST, Stragglers, checked_last as _checked_last
 from . import template as _template
-from .request import (Callbacks, Pending, RankResult, collect, positive_timeout as _positive_timeout,
+from .request import (Callbacks, Pending, RankResult, sent_and_collected, positive_timeout as _positive_timeout,
                       raise_failures)
 from .request import SLICE_S as _SLICE_S
 from .runtime import BACKGROUND_KEEP_BYTES, Runtime  # noqa: F401
@@ -397,8 +397,8 @@ class Group:
         if cell is not None and not (isinstance(cell, tuple) and len(cell) == 2 and isinstance(cell[0], str)
                                      and isinstance(cell[1], int) and cell[1] >= 1):
             raise TypeError(f"cell must be (file name, first line >= 1), got {cell!r}")
-        req = self.send_request(_msg.Run(code, values, cell), ranks, "code")
-        results = collect(self, req, Callbacks(on_output, on_display), timeout, interrupt=True)
+        req, results = sent_and_collected(self, lambda: self.send_request(_msg.Run(code, values, cell), ranks, "code"),
+                                          Callbacks(on_output, on_display), timeout, interrupt=True)
         with self._noting_failure():
             raise_failures(results, "code", req.heal.report if req.heal else None, req.collectives)
         return results
@@ -406,16 +406,17 @@ class Group:
     def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
         """Calls fn(*args, **kwargs) on each rank; a list of return values in rank order.
         (`ranks=` is taken by apply itself; the rest goes to fn.)"""
-        pending = self.apply_async(fn, *args, ranks=ranks, **kwargs)
+        what = _applied(fn)
+        req, results = sent_and_collected(self, lambda: self.send_request(_msg.Apply(fn, args, kwargs), ranks, what),
+                                          Callbacks())
         with self._noting_failure():
-            return pending.result()
+            raise_failures(results, what, req.heal.report if req.heal else None, req.collectives)
+        return [r.value for r in results]
 
     def apply_async(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> "Pending":
         """Starts fn(*args, **kwargs) on each rank and returns at once; Pending.result() waits.
         Until then those ranks are busy: one request at a time per rank."""
-        if not callable(fn):
-            raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
-        what = f"{getattr(fn, '__name__', 'function')}()"
+        what = _applied(fn)
         req = self.send_request(_msg.Apply(fn, args, kwargs), ranks, what)
         return Pending(self, req)
 
@@ -431,14 +432,14 @@ class Group:
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
         try:
-            req = self.send_request(_msg.Push(ns), ranks, "push")
+            _, results = sent_and_collected(self, lambda: self.send_request(_msg.Push(ns), ranks, "push"), Callbacks())
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             culprits = [k for k, v in ns.items() if not picklable(v)]
             if not culprits:
                 raise
             raise TypeError(f"can't push {', '.join(culprits)}: it can't be pickled "
                             f"({type(exc).__name__}: {exc}); nothing was pushed") from None
-        raise_failures(collect(self, req, Callbacks(), None), "push")
+        raise_failures(results, "push")
 
     def pull(self, names, rank: int = 0):
         """A variable's value from one rank (rank 0 by default); a list of names gives a list."""
@@ -453,8 +454,8 @@ class Group:
             raise ValueError(f"pull needs variable names, got {bad!r}")
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be a rank number, got {rank!r}")
-        req = self.send_request(_msg.Pull(tuple(name_list)), [rank], "pull")
-        results = collect(self, req, Callbacks(), None)
+        _, results = sent_and_collected(self, lambda: self.send_request(_msg.Pull(tuple(name_list)), [rank], "pull"),
+                                        Callbacks())
         raise_failures(results, "pull")
         values = results[0].value
         return values[0] if single else values
@@ -543,8 +544,9 @@ class Group:
             rank = self._root_cause_rank()
         elif isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be a rank number, got {rank!r}")
-        req = self.send_request(_msg.Debug(), [rank], f"debugger on rank {rank}")
-        result = collect(self, req, Callbacks(on_output=LabelledOutput()), None)[0]
+        _, results = sent_and_collected(self, lambda: self.send_request(_msg.Debug(), [rank], f"debugger on rank {rank}"),
+                                        Callbacks(on_output=LabelledOutput()))
+        result = results[0]
         if result.error is not None:
             raise_failures([result], f"the debugger on rank {rank}")
         if result.value and result.value.get("nothing"):
@@ -614,6 +616,13 @@ class Group:
         waits for it)."""
         rt = self._check_open()
         return rt.send(self._slots(ranks), msg, what)
+
+
+def _applied(fn) -> str:
+    """What apply and apply_async call, as their errors name it."""
+    if not callable(fn):
+        raise TypeError(f"apply needs a callable, got {type(fn).__name__}")
+    return f"{getattr(fn, '__name__', 'function')}()"
 
 
 def _rss_mb(pid: int) -> float | None:

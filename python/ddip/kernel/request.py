@@ -143,14 +143,16 @@ class Callbacks:
 
 
 def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = True,
-            stop_waiting_at: float | None = None, on_failure: bool = True) -> list[RankResult]:
+            stop_waiting_at: float | None = None, on_failure: bool = True,
+            ctrl_c: bool = False) -> list[RankResult]:
     """Waits for every rank of `req`. timeout (with interrupt=True): interrupt the ranks then,
     and raise TimeoutError. stop_waiting_at: a deadline after which we stop waiting
     (TimeoutError) and leave the request running. on_failure: interrupt the other ranks when one
-    fails (False: the caller handles failures itself, as ranch does)."""
+    fails (False: the caller handles failures itself, as ranch does). ctrl_c: a Ctrl-C came before
+    the wait began (sent_and_collected): interrupt the ranks first, as the wait does for one."""
     waiting = _Waiting(group, req, cb, timeout if interrupt else None, stop_waiting_at, on_failure)
     try:
-        waiting.until_done()
+        waiting.until_done(ctrl_c)
     finally:
         waiting.forget_look()
     stuck = waiting.settle_stuck()
@@ -166,6 +168,21 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
         waiting.healer.finish(req, stuck)
     _raise_if_interrupted(group.runtime, req, stuck, timeout)
     return [req.results[s] for s in req.slots]
+
+
+def sent_and_collected(group, send: Callable, cb: Callbacks, timeout=None, **kw) -> tuple[Request, list[RankResult]]:
+    """send() -> the Request it sent, then collect() for it. A Ctrl-C (the stop button) between
+    the two, or before collect()'s wait has begun, would leave the ranks running the request with
+    no one to interrupt them (the next request: RankBusyError); it interrupts them as one during
+    the wait does. The send and the wait are in this one frame: a signal's KeyboardInterrupt is
+    raised at the next function call, which is inside the `try`."""
+    req = send()
+    try:
+        return req, collect(group, req, cb, timeout, **kw)
+    except KeyboardInterrupt:
+        if req.why is not None:
+            raise  # the wait's own: it took a first Ctrl-C, or this is a second one
+        return req, collect(group, req, cb, timeout, ctrl_c=True, **kw)
 
 
 class _Waiting:
@@ -194,13 +211,16 @@ class _Waiting:
         req.resignal_at = req.interrupted_at  # now, and again while they still run it
         self._resignal(req.interrupted_at)
 
-    def until_done(self):
+    def until_done(self, ctrl_c: bool = False):
         """Returns once every rank replied, or the grace after interrupting them ran out."""
         req = self.req
         while True:
             # Ctrl-C may land anywhere in here (in a callback too): the first one interrupts the
             # ranks and keeps collecting their replies; a second one stops waiting.
             try:
+                if ctrl_c:
+                    ctrl_c = False
+                    self.interrupt_pending("ctrl-c")
                 drain(self.rt, req, self.cb)
                 if req.prompts and self.answer_prompts():
                     continue
@@ -689,8 +709,14 @@ class Pending:
             group = self._live_group()
             self._cb = Callbacks(on_output, on_display, on_message, on_done)
             stop = None if timeout is None else time.monotonic() + timeout
-            self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
-                                    on_failure=self.on_failure)
+            try:
+                self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
+                                        on_failure=self.on_failure)
+            except KeyboardInterrupt:  # before the wait took it: see sent_and_collected
+                if self._req.why is not None:
+                    raise
+                self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
+                                        on_failure=self.on_failure, ctrl_c=True)
             self._heal = self._req.heal.report if self._req.heal else None
             self._collectives = self._req.collectives
             self._req = None  # nothing of the runtime is kept once collected

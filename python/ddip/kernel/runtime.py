@@ -139,12 +139,29 @@ class Runtime:
             # lose what was taken, and what a Ctrl-C left undispatched goes first next time.
             coord.next_events(inbox, timeout * 1000 if timeout > 0 else 0, replies)
         finally:
+            # Every event taken is delivered, whatever a Ctrl-C does meanwhile: its KeyboardInterrupt
+            # (raised wherever Python checks for signals: a function's entry, a loop's turn) is
+            # raised again after. Else the events still in the inbox (replies among them) would
+            # wait for the next pump, and `pumping` left set would make every later pump wait for
+            # one that never comes: the ranks done, and the group busy for good. An event is taken
+            # off the inbox once dispatched: one interrupted on its way is dispatched again.
+            interrupted = None
             with self.mu:
-                while inbox:
-                    self.dispatch(inbox.popleft())
-                self.pumping = False
-                if self.waiters:
-                    self.cv.notify_all()
+                try:
+                    while True:
+                        try:
+                            while inbox:
+                                self.dispatch(inbox[0])
+                                inbox.popleft()
+                            break
+                        except KeyboardInterrupt as exc:
+                            interrupted = exc
+                finally:
+                    self.pumping = False
+                    if self.waiters:
+                        self.cv.notify_all()
+            if interrupted is not None:
+                raise interrupted
 
     def dispatch(self, ev):
         """Puts one event where it belongs. Called with self.mu held; never raises."""
