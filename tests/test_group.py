@@ -177,7 +177,9 @@ def test_the_stop_button_right_after_a_request_stops_every_rank(group2):
             with pytest.raises(KeyboardInterrupt) as e:
                 group2.run("while True:\n    pass")
             assert "did not stop" not in str(e.value), e.value
-            assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+            st = group2.status()
+            import traceback as _tb
+            assert [s["state"] for s in st] == ["idle", "idle"], (repr(e.value), "".join(_tb.format_tb(e.tb)))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -227,6 +229,32 @@ def test_a_ctrl_c_before_the_wait_begins_still_stops_the_ranks(group2, monkeypat
         group2.run("while True:\n    pass")
     assert landed and "did not stop" not in str(e.value), e.value
     assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+
+
+def test_a_ctrl_c_as_the_request_leaves_still_stops_the_ranks(group2):
+    # The stop button's KeyboardInterrupt lands just after the request's frames left, as the
+    # runtime notes the ranks busy: it must still find the request to interrupt.
+    rt = group2.runtime
+    landed = []
+
+    class State(list):
+        def __setitem__(self, i, value):
+            if value == "busy" and not landed:
+                landed.append(i)
+                raise KeyboardInterrupt
+            super().__setitem__(i, value)
+
+    real = rt.state
+    rt.state = State(real)
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            group2.run("while True:\n    pass")
+    finally:
+        real[:] = rt.state  # the runtime's own list again, as it now is
+        rt.state = real
+    assert landed and "did not stop" not in str(e.value), e.value
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+    assert [r.value for r in group2.run("7")] == [7, 7]  # nothing left running
 
 
 def test_interrupt_right_after_a_request_stops_it(group2):

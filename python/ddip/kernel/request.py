@@ -174,14 +174,16 @@ def sent_and_collected(group, send: Callable, cb: Callbacks, timeout=None, **kw)
     """send() -> the Request it sent, then collect() for it. A Ctrl-C (the stop button) between
     the two, or before collect()'s wait has begun, would leave the ranks running the request with
     no one to interrupt them (the next request: RankBusyError); it interrupts them as one during
-    the wait does. The send and the wait are in this one frame: a signal's KeyboardInterrupt is
-    raised at the next function call, which is inside the `try`."""
-    req = send()
+    the wait does. The send and the wait are in this one `try`: a signal's KeyboardInterrupt is
+    raised at the next function call or loop turn, which is inside it."""
+    req = None
     try:
+        req = send()
         return req, collect(group, req, cb, timeout, **kw)
-    except KeyboardInterrupt:
-        if req.why is not None:
-            raise  # the wait's own: it took a first Ctrl-C, or this is a second one
+    except KeyboardInterrupt as exc:
+        req = req or getattr(exc, "request", None)  # Runtime.send's, when it came after the frames left
+        if req is None or req.why is not None:
+            raise  # nothing was sent; or the wait's own: it took a first Ctrl-C, or this is a second
         return req, collect(group, req, cb, timeout, ctrl_c=True, **kw)
 
 

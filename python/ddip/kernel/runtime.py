@@ -366,15 +366,34 @@ class Runtime:
             payload, segments = dumps_framed(msg, lambda raw: (coord.put(raw),) * 2, coord.release)
             self.seq += 1
             request = Request(self.rank_ids, self.seq, slots, what)
+            # Once the frames are sent, the bookkeeping is done whatever a Ctrl-C does (its
+            # KeyboardInterrupt lands where Python checks for signals: a loop's turn, a function's
+            # entry): a request sent and not registered would run in its ranks with no one to
+            # wait for it or interrupt it. The KeyboardInterrupt is raised after, carrying the
+            # request (sent_and_collected waits for it, interrupting the ranks).
+            interrupted = None
             try:
                 coord.send(slots, _core.REQUEST, request.seq, payload, segments)
             finally:
-                for segment in segments:  # the frames hold their own references now
-                    coord.release(segment)
-            self.running.update(dict.fromkeys(slots, request))
-            state = self.state
-            for s in slots:
-                state[s] = "busy"
+                while True:
+                    try:
+                        while segments:  # the frames hold their own references now
+                            coord.release(segments.pop())
+                        break
+                    except KeyboardInterrupt as exc:
+                        interrupted = exc
+            while True:
+                try:
+                    self.running.update(dict.fromkeys(slots, request))
+                    state = self.state
+                    for s in slots:
+                        state[s] = "busy"
+                    break
+                except KeyboardInterrupt as exc:
+                    interrupted = exc
+            if interrupted is not None:
+                interrupted.request = request
+                raise interrupted
         return request
 
     def answer(self, slot: int, req: Request, msg) -> bool:
