@@ -431,14 +431,17 @@ class Group:
         bad = [k for k in ns if not (isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k))]
         if bad:
             raise ValueError(f"push needs variable names, got {bad!r}")
-        try:
-            _, results = sent_and_collected(self, lambda: self.send_request(_msg.Push(ns), ranks, "push"), Callbacks())
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            culprits = [k for k, v in ns.items() if not picklable(v)]
-            if not culprits:
-                raise
-            raise TypeError(f"can't push {', '.join(culprits)}: it can't be pickled "
-                            f"({type(exc).__name__}: {exc}); nothing was pushed") from None
+        def send():  # only the send pickles: a value that can't be pickled is named here
+            try:
+                return self.send_request(_msg.Push(ns), ranks, "push")
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                culprits = [k for k, v in ns.items() if not picklable(v)]
+                if not culprits:
+                    raise
+                raise TypeError(f"can't push {', '.join(culprits)}: it can't be pickled "
+                                f"({type(exc).__name__}: {exc}); nothing was pushed") from None
+
+        _, results = sent_and_collected(self, send, Callbacks())
         raise_failures(results, "push")
 
     def pull(self, names, rank: int = 0):

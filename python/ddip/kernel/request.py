@@ -170,15 +170,18 @@ def collect(group, req: Request, cb: Callbacks, timeout, *, interrupt: bool = Tr
     return [req.results[s] for s in req.slots]
 
 
-def sent_and_collected(group, send: Callable, cb: Callbacks, timeout=None, **kw) -> tuple[Request, list[RankResult]]:
-    """send() -> the Request it sent, then collect() for it. A Ctrl-C (the stop button) between
-    the two, or before collect()'s wait has begun, would leave the ranks running the request with
-    no one to interrupt them (the next request: RankBusyError); it interrupts them as one during
-    the wait does. The send and the wait are in this one `try`: a signal's KeyboardInterrupt is
-    raised at the next function call or loop turn, which is inside it."""
-    req = None
+def sent_and_collected(group, send: Callable | Request, cb: Callbacks, timeout=None,
+                       **kw) -> tuple[Request, list[RankResult]]:
+    """send() -> the Request it sent, then collect() for it (send: a Request already sent, as a
+    Pending's, is collected alone). A Ctrl-C (the stop button) between the two, or before
+    collect()'s wait has begun, would leave the ranks running the request with no one to
+    interrupt them (the next request: RankBusyError); it interrupts them as one during the wait
+    does. The send and the wait are in this one `try`: a signal's KeyboardInterrupt is raised at
+    the next function call or loop turn, which is inside it."""
+    req = send if isinstance(send, Request) else None
     try:
-        req = send()
+        if req is None:
+            req = send()
         return req, collect(group, req, cb, timeout, **kw)
     except KeyboardInterrupt as exc:
         req = req or getattr(exc, "request", None)  # Runtime.send's, when it came after the frames left
@@ -711,14 +714,8 @@ class Pending:
             group = self._live_group()
             self._cb = Callbacks(on_output, on_display, on_message, on_done)
             stop = None if timeout is None else time.monotonic() + timeout
-            try:
-                self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
-                                        on_failure=self.on_failure)
-            except KeyboardInterrupt:  # before the wait took it: see sent_and_collected
-                if self._req.why is not None:
-                    raise
-                self._results = collect(group, self._req, self._cb, None, stop_waiting_at=stop,
-                                        on_failure=self.on_failure, ctrl_c=True)
+            _, self._results = sent_and_collected(group, self._req, self._cb, None, stop_waiting_at=stop,
+                                                  on_failure=self.on_failure)
             self._heal = self._req.heal.report if self._req.heal else None
             self._collectives = self._req.collectives
             self._req = None  # nothing of the runtime is kept once collected

@@ -145,6 +145,8 @@ class Runtime:
             # wait for the next pump, and `pumping` left set would make every later pump wait for
             # one that never comes: the ranks done, and the group busy for good. An event is taken
             # off the inbox once dispatched: one interrupted on its way is dispatched again.
+            # These loops (and send's) are inline, not a helper: a helper's entry would itself be
+            # a place where a KeyboardInterrupt lands, outside its `try`.
             interrupted = None
             with self.mu:
                 try:
