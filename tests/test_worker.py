@@ -198,6 +198,11 @@ def test_the_lean_path_and_run_cell_give_the_same_counts_values_output_and_error
                 err = r.error and (r.error.ename, r.error.evalue, r.error.traceback)
                 out = "" if code.startswith("%time") else r.stdout
                 got.append((code, r.execution_count, repr(r.value), r.format, out, r.stderr, err))
+            # What the history keeps of each cell's output (as %notebook writes it; %time's times
+            # differ), and the streams' writes put back after every cell (IPython's _tee's is a closure).
+            got.append(g.run("import sys\n{n: [(o.output_type, o.bundle) for o in v if 'Wall time' not in str(o.bundle)] for n, v in "
+                             "get_ipython().history_manager.outputs.items()}, "
+                             "[('write' in vars(s)) and s.write.__qualname__ for s in (sys.stdout, sys.stderr)]")[0].value)
             with pytest.raises(TimeoutError) as e:  # Ctrl-C in a plain cell: KeyboardInterrupt, as before
                 g.run("import time\nfor _ in range(10000):\n    time.sleep(0.01)", timeout=1)
             got.append(("interrupted", e.value.results[0].error.ename, e.value.results[0].execution_count))
