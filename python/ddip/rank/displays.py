@@ -81,6 +81,8 @@ class DisplayFrames:
     def flush(self, forget: bool = False) -> None:
         """Sends every waiting update now; forget=True also forgets when ids were last updated
         (the cell is over: the next cell's first redraw goes at once)."""
+        if not self._waiting and not self._last:
+            return  # the usual reply: no display updated (a racing update is the thread's, as with the lock)
         with self._cond:
             self._flush_locked()
             if forget:

@@ -334,10 +334,15 @@ def _store_inputs(shell, history, count: int, parsed: str, raw: str) -> None:
     """HistoryManager.store_inputs for a history that writes no database (a rank's), the values of
     its `_i` traits written directly (_SHELL_TRAITS' reason). A plain cell is never `exit` or
     `quit`, which it leaves out."""
-    history.input_hist_parsed.append(parsed)
-    history.input_hist_raw.append(raw)
-    i00, i, ii = history._i00, history._i, history._ii
     values = history._trait_values
+    try:  # the values themselves, as the writes below; a trait never read yet has none stored
+        parsed_hist, raw_hist, i00, i, ii = (values["input_hist_parsed"], values["input_hist_raw"],
+                                             values["_i00"], values["_i"], values["_ii"])
+    except KeyError:
+        parsed_hist, raw_hist, i00, i, ii = (history.input_hist_parsed, history.input_hist_raw,
+                                             history._i00, history._i, history._ii)
+    parsed_hist.append(parsed)
+    raw_hist.append(raw)
     values["_iii"], values["_ii"], values["_i"], values["_i00"] = ii, i, i00, raw
     names = {"_i": i00, "_ii": i, "_iii": ii, f"_i{count}": raw}
     shell.user_ns.update(names)
