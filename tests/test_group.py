@@ -257,6 +257,48 @@ def test_a_ctrl_c_as_the_request_leaves_still_stops_the_ranks(group2):
     assert [r.value for r in group2.run("7")] == [7, 7]  # nothing left running
 
 
+class _LockThatIsInterrupted:
+    """A runtime's lock whose exit raises KeyboardInterrupt once `when()` holds: where Python
+    checks for signals after a call of C code, as a Ctrl-C's lands there."""
+
+    def __init__(self, real, when):
+        self.real, self.when, self.landed = real, when, False
+
+    def __enter__(self):
+        return self.real.__enter__()
+
+    def __exit__(self, *exc):
+        self.real.__exit__(*exc)
+        if exc[0] is None and not self.landed and self.when():
+            self.landed = True
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("where", ["as send's bookkeeping ends", "as a pump begins"])
+def test_a_ctrl_c_as_the_runtimes_lock_is_let_go_still_stops_the_ranks(group2, where):
+    # Found by the stop-button test under load: a KeyboardInterrupt at the exit of the runtime's
+    # lock (1) after a request was registered, before send returned it: the ranks ran it on with
+    # no one to interrupt them, the group busy; (2) after a pump set `pumping`, before its `try`:
+    # every later pump waited for that one, the replies were never delivered ("did not stop").
+    rt = group2.runtime
+    if where == "as a pump begins":
+        lock = _LockThatIsInterrupted(rt.mu, lambda: rt.pumping and rt.running)
+    else:
+        lock = _LockThatIsInterrupted(rt.mu, lambda: rt.running and not rt.pumping)
+    real, rt.mu = rt.mu, lock
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            group2.run("while True:\n    pass")
+    finally:
+        rt.mu = real
+    assert lock.landed and "did not stop" not in str(e.value), e.value
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+    assert [r.value for r in group2.run("7")] == [7, 7]  # nothing left running
+
+
 def test_interrupt_right_after_a_request_stops_it(group2):
     # g.interrupt() can reach a rank before its request does (an idle rank ignores SIGINT): the
     # request's waiter sends it again until the rank stops.

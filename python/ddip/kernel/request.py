@@ -177,14 +177,20 @@ def sent_and_collected(group, send: Callable | Request, cb: Callbacks, timeout=N
     collect()'s wait has begun, would leave the ranks running the request with no one to
     interrupt them (the next request: RankBusyError); it interrupts them as one during the wait
     does. The send and the wait are in this one `try`: a signal's KeyboardInterrupt is raised at
-    the next function call or loop turn, which is inside it."""
+    the next function call, loop turn or return from C code, which is inside it; one that came
+    after the frames left and before send() returned finds the request where Runtime.send
+    recorded it for this thread."""
     req = send if isinstance(send, Request) else None
+    sent_here = getattr(group.runtime, "sent_here", None)  # None: a closed group, which send() names
+    if sent_here is not None:
+        sent_here.request = None
     try:
         if req is None:
             req = send()
         return req, collect(group, req, cb, timeout, **kw)
-    except KeyboardInterrupt as exc:
-        req = req or getattr(exc, "request", None)  # Runtime.send's, when it came after the frames left
+    except KeyboardInterrupt:
+        sent = getattr(sent_here, "request", None)
+        req = req or (sent() if sent is not None else None)
         if req is None or req.why is not None:
             raise  # nothing was sent; or the wait's own: it took a first Ctrl-C, or this is a second
         return req, collect(group, req, cb, timeout, ctrl_c=True, **kw)

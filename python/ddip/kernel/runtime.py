@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 
 from .. import _core
 from ..errors import FailureKind, RankBusyError, RankDeadError, RankFailure, RankUnresponsiveError, StartError
@@ -44,6 +45,11 @@ class Runtime:
         self.rank_ids = rank_ids
         self.hosts = hosts or [None] * size  # slot -> the other host it runs on (None: this machine)
         self.mu = threading.RLock()  # guards the state below; never held while waiting
+        # Per thread, the request it sent last (a weak reference: its results are the caller's
+        # to keep), recorded with the request's bookkeeping (send): how a KeyboardInterrupt that
+        # came after the frames left finds the request it left running, wherever it landed
+        # (sent_and_collected). Registered, it lives while its ranks run it.
+        self.sent_here = threading.local()
         self.cv = threading.Condition(self.mu)
         self.pumping = False  # one thread at a time takes events from the runtime
         self.waiters = 0  # threads waiting in pump() for the one that pumps
@@ -119,51 +125,58 @@ class Runtime:
         there) into their requests' mailboxes. Returns early once something was delivered; with
         `replies` (a request's ranks yet to reply), once that many replies were, or what came
         waited 5 ms (CoordinatorOptions::reply_wait): a request's replies are taken in one go."""
-        with self.mu:
-            if self.pumping:
-                # Another thread pumps; it wakes us when it delivers something.
-                if timeout > 0:
-                    self.waiters += 1
-                    try:
-                        self.cv.wait(timeout)
-                    finally:
-                        self.waiters -= 1
-                return
-            coord = self.coord
-            if coord is None:
-                return
-            self.pumping = True
         inbox = self.inbox
+        mine = False  # this call set `pumping`: its `finally` must clear it
         try:
+            # The lock's exit is itself a place where a Ctrl-C's KeyboardInterrupt lands (Python
+            # checks for signals after a call of C code): inside this `try`, so that `pumping` set
+            # just before it is cleared, not left set for good (every later pump would wait for
+            # one that never comes: replies undelivered, "did not stop", the group busy).
+            with self.mu:
+                if self.pumping:
+                    # Another thread pumps; it wakes us when it delivers something.
+                    if timeout > 0:
+                        self.waiters += 1
+                        try:
+                            self.cv.wait(timeout)
+                        finally:
+                            self.waiters -= 1
+                    return
+                coord = self.coord
+                if coord is None:
+                    return
+                self.pumping = mine = True
             # Everything queued comes in one call, straight into the inbox: an interrupt can't
             # lose what was taken, and what a Ctrl-C left undispatched goes first next time.
             coord.next_events(inbox, timeout * 1000 if timeout > 0 else 0, replies)
         finally:
-            # Every event taken is delivered, whatever a Ctrl-C does meanwhile: its KeyboardInterrupt
-            # (raised wherever Python checks for signals: a function's entry, a loop's turn) is
-            # raised again after. Else the events still in the inbox (replies among them) would
-            # wait for the next pump, and `pumping` left set would make every later pump wait for
-            # one that never comes: the ranks done, and the group busy for good. An event is taken
-            # off the inbox once dispatched: one interrupted on its way is dispatched again.
-            # These loops (and send's) are inline, not a helper: a helper's entry would itself be
-            # a place where a KeyboardInterrupt lands, outside its `try`.
-            interrupted = None
-            with self.mu:
-                try:
-                    while True:
-                        try:
-                            while inbox:
-                                self.dispatch(inbox[0])
-                                inbox.popleft()
-                            break
-                        except KeyboardInterrupt as exc:
-                            interrupted = exc
-                finally:
-                    self.pumping = False
-                    if self.waiters:
-                        self.cv.notify_all()
-            if interrupted is not None:
-                raise interrupted
+            if mine:
+                # Every event taken is delivered, whatever a Ctrl-C does meanwhile: its
+                # KeyboardInterrupt (raised wherever Python checks for signals: a function's entry,
+                # a loop's turn, after a call of C code) is raised again after. Else the events
+                # still in the inbox (replies among them) would wait for the next pump, and
+                # `pumping` left set would make every later pump wait for one that never comes:
+                # the ranks done, and the group busy for good. An event is taken off the inbox
+                # once dispatched: one interrupted on its way is dispatched again. These loops
+                # (and send's) are inline, not a helper: a helper's entry would itself be a place
+                # where a KeyboardInterrupt lands, outside its `try`.
+                interrupted = None
+                with self.mu:
+                    try:
+                        while True:
+                            try:
+                                while inbox:
+                                    self.dispatch(inbox[0])
+                                    inbox.popleft()
+                                break
+                            except KeyboardInterrupt as exc:
+                                interrupted = exc
+                    finally:
+                        self.pumping = False
+                        if self.waiters:
+                            self.cv.notify_all()
+                if interrupted is not None:
+                    raise interrupted
 
     def dispatch(self, ev):
         """Puts one event where it belongs. Called with self.mu held; never raises."""
@@ -370,9 +383,10 @@ class Runtime:
             request = Request(self.rank_ids, self.seq, slots, what)
             # Once the frames are sent, the bookkeeping is done whatever a Ctrl-C does (its
             # KeyboardInterrupt lands where Python checks for signals: a loop's turn, a function's
-            # entry): a request sent and not registered would run in its ranks with no one to
-            # wait for it or interrupt it. The KeyboardInterrupt is raised after, carrying the
-            # request (sent_and_collected waits for it, interrupting the ranks).
+            # entry, after a call of C code, this `with`'s exit among them): a request sent and
+            # not registered would run in its ranks with no one to wait for it or interrupt it.
+            # The KeyboardInterrupt is raised after; sent_and_collected finds the request in
+            # sent_here, waits for it and interrupts the ranks.
             interrupted = None
             try:
                 coord.send(slots, _core.REQUEST, request.seq, payload, segments)
@@ -390,11 +404,11 @@ class Runtime:
                     state = self.state
                     for s in slots:
                         state[s] = "busy"
+                    self.sent_here.request = weakref.ref(request)
                     break
                 except KeyboardInterrupt as exc:
                     interrupted = exc
             if interrupted is not None:
-                interrupted.request = request
                 raise interrupted
         return request
 
