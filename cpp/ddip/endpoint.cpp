@@ -77,7 +77,17 @@ Endpoint::Endpoint(const std::string& socket_path, int rank, std::string hello,
   // Only a process that leads its own group may kill the group: otherwise it is someone else's
   // (a test runner's, a batch job's).
   if (options_.kernel_pid > 0 && ::getpgrp() == ::getpid()) tie_group_to_kernel();
-  watchdog_ = std::thread([this] { watch(); });
+  watchdog_ = std::thread([this] {
+    // Signals are the worker's main thread's. One that landed here would run Python's C handler
+    // on this thread, which (CPython on Linux) does not make the main thread look: a Ctrl-C
+    // would wait for the next one, while code like `while True: pass` ran on. The kernel then
+    // gives a process's signals to a thread that takes them. Faults stay this thread's own.
+    sigset_t all;
+    sigfillset(&all);
+    for (int fault : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS}) sigdelset(&all, fault);
+    ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    watch();
+  });
 }
 
 void Endpoint::tie_group_to_kernel() {

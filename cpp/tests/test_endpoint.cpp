@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -113,6 +114,15 @@ long sleeps(const std::string& tid) {
   return -1;
 }
 
+// The signals a thread of this process blocks (its SigBlk line), as a mask of bits 1 << (sig - 1).
+uint64_t blocked(const std::string& tid) {
+  std::ifstream status("/proc/self/task/" + tid + "/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("SigBlk:", 0) == 0) return std::stoull(line.substr(7), nullptr, 16);
+  return 0;
+}
+
 // An Endpoint and the kernel's end of its socket; `watchdog`: the thread it started (its tid).
 struct Served {
   RuntimeDir dir;
@@ -181,6 +191,19 @@ TEST(Endpoint, AnIdleCallerWaitingInSlicesLeavesTheWatchdogAsleep) {
   long slept = sleeps(s.watchdog);
   for (int i = 0; i < 20; ++i) EXPECT_FALSE(ep.recv(25ms));
   EXPECT_LE(sleeps(s.watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
+}
+
+// The worker's signals are its main thread's: one taken on the watchdog's thread would run
+// Python's handler there, which does not make the main thread look (a Ctrl-C lost until the
+// next). Faults stay the watchdog's own.
+TEST(Endpoint, TheWatchdogTakesNoneOfTheWorkersSignals) {
+  Served s;
+  ASSERT_NO_FATAL_FAILURE(s.first_request());
+  uint64_t mask = blocked(s.watchdog);
+  for (int sig : {SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGALRM, SIGCHLD})
+    EXPECT_TRUE(mask & (uint64_t(1) << (sig - 1))) << "the watchdog takes signal " << sig;
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE})
+    EXPECT_FALSE(mask & (uint64_t(1) << (sig - 1))) << "the watchdog blocks fault " << sig;
 }
 
 // A signal ends the caller's wait empty-handed, so that its Python runs the signal's handler at

@@ -15,6 +15,8 @@ import sysconfig
 import threading
 import time
 
+from . import start_thread
+
 # Completed collectives kept per process group in an answer: the picture needs the last only.
 KEEP_DONE = 3
 
@@ -137,8 +139,7 @@ def serve(endpoint, reply_kind: int) -> None:
     """Answers the kernel's collectives requests from now on, on a daemon thread."""
     read_fd, write_fd = os.pipe()
     endpoint.enable_collectives(write_fd)  # it owns write_fd from here
-    threading.Thread(target=_answer, args=(endpoint, read_fd, reply_kind), name="ddip-collectives",
-                     daemon=True).start()
+    start_thread(_answer, "ddip-collectives", endpoint, read_fd, reply_kind)
 
 
 def _answer(endpoint, read_fd: int, reply_kind: int) -> None:

@@ -27,6 +27,8 @@ import time
 import weakref
 from typing import Callable
 
+from . import start_thread
+
 UPDATE_INTERVAL_S = 0.1  # at most ~10 redraws a second reach the notebook per display id
 NOTEBOOK_ENV = "DDIP_NOTEBOOK"  # set by the kernel (ddip.kernel.displays.notebook_env)
 
@@ -74,8 +76,7 @@ class DisplayFrames:
                 return
             self._waiting[display_id] = msg
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ddip-display-updates", daemon=True)
-                self._thread.start()
+                self._thread = start_thread(self._run, "ddip-display-updates")
             self._cond.notify()
 
     def flush(self, forget: bool = False) -> None:
