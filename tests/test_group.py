@@ -304,6 +304,7 @@ def test_a_ranks_own_threads_leave_its_signals_to_its_main_thread(group2):
     # main thread look: the stop button waited for the next one (the waiter's, 0.5 s on) while
     # `while True: pass` ran on. The runtime's watchdog and ddip's Python threads block it.
     bit = 1 << (signal.SIGINT - 1)
+    group2.run("pass")  # a rank is ready (its hello) before its threads are all started
     for pid in group2.pids:
         blocked = {}
         for tid in os.listdir(f"/proc/{pid}/task"):

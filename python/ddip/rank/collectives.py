@@ -15,8 +15,6 @@ import sysconfig
 import threading
 import time
 
-from . import start_thread
-
 # Completed collectives kept per process group in an answer: the picture needs the last only.
 KEEP_DONE = 3
 
@@ -139,6 +137,9 @@ def serve(endpoint, reply_kind: int) -> None:
     """Answers the kernel's collectives requests from now on, on a daemon thread."""
     read_fd, write_fd = os.pipe()
     endpoint.enable_collectives(write_fd)  # it owns write_fd from here
+    # Here, not at the top: ddip run's hook loads this module by path, with no package.
+    from ddip.rank import start_thread
+
     start_thread(_answer, "ddip-collectives", endpoint, read_fd, reply_kind)
 
 
