@@ -299,22 +299,6 @@ def test_a_ctrl_c_as_the_runtimes_lock_is_let_go_still_stops_the_ranks(group2, w
     assert [r.value for r in group2.run("7")] == [7, 7]  # nothing left running
 
 
-def test_a_ranks_own_threads_leave_its_signals_to_its_main_thread(group2):
-    # Taken on another thread, a SIGINT runs Python's C handler there, which does not make the
-    # main thread look: the stop button waited for the next one (the waiter's, 0.5 s on) while
-    # `while True: pass` ran on. The runtime's watchdog and ddip's Python threads block it.
-    bit = 1 << (signal.SIGINT - 1)
-    group2.run("pass")  # a rank is ready (its hello) before its threads are all started
-    for pid in group2.pids:
-        blocked = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                line = next(line for line in f if line.startswith("SigBlk:"))
-            blocked[int(tid)] = int(line.split()[1], 16)
-        assert not blocked.pop(pid) & bit  # the main thread's
-        assert blocked and all(mask & bit for mask in blocked.values()), (pid, blocked)
-
-
 def test_interrupt_right_after_a_request_stops_it(group2):
     # g.interrupt() can reach a rank before its request does (an idle rank ignores SIGINT): the
     # request's waiter sends it again until the rank stops.

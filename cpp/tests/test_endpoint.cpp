@@ -1,17 +1,13 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <csignal>
-#include <cstdint>
 #include <cstdio>
 #include <fstream>
-#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -114,15 +110,6 @@ long sleeps(const std::string& tid) {
   return -1;
 }
 
-// The signals a thread of this process blocks (its SigBlk line), as a mask of bits 1 << (sig - 1).
-uint64_t blocked(const std::string& tid) {
-  std::ifstream status("/proc/self/task/" + tid + "/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("SigBlk:", 0) == 0) return std::stoull(line.substr(7), nullptr, 16);
-  return 0;
-}
-
 // An Endpoint and the kernel's end of its socket; `watchdog`: the thread it started (its tid).
 struct Served {
   RuntimeDir dir;
@@ -191,54 +178,6 @@ TEST(Endpoint, AnIdleCallerWaitingInSlicesLeavesTheWatchdogAsleep) {
   long slept = sleeps(s.watchdog);
   for (int i = 0; i < 20; ++i) EXPECT_FALSE(ep.recv(25ms));
   EXPECT_LE(sleeps(s.watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
-}
-
-// The worker's signals are its main thread's: one taken on the watchdog's thread would run
-// Python's handler there, which does not make the main thread look (a Ctrl-C lost until the
-// next). Faults stay the watchdog's own.
-TEST(Endpoint, TheWatchdogTakesNoneOfTheWorkersSignals) {
-  Served s;
-  ASSERT_NO_FATAL_FAILURE(s.first_request());
-  uint64_t mask = blocked(s.watchdog);
-  for (int sig : {SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGALRM, SIGCHLD})
-    EXPECT_TRUE(mask & (uint64_t(1) << (sig - 1))) << "the watchdog takes signal " << sig;
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE})
-    EXPECT_FALSE(mask & (uint64_t(1) << (sig - 1))) << "the watchdog blocks fault " << sig;
-}
-
-// A signal ends the caller's wait empty-handed, so that its Python runs the signal's handler at
-// once rather than at the end of a slice: the binding's slices can then be long, and an idle
-// worker sleeps. Frames still come after.
-TEST(Endpoint, ASignalEndsTheCallersWaitEmptyHanded) {
-  Served s;
-  ASSERT_NO_FATAL_FAILURE(s.first_request());
-  struct sigaction quiet {
-  }, old{};
-  quiet.sa_handler = [](int) {};
-  sigemptyset(&quiet.sa_mask);
-  quiet.sa_flags = 0;  // no SA_RESTART: as Python installs its handlers
-  ASSERT_EQ(::sigaction(SIGUSR2, &quiet, &old), 0);
-  pthread_t caller = ::pthread_self();
-  std::atomic<bool> back{false};
-  std::thread signaller([&] {
-    // Until the caller is back: a signal sent before it waits interrupts nothing. If 20 did not
-    // bring it back, a request does (and the test fails).
-    for (int i = 0; i < 20 && !back; ++i) {
-      ::pthread_kill(caller, SIGUSR2);
-      std::this_thread::sleep_for(5ms);
-    }
-    if (!back) send_frame(s.server, Frame::make(kRequest, 0, 99, "not interrupted"));
-  });
-  auto f = s.ep.recv(60s);
-  back = true;
-  signaller.join();
-  EXPECT_FALSE(f) << "the wait went on after the signal, until request " << f->seq;
-  send_frame(s.server, Frame::make(kRequest, 0, 5, "after"));
-  std::optional<Frame> next = s.ep.recv(5s);
-  if (next && next->seq == 99) next = s.ep.recv(5s);
-  ASSERT_TRUE(next);
-  EXPECT_EQ(next->seq, 5u);
-  ::sigaction(SIGUSR2, &old, nullptr);
 }
 
 // Requests that come further apart than the takeover (a notebook's cells; many ranks on few

@@ -8,9 +8,7 @@ host's agent start ranks with it, and a rank template's fork runs its `-c` code.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 
 from .. import _lazy
 
@@ -23,20 +21,6 @@ def command(python: str | None = None) -> list[str]:
     """A rank's argv: `python -c "import ddip.worker; ddip.worker.main()"` (`python`: the
     interpreter, this one by default; another host's for ranks there)."""
     return [python or sys.executable, "-c", _CODE]
-
-
-def start_thread(target, name: str, *args) -> threading.Thread:
-    """Starts one of ddip's daemon threads in a rank, with SIGINT and SIGTERM blocked there: they
-    are the main thread's. Taken on another thread, Python's C handler does not make the main
-    thread look (CPython on Linux), and the stop button's SIGINT would wait for the next one while
-    code like `while True: pass` ran on. The thread inherits the mask it is started under."""
-    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return thread
 
 
 __getattr__ = _lazy.submodules(__name__)

@@ -137,10 +137,8 @@ def serve(endpoint, reply_kind: int) -> None:
     """Answers the kernel's collectives requests from now on, on a daemon thread."""
     read_fd, write_fd = os.pipe()
     endpoint.enable_collectives(write_fd)  # it owns write_fd from here
-    # Here, not at the top: ddip run's hook loads this module by path, with no package.
-    from ddip.rank import start_thread
-
-    start_thread(_answer, "ddip-collectives", endpoint, read_fd, reply_kind)
+    threading.Thread(target=_answer, args=(endpoint, read_fd, reply_kind), name="ddip-collectives",
+                     daemon=True).start()
 
 
 def _answer(endpoint, read_fd: int, reply_kind: int) -> None:

@@ -27,8 +27,6 @@ import time
 import weakref
 from typing import Callable
 
-from . import start_thread
-
 UPDATE_INTERVAL_S = 0.1  # at most ~10 redraws a second reach the notebook per display id
 NOTEBOOK_ENV = "DDIP_NOTEBOOK"  # set by the kernel (ddip.kernel.displays.notebook_env)
 
@@ -76,7 +74,8 @@ class DisplayFrames:
                 return
             self._waiting[display_id] = msg
             if self._thread is None:
-                self._thread = start_thread(self._run, "ddip-display-updates")
+                self._thread = threading.Thread(target=self._run, name="ddip-display-updates", daemon=True)
+                self._thread.start()
             self._cond.notify()
 
     def flush(self, forget: bool = False) -> None:

@@ -24,9 +24,10 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 from datetime import timedelta
 
-from . import start_thread, torchdist
+from . import torchdist
 
 # The signal a heal sends a rank stuck in a collective: its process groups are aborted from a
 # thread of its own, since its main thread may be blocked in C (gloo, NCCL) where no Python
@@ -101,7 +102,7 @@ def listen_for_abort():
             except Exception as exc:  # never kill the rank from here
                 print(f"ddip: aborting this rank's process groups failed: {exc}", file=sys.stderr, flush=True)
 
-    start_thread(wait, "ddip-heal-abort")
+    threading.Thread(target=wait, name="ddip-heal-abort", daemon=True).start()
 
 
 def open_store(world: int, timeout: float = REJOIN_TIMEOUT_S) -> int:
