@@ -41,6 +41,19 @@ def _log(msg: str):
     print(f"[bench_floor] {msg}", file=sys.stderr, flush=True)
 
 
+def _median_round(once) -> float:
+    """once() WARMUP times, then ROUNDS rounds of REQS: the median round's time per call (s)."""
+    for _ in range(WARMUP):
+        once()
+    rounds = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(REQS):
+            once()
+        rounds.append((time.perf_counter() - t0) / REQS)
+    return statistics.median(rounds)
+
+
 def _child(sock: socket.socket, kind: str):
     try:
         if kind == "bare":
@@ -103,16 +116,10 @@ def _processes(n: int, kind: str) -> float:
                 s.send(b"q")
             collect()
 
-        for _ in range(WARMUP):
-            once()
-        rounds = []
-        for _ in range(ROUNDS):
-            t0 = time.perf_counter()
-            for _ in range(REQS):
-                once()
-            rounds.append((time.perf_counter() - t0) / REQS)
-        poller.close()
-        return statistics.median(rounds)
+        try:
+            return _median_round(once)
+        finally:
+            poller.close()
     finally:
         for s in socks:
             s.close()  # each child's recv sees the end and exits
@@ -128,15 +135,7 @@ def _ddip(n: int) -> float:
 
     g = ddip.Group(n=n, backend=None)
     try:
-        for _ in range(WARMUP):
-            g.run("pass")
-        rounds = []
-        for _ in range(ROUNDS):
-            t0 = time.perf_counter()
-            for _ in range(REQS):
-                g.run("pass")
-            rounds.append((time.perf_counter() - t0) / REQS)
-        return statistics.median(rounds)
+        return _median_round(lambda: g.run("pass"))
     finally:
         close_group(g)
 
