@@ -11,7 +11,6 @@ ddip/kernel/heal.py; labelled output is ddip/labels.py.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import keyword
 import os
 import pickle
@@ -391,7 +390,8 @@ class Group:
         Raises RankFailedError (with every failing rank's traceback) if any rank raised."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a string, got {type(code).__name__}")
-        _positive_timeout(timeout)
+        if timeout is not None:
+            _positive_timeout(timeout)
         if not isinstance(values, bool):
             raise TypeError(f"values must be True or False, got {values!r}")
         if cell is not None and not (isinstance(cell, tuple) and len(cell) == 2 and isinstance(cell[0], str)
@@ -399,8 +399,7 @@ class Group:
             raise TypeError(f"cell must be (file name, first line >= 1), got {cell!r}")
         req, results = sent_and_collected(self, lambda: self.send_request(_msg.Run(code, values, cell), ranks, "code"),
                                           Callbacks(on_output, on_display), timeout, interrupt=True)
-        with self._noting_failure():
-            raise_failures(results, "code", req.heal.report if req.heal else None, req.collectives)
+        self._raise_failures(req, results, "code")
         return results
 
     def apply(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> list:
@@ -409,8 +408,7 @@ class Group:
         what = _applied(fn)
         req, results = sent_and_collected(self, lambda: self.send_request(_msg.Apply(fn, args, kwargs), ranks, what),
                                           Callbacks())
-        with self._noting_failure():
-            raise_failures(results, what, req.heal.report if req.heal else None, req.collectives)
+        self._raise_failures(req, results, what)
         return [r.value for r in results]
 
     def apply_async(self, fn: Callable, *args, ranks: Iterable[int] | None = None, **kwargs) -> "Pending":
@@ -561,10 +559,11 @@ class Group:
 
     # -- internals ----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _noting_failure(self):
+    def _raise_failures(self, req, results, what):
+        """RemoteError for a request's failed ranks (request.raise_failures), kept as last_error
+        (what %dip's debugger and heal look at)."""
         try:
-            yield
+            raise_failures(results, what, req.heal.report if req.heal else None, req.collectives)
         except RankFailedError as exc:
             self.last_error = exc
             raise

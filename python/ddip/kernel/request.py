@@ -58,7 +58,7 @@ DEBUGGERS: list = []
 
 
 def _paused_s() -> float:
-    return sum(d.paused_s() for d in DEBUGGERS)
+    return sum(d.paused_s() for d in DEBUGGERS) if DEBUGGERS else 0.0
 
 
 @dataclass
@@ -201,13 +201,20 @@ class _Waiting:
 
     def __init__(self, group, req: Request, cb: Callbacks, timeout, stop_waiting_at, on_failure):
         self.rt, self.req, self.cb = group.runtime, req, cb
-        self.healer = group.healer()
+        self.group = group
+        self._healer = None  # made on first use: a request that fails nowhere never needs it
         self.deadline = None if timeout is None else req.started + timeout
         self.stop_waiting_at = stop_waiting_at
         self.on_failure = on_failure
         self.next_look = 0.0  # when to read the ranks' collectives again, after a rank raised
         self.look = None  # (seq, slots) of the collectives asked and not all answered yet
         self.paused_from = _paused_s()
+
+    @property
+    def healer(self):
+        if self._healer is None:
+            self._healer = self.group.healer()
+        return self._healer
 
     def interrupt_pending(self, reason):
         req = self.req
@@ -233,7 +240,7 @@ class _Waiting:
                     ctrl_c = False
                     self.interrupt_pending("ctrl-c")
                 drain(self.rt, req, self.cb)
-                if req.prompts and self.answer_prompts():
+                if req.prompts.items and self.answer_prompts():
                     continue
                 if req.heal is not None:
                     self.healer.release(req)  # ranks that left the collective release their peers
@@ -297,13 +304,14 @@ class _Waiting:
 
     def _act(self, now) -> float | None:
         """The failure policy before any interrupt: None when it acted now, else when to look again."""
-        req, healer = self.req, self.healer
+        req = self.req
         wake = now + 0.25
         if req.died_at is not None and self.on_failure:
             self.forget_look()
             self.interrupt_pending("death")  # final: the others can't finish without it
             return None
         if req.failed_at is not None and self.on_failure:
+            healer = self.healer
             if req.heal is not None:
                 if now >= req.heal.started + healer.RELEASE_S:
                     self.interrupt_pending("failure")  # waits in Python: Ctrl-C's way out
@@ -627,7 +635,8 @@ def _finish(req: Request, slot: int, cb: Callbacks):
         _name_the_interrupt(req, r.error)
         if r.error.kind is FailureKind.RAISED and req.failed_at is None:
             req.failed_at = r.finished_at  # the others may be waiting for it in a collective
-    _call(req, cb, "on_done", r)
+    if cb.on_done is not None:
+        _call(req, cb, "on_done", r)
 
 
 def _name_the_interrupt(req: Request, error: RankFailure):
