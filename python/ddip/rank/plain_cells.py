@@ -148,6 +148,7 @@ class PlainCells:
         self._direct = (all(hasattr(o, a) for o in (shell, shell.displayhook, history) for a in _TRAITLETS_STATE)
                         and not history.enabled
                         and type(history).store_inputs is HistoryManager.store_inputs
+                        and type(history).store_output is HistoryManager.store_output
                         and type(compiler).cache is CachingCompiler.cache
                         and type(compiler).get_code_name is CachingCompiler.get_code_name
                         and _writable_directly(shell, _SHELL_TRAITS)
@@ -250,10 +251,13 @@ class PlainCells:
         try:
             next(tee_err)
             try:
-                count = result.execution_count = shell.execution_count
-                if direct:
-                    shell._trait_values["execution_count"] = count + 1
+                values = shell._trait_values
+                if direct:  # the trait's value where traitlets keeps it (once it has one)
+                    count = values["execution_count"] if "execution_count" in values else shell.execution_count
+                    result.execution_count = count
+                    values["execution_count"] = count + 1
                 else:
+                    count = result.execution_count = shell.execution_count
                     shell.execution_count += 1
                 shell.events.trigger("pre_execute")
                 if direct:
@@ -271,7 +275,6 @@ class PlainCells:
                         if direct:
                             hook._trait_values["exec_result"] = result
                             failed = _drive(shell.run_code(cell.named(name), result))
-                            values = shell._trait_values
                             values["last_execution_succeeded"] = not failed
                             values["last_execution_result"] = result
                             hook._trait_values["exec_result"] = None
@@ -281,7 +284,8 @@ class PlainCells:
                             shell.last_execution_succeeded = not failed
                             shell.last_execution_result = result
                             hook.exec_result = None
-                history.store_output(count)
+                if not direct or history._trait_values.get("db_log_output", True):
+                    history.store_output(count)  # in a rank (no database), it has nothing to store
                 if result.error_in_exec is not None:
                     history.exceptions[count] = shell._format_exception_for_storage(result.error_in_exec)
                 elif cell.forgettable:  # its lines, which IPython keeps for good, one copy per run

@@ -292,9 +292,11 @@ class Worker:
         shell = self.shell
         shell.ddip_format = None
         shell.ddip_error = None
-        result = None
+        result = count = None
         if self.plain is not None and req.cell is None:
             result = self.plain.run(req.code, req.silent)
+            if result is not None:
+                count = result.execution_count  # the shell's count is one past it now
         if result is None:
             # cell: (file name, first line), the cell JupyterLab's debugger sets breakpoints in
             with _dap.cell_named(shell, *req.cell, req.code) if req.cell else contextlib.nullcontext():
@@ -308,7 +310,9 @@ class Worker:
             error = shell.ddip_error or _format_exception(shell, result.error_before_exec or result.error_in_exec)
         # values=False (%%dip): only the display form travels; the object stays in the rank.
         keep = not failed and req.values
-        return Done(result.result if keep else None, error, shell.ddip_format, shell.execution_count - 1)
+        if count is None:
+            count = shell.execution_count - 1
+        return Done(result.result if keep else None, error, shell.ddip_format, count)
 
     def apply(self, req: Apply) -> Done:
         return Done(req.fn(*req.args, **req.kwargs))
