@@ -257,6 +257,42 @@ def test_a_ctrl_c_as_the_request_leaves_still_stops_the_ranks(group2):
     assert [r.value for r in group2.run("7")] == [7, 7]  # nothing left running
 
 
+class _CoordinatorInterruptedAsItSends:
+    """A runtime's coordinator whose send raises KeyboardInterrupt once, after the frames left:
+    where Python checks for signals after a call of C code, as the stop button's lands there."""
+
+    def __init__(self, real):
+        self.real, self.landed = real, False
+
+    def send(self, *args):
+        self.real.send(*args)
+        if not self.landed:
+            self.landed = True
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_ctrl_c_as_the_frames_leave_still_stops_the_ranks(group2):
+    # Found by the stop-button test (the stop button 0.3 ms after the request): a KeyboardInterrupt
+    # raised as the coordinator's send returned skipped the request's registration, so the ranks
+    # ran 'while True: pass' for good, with the group idle in the notebook's eyes: the next request
+    # queued behind it and never came back (a hang of the next test, 300 s).
+    rt = group2.runtime
+    coord = _CoordinatorInterruptedAsItSends(rt.coord)
+    rt.coord = coord
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            group2.run("while True:\n    pass")
+    finally:
+        rt.coord = coord.real
+    assert coord.landed and "did not stop" not in str(e.value), e.value
+    assert "interrupted rank(s) 0, 1" in str(e.value), e.value
+    assert [s["state"] for s in group2.status()] == ["idle", "idle"]
+    assert [r.value for r in group2.run("7", timeout=30)] == [7, 7]  # nothing left running
+
+
 class _LockThatIsInterrupted:
     """A runtime's lock whose exit raises KeyboardInterrupt once `when()` holds: where Python
     checks for signals after a call of C code, as a Ctrl-C's lands there."""

@@ -390,6 +390,12 @@ class Runtime:
             interrupted = None
             try:
                 coord.send(slots, _core.REQUEST, request.seq, payload, segments)
+            except KeyboardInterrupt as exc:
+                # Raised as send returned, the frames gone (the first place after the call where
+                # Python checks for signals): registered below like any other. Let through, it
+                # skipped the registration, and the ranks ran the request with no one to wait for
+                # it or interrupt it ('while True: pass' for good, the next request queued behind).
+                interrupted = exc
             finally:
                 while True:
                     try:
