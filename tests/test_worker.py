@@ -2,8 +2,11 @@
 the last expression's value), notebook functions that call get_ipython(), notify(), and replies
 the notebook can't rebuild. Through real groups (tests/test_group.py covers the Group itself)."""
 
+import os
+import signal
 import subprocess
 import textwrap
+import time
 
 import pytest
 
@@ -42,6 +45,32 @@ def test_notebook_functions_calling_get_ipython_get_the_ranks_shell(tmp_path):
     out = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['RankShell']"
+
+
+def test_an_idle_rank_sleeps_and_a_signal_still_runs_its_handler_at_once(group2, tmp_path):
+    # An idle rank waits for its next request in C++, in slices of a second: a signal ends the
+    # wait itself, so the signal's Python handler runs at once, and no slice wakes the rank 20
+    # times a second to look for one.
+    flag = tmp_path / "handled"
+    group2.run("import signal, pathlib\n"
+               f"signal.signal(signal.SIGUSR1, lambda *a: pathlib.Path({str(flag)!r}).write_text('ran'))",
+               ranks=[0])
+    pid = group2.pids[0]
+
+    def sleeps():  # how many times the rank's main thread went to sleep
+        with open(f"/proc/{pid}/task/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+
+    before = sleeps()
+    time.sleep(2)  # the idle time measured
+    woke = sleeps() - before
+    assert woke <= 10, f"the idle rank's main thread woke {woke} times in 2 s"  # 20 a second before
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert flag.exists() and flag.read_text() == "ran", "the idle rank's handler did not run"
+    assert [r.value for r in group2.run("1 + 1")] == [2, 2]
 
 
 def test_notify_outside_a_rank_is_a_clear_error():

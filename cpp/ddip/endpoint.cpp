@@ -46,9 +46,9 @@ constexpr size_t kDumpBytes = size_t(4) << 20;
 // How long the worker may be away from recv() before the watchdog reads for it: a request's
 // heartbeats, stack and abort requests wait at most this long for a reader.
 constexpr milliseconds kTakeOver{10};
-// A caller that left recv() empty-handed (its timeout: the binding waits in 50 ms slices, to run
-// Python's signal handlers between them) is taken to be back at once: the watchdog looks only
-// after this long. An idle worker's watchdog then wakes once a second, not once per slice.
+// A caller that left recv() empty-handed (its timeout: the binding waits in 1 s slices, or a
+// signal, whose Python handler it runs) is taken to be back at once: the watchdog looks only
+// after this long. An idle worker's watchdog then wakes once a second at most.
 constexpr milliseconds kBackSoon{1000};
 
 int64_t now_ns() { return Clock::now().time_since_epoch().count(); }
@@ -142,6 +142,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
       }
     }
   } away{*this, entered};
+  bool interrupted = false;  // by a signal, which the caller's Python is to handle
   while (true) {
     if (!inbox_.empty()) {
       Frame f = std::move(inbox_.front());
@@ -150,7 +151,8 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
       return f;
     }
     if (closed_) throw EndpointClosed("the kernel closed the connection");
-    if (timeout.count() <= 0 || detail::Clock::now() >= deadline) return std::nullopt;
+    if (interrupted || timeout.count() <= 0 || detail::Clock::now() >= deadline)
+      return std::nullopt;
     if (reader_ == Reader::kWatchdog) {
       // Ask for the channel: the watchdog hands it over between two of its reads.
       if (!hand_back_) {
@@ -164,7 +166,7 @@ std::optional<Frame> Endpoint::recv(std::chrono::milliseconds timeout) {
     lock.unlock();
     bool alive;
     try {
-      alive = read_frames(deadline, true);
+      alive = read_frames(deadline, true, &interrupted);
     } catch (const std::exception&) {
       alive = false;  // a heartbeat's answer could not be sent: the kernel is gone
     }
@@ -370,7 +372,7 @@ void Endpoint::chore(const Frame& f) {
     send(Frame::make(kStacks, rank_, f.seq, dump_stacks()));
 }
 
-bool Endpoint::read_frames(detail::Clock::time_point deadline, bool caller) {
+bool Endpoint::read_frames(detail::Clock::time_point deadline, bool caller, bool* interrupted) {
   // Frames a read already brought in first: one recvmsg may carry several.
   bool queued = false;
   while (std::optional<Frame> f = channel_.next()) queued |= take(std::move(*f), caller);
@@ -382,7 +384,11 @@ bool Endpoint::read_frames(detail::Clock::time_point deadline, bool caller) {
   pollfd p[2] = {{channel_.fd(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
   int wait_ms = deadline == detail::Clock::time_point::max() ? -1 : poll_timeout_ms(deadline);
   int rc = ::poll(p, caller ? 1 : 2, wait_ms);
-  if (rc < 0) return errno == EINTR;  // the caller's Python checks its signals
+  if (rc < 0) {
+    if (errno != EINTR) return false;
+    if (interrupted) *interrupted = true;  // the caller's Python runs its handlers
+    return true;
+  }
   if (rc == 0) {
     // Silence for kernel_timeout, heartbeats included: the kernel (or its host) is gone.
     return !(timeout.count() > 0 && detail::Clock::now() >= silent_until);

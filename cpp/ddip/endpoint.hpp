@@ -69,7 +69,9 @@ class Endpoint {
   // Thread-safe.
   void send(Frame f);
   // A frame from the kernel (heartbeats and stack requests excluded), or nullopt after
-  // `timeout`. Throws EndpointClosed once the kernel has hung up and every frame has been taken.
+  // `timeout`, or sooner when a signal interrupted the wait (the caller's Python runs its
+  // handlers then: an idle rank need not wake to look for them). Throws EndpointClosed once the
+  // kernel has hung up and every frame has been taken.
   std::optional<Frame> recv(std::chrono::milliseconds timeout);
   bool closed() const;
 
@@ -146,8 +148,10 @@ class Endpoint {
   bool take(Frame f, bool caller);
   void chore(const Frame& f);  // a stack, abort or collectives request, on the watchdog's thread
   // The reader's wait for frames until `deadline` (the watchdog also wakes on wake_): false once
-  // the kernel is gone (hang-up, or silent for kernel_timeout).
-  bool read_frames(std::chrono::steady_clock::time_point deadline, bool caller);
+  // the kernel is gone (hang-up, or silent for kernel_timeout). A signal ends the wait early,
+  // setting `*interrupted`.
+  bool read_frames(std::chrono::steady_clock::time_point deadline, bool caller,
+                   bool* interrupted = nullptr);
   std::string dump_stacks();
   void tie_group_to_kernel();
 };

@@ -1,13 +1,16 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -178,6 +181,41 @@ TEST(Endpoint, AnIdleCallerWaitingInSlicesLeavesTheWatchdogAsleep) {
   long slept = sleeps(s.watchdog);
   for (int i = 0; i < 20; ++i) EXPECT_FALSE(ep.recv(25ms));
   EXPECT_LE(sleeps(s.watchdog) - slept, 2) << "the watchdog woke while the caller idled in slices";
+}
+
+// A signal ends the caller's wait empty-handed, so that its Python runs the signal's handler at
+// once rather than at the end of a slice: the binding's slices can then be long, and an idle
+// worker sleeps. Frames still come after.
+TEST(Endpoint, ASignalEndsTheCallersWaitEmptyHanded) {
+  Served s;
+  ASSERT_NO_FATAL_FAILURE(s.first_request());
+  struct sigaction quiet {
+  }, old{};
+  quiet.sa_handler = [](int) {};
+  sigemptyset(&quiet.sa_mask);
+  quiet.sa_flags = 0;  // no SA_RESTART: as Python installs its handlers
+  ASSERT_EQ(::sigaction(SIGUSR2, &quiet, &old), 0);
+  pthread_t caller = ::pthread_self();
+  std::atomic<bool> back{false};
+  std::thread signaller([&] {
+    // Until the caller is back: a signal sent before it waits interrupts nothing. If 20 did not
+    // bring it back, a request does (and the test fails).
+    for (int i = 0; i < 20 && !back; ++i) {
+      ::pthread_kill(caller, SIGUSR2);
+      std::this_thread::sleep_for(5ms);
+    }
+    if (!back) send_frame(s.server, Frame::make(kRequest, 0, 99, "not interrupted"));
+  });
+  auto f = s.ep.recv(60s);
+  back = true;
+  signaller.join();
+  EXPECT_FALSE(f) << "the wait went on after the signal, until request " << f->seq;
+  send_frame(s.server, Frame::make(kRequest, 0, 5, "after"));
+  std::optional<Frame> next = s.ep.recv(5s);
+  if (next && next->seq == 99) next = s.ep.recv(5s);
+  ASSERT_TRUE(next);
+  EXPECT_EQ(next->seq, 5u);
+  ::sigaction(SIGUSR2, &old, nullptr);
 }
 
 // Requests that come further apart than the takeover (a notebook's cells; many ranks on few

@@ -50,8 +50,10 @@ void init_endpoint(nb::module_& m) {
       .def(
           "recv",
           [](ddip::Endpoint& e, double timeout_ms) -> nb::object {
+            // A signal ends recv()'s wait: an idle rank wakes only for frames (and once a second).
             auto f = ddip_python::wait_in_slices<ddip::Frame>(
-                timeout_ms, [&](std::chrono::milliseconds slice) { return e.recv(slice); });
+                timeout_ms, [&](std::chrono::milliseconds slice) { return e.recv(slice); },
+                ddip_python::kInterruptibleSlice);
             if (!f) return nb::none();
             const std::string& d = f->data();
             // Received fds (shared-memory segments) are handed to Python, which closes them.

@@ -11,7 +11,7 @@ namespace ddip_python {
 
 inline constexpr std::chrono::milliseconds kSlice{50};
 // For a wait that a signal cuts short itself (it returns, and the signal's Python handler runs at
-// once), in a process with one thread (the rank template's).
+// once): the slice only bounds how late a handler runs for a signal that another thread took.
 inline constexpr std::chrono::milliseconds kInterruptibleSlice{1000};
 
 // Calls wait(slice) until it yields a value or `timeout_ms` passes (negative: forever).
