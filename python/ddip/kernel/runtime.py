@@ -363,19 +363,7 @@ class Runtime:
         self.pump(0)
         self.show_background()
         with self.mu:
-            # Each check looks at the ranks only when some rank is in that state.
-            dead = self.exits and [self.exits[s] for s in slots if s in self.exits]
-            if dead:
-                raise RankDeadError(dead)
-            # Before busy: a stopped rank may still hold a request, and it would never answer a new one.
-            stopped = self.unresponsive and {
-                self.rank_ids[s]: max(self.unresponsive[s], self.coord.heartbeat_age_ms(s) / 1000)
-                for s in slots if s in self.unresponsive}
-            if stopped:
-                raise RankUnresponsiveError(stopped, {self.rank_ids[s]: self.hosts[s] for s in slots})
-            busy = self.running and [self.rank_ids[s] for s in slots if s in self.running]
-            if busy:
-                raise RankBusyError(busy)
+            self._refuse_unready(slots)
             coord = self.coord
             # Pickled before anything is sent: a value that can't be pickled changes nothing.
             payload, segments = dumps_framed(msg, lambda raw: (coord.put(raw),) * 2, coord.release)
@@ -390,12 +378,8 @@ class Runtime:
             interrupted = None
             try:
                 coord.send(slots, _core.REQUEST, request.seq, payload, segments)
-            except KeyboardInterrupt as exc:
-                # Raised as send returned, the frames gone (the first place after the call where
-                # Python checks for signals): registered below like any other. Let through, it
-                # skipped the registration, and the ranks ran the request with no one to wait for
-                # it or interrupt it ('while True: pass' for good, the next request queued behind).
-                interrupted = exc
+            except KeyboardInterrupt as exc:  # raised as send returned: the frames are gone, so
+                interrupted = exc  # the request is registered (let through, it ran on unwaited for)
             finally:
                 while True:
                     try:
@@ -417,6 +401,23 @@ class Runtime:
             if interrupted is not None:
                 raise interrupted
         return request
+
+    def _refuse_unready(self, slots):
+        """Raises, before anything is sent, when one of `slots` is dead, stopped or busy
+        (RankDeadError, RankUnresponsiveError, RankBusyError). With self.mu held."""
+        # Each check looks at the ranks only when some rank is in that state.
+        dead = self.exits and [self.exits[s] for s in slots if s in self.exits]
+        if dead:
+            raise RankDeadError(dead)
+        # Before busy: a stopped rank may still hold a request, and it would never answer a new one.
+        stopped = self.unresponsive and {
+            self.rank_ids[s]: max(self.unresponsive[s], self.coord.heartbeat_age_ms(s) / 1000)
+            for s in slots if s in self.unresponsive}
+        if stopped:
+            raise RankUnresponsiveError(stopped, {self.rank_ids[s]: self.hosts[s] for s in slots})
+        busy = self.running and [self.rank_ids[s] for s in slots if s in self.running]
+        if busy:
+            raise RankBusyError(busy)
 
     def answer(self, slot: int, req: Request, msg) -> bool:
         """Sends `msg` to one rank while it runs `req` (a debugger prompt's PromptAnswer: the rank

@@ -251,13 +251,12 @@ class PlainCells:
         try:
             next(tee_err)
             try:
-                values = shell._trait_values
-                if direct:  # the trait's value where traitlets keeps it (once it has one)
-                    count = values["execution_count"] if "execution_count" in values else shell.execution_count
-                    result.execution_count = count
+                values = shell._trait_values  # the traits' values, where traitlets keeps them
+                count = result.execution_count = (values["execution_count"] if direct and "execution_count" in values
+                                                  else shell.execution_count)
+                if direct:
                     values["execution_count"] = count + 1
                 else:
-                    count = result.execution_count = shell.execution_count
                     shell.execution_count += 1
                 shell.events.trigger("pre_execute")
                 if direct:
@@ -275,14 +274,12 @@ class PlainCells:
                         if direct:
                             hook._trait_values["exec_result"] = result
                             failed = _drive(shell.run_code(cell.named(name), result))
-                            values["last_execution_succeeded"] = not failed
-                            values["last_execution_result"] = result
+                            values["last_execution_succeeded"], values["last_execution_result"] = not failed, result
                             hook._trait_values["exec_result"] = None
                         else:
                             hook.exec_result = result
                             failed = _drive(shell.run_code(cell.named(name), result))
-                            shell.last_execution_succeeded = not failed
-                            shell.last_execution_result = result
+                            shell.last_execution_succeeded, shell.last_execution_result = not failed, result
                             hook.exec_result = None
                 if not direct or history._trait_values.get("db_log_output", True):
                     history.store_output(count)  # in a rank (no database), it has nothing to store
