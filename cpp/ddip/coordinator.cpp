@@ -308,22 +308,30 @@ void Coordinator::send(const std::vector<int>& slots, Frame frame,
 }
 
 void Coordinator::catch_up_output(const std::vector<int>& slots) {
+  // The usual case: read on this thread now, with nothing to wait for (no promise, no futex).
+  EventLoop::Task here = [this, &slots] { read_pipes_now(slots); };
+  if (run_here(here)) return;
   auto done = std::make_shared<std::promise<void>>();
   auto ran = done->get_future();
   try {
     command([this, slots, done] {
-      std::vector<size_t> here;
-      for (int slot : slots)
-        if (slot >= 0 && static_cast<size_t>(slot) < slots_.size() && !slots_[slot].exited &&
-            !(links_ && links_->remote(slot)))
-          here.push_back(static_cast<size_t>(slot));
-      streams_->read_now(here);
+      read_pipes_now(slots);
       done->set_value();
     });
   } catch (const std::runtime_error&) {
     return;  // the loop is closing: nothing more will be read
   }
   ran.wait_for(std::chrono::milliseconds(250));
+}
+
+// On the loop's thread: what this host's live workers' pipes hold now, read into the queue.
+void Coordinator::read_pipes_now(const std::vector<int>& slots) {
+  std::vector<size_t> here;
+  for (int slot : slots)
+    if (slot >= 0 && static_cast<size_t>(slot) < slots_.size() && !slots_[slot].exited &&
+        !(links_ && links_->remote(slot)))
+      here.push_back(static_cast<size_t>(slot));
+  streams_->read_now(here);
 }
 
 void Coordinator::signal(int slot, int sig, bool whole_group) {
@@ -588,28 +596,32 @@ void Coordinator::want_io() {
 // request's frames leave before send() returns, and no one is woken for them), else posted to
 // whoever runs it.
 void Coordinator::command(EventLoop::Task fn) {
-  if (options_.caller_drives && caller_may_drive_ && main_thread()) {
-    std::unique_lock turn(drive_, std::try_to_lock);
-    if (turn) {
-      enter();
-      bool failed = false;
-      try {
-        loop_.run_posted();  // what other threads posted before goes first
-        fn();
-      } catch (const std::exception&) {
-        // As a posted command's: it reports through its own means (EventLoop::run_once).
-      } catch (...) {
-        caller_failure_ = std::current_exception();  // as the loop's own: the IO thread ends it
-        caller_may_drive_ = false;
-        failed = true;
-      }
-      turn.unlock();
-      leave(failed);
-      return;
-    }
-  }
+  if (run_here(fn)) return;
   loop_.post(std::move(fn));
   want_io();  // the IO thread may be parked
+}
+
+// command()'s first choice: on the main thread while no one else runs the loop, `fn` runs now,
+// in the loop's place (what other threads posted before goes first). False when it can't.
+bool Coordinator::run_here(EventLoop::Task& fn) {
+  if (!options_.caller_drives || !caller_may_drive_ || !main_thread()) return false;
+  std::unique_lock turn(drive_, std::try_to_lock);
+  if (!turn) return false;
+  enter();
+  bool failed = false;
+  try {
+    loop_.run_posted();
+    fn();
+  } catch (const std::exception&) {
+    // As a posted command's: it reports through its own means (EventLoop::run_once).
+  } catch (...) {
+    caller_failure_ = std::current_exception();  // as the loop's own: the IO thread ends it
+    caller_may_drive_ = false;
+    failed = true;
+  }
+  turn.unlock();
+  leave(failed);
+  return true;
 }
 
 // The IO thread can't go on: stop the workers and say why. Runs on an error path, so it may

@@ -243,6 +243,8 @@ class Coordinator {
   void hold(std::unique_lock<std::timed_mutex>& turn) noexcept;
   void want_io();
   void command(EventLoop::Task fn);
+  bool run_here(EventLoop::Task& fn);  // command()'s main-thread half: false when it can't
+  void read_pipes_now(const std::vector<int>& slots);
   void fail(const std::string& why) noexcept;
   void finish() noexcept;
   void schedule_tick();
